@@ -1,0 +1,465 @@
+//! The in-memory filesystem tree a layer is built from: inodes in an arena, directories as
+//! byte-sorted name maps, hard links as several names for one node, and regular files as
+//! the chunk lists the chunker produced (the data itself is already in the store).
+
+use std::collections::BTreeMap;
+
+use strata_store::Digest;
+
+use crate::BuildError;
+
+pub type NodeId = usize;
+
+/// The root directory's node.
+pub const ROOT: NodeId = 0;
+
+/// Largest name EROFS (and Linux) accepts.
+pub const NAME_MAX: usize = 255;
+
+/// Owner, permissions and time of a node. `mode` holds the permission bits including
+/// setuid, setgid and sticky (0o7777); the file type comes from [`NodeKind`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Meta {
+    pub mode: u16,
+    pub uid: u32,
+    pub gid: u32,
+    /// Whole seconds: sub-second times are dropped so that a directory and a tar of it
+    /// (which keeps seconds only) give the same layer.
+    pub mtime: i64,
+}
+
+impl Meta {
+    pub const DEFAULT_DIR: Meta = Meta {
+        mode: 0o755,
+        uid: 0,
+        gid: 0,
+        mtime: 0,
+    };
+}
+
+/// One storage chunk of a file: `length` bytes with content `digest`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ChunkRef {
+    pub digest: Digest,
+    pub length: u32,
+}
+
+/// A run of non-hole EROFS chunks of a file, contiguous in the blob.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Segment {
+    /// Index of the first EROFS chunk (of `1 << chunk_bits` bytes) the segment covers.
+    pub first: u64,
+    /// Number of EROFS chunks covered.
+    pub count: u64,
+    /// Storage chunks covering the segment's bytes, in order.
+    pub chunks: Vec<ChunkRef>,
+}
+
+/// A regular file's content: its size and where its non-hole data is.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct FileData {
+    pub size: u64,
+    pub segments: Vec<Segment>,
+}
+
+impl FileData {
+    /// EROFS chunk size for a file of this size: the whole file when it fits in 1 MiB
+    /// (one index entry), else 1 MiB, the granularity of holes.
+    pub fn chunk_bits(size: u64) -> u32 {
+        let bits = 64 - size.saturating_sub(1).leading_zeros();
+        bits.clamp(12, 20)
+    }
+
+    pub fn erofs_chunks(size: u64) -> u64 {
+        size.div_ceil(1u64 << Self::chunk_bits(size))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeKind {
+    Dir(BTreeMap<Vec<u8>, NodeId>),
+    File(FileData),
+    Symlink(Vec<u8>),
+    CharDev { major: u32, minor: u32 },
+    BlockDev { major: u32, minor: u32 },
+    Fifo,
+    Socket,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Node {
+    pub meta: Meta,
+    /// Full attribute names (`user.x`, `trusted.overlay.opaque`) to values.
+    pub xattrs: BTreeMap<Vec<u8>, Vec<u8>>,
+    pub kind: NodeKind,
+}
+
+impl Node {
+    pub fn new(meta: Meta, kind: NodeKind) -> Node {
+        Node {
+            meta,
+            xattrs: BTreeMap::new(),
+            kind,
+        }
+    }
+
+    pub fn is_dir(&self) -> bool {
+        matches!(self.kind, NodeKind::Dir(_))
+    }
+}
+
+/// How OCI/AUFS whiteout entries (`.wh.NAME`, `.wh..wh..opq`) are treated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Whiteouts {
+    /// Apply them to the tree and drop them: the layer is the bottom of its stack.
+    Apply,
+    /// Apply them, and also record overlayfs whiteouts (0:0 character devices) and opaque
+    /// directories, so the layer masks what lies under it in an overlay stack.
+    Overlay,
+}
+
+pub const OPAQUE_XATTR: &[u8] = b"trusted.overlay.opaque";
+const WHITEOUT_PREFIX: &[u8] = b".wh.";
+const OPAQUE_MARKER: &[u8] = b".wh..wh..opq";
+
+/// Splits a tar or relative path into components, rejecting `..` and over-long names.
+pub fn split_path(path: &[u8]) -> Result<Vec<&[u8]>, BuildError> {
+    let mut parts = Vec::new();
+    for c in path.split(|b| *b == b'/') {
+        match c {
+            b"" | b"." => {}
+            b".." => {
+                return Err(BuildError::BadEntry {
+                    path: String::from_utf8_lossy(path).into_owned(),
+                    reason: "path contains `..`; layer sources must stay inside their root".into(),
+                })
+            }
+            name if name.len() > NAME_MAX => {
+                return Err(BuildError::BadEntry {
+                    path: String::from_utf8_lossy(path).into_owned(),
+                    reason: format!(
+                        "a name is {} bytes long; the limit is {NAME_MAX}",
+                        name.len()
+                    ),
+                })
+            }
+            name => parts.push(name),
+        }
+    }
+    Ok(parts)
+}
+
+/// A filesystem tree under construction.
+#[derive(Debug, Clone)]
+pub struct Tree {
+    nodes: Vec<Node>,
+}
+
+impl Default for Tree {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Tree {
+    pub fn new() -> Tree {
+        Tree {
+            nodes: vec![Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new()))],
+        }
+    }
+
+    pub fn node(&self, id: NodeId) -> &Node {
+        &self.nodes[id]
+    }
+
+    pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
+        &mut self.nodes[id]
+    }
+
+    pub fn children(&self, id: NodeId) -> Option<&BTreeMap<Vec<u8>, NodeId>> {
+        match &self.nodes[id].kind {
+            NodeKind::Dir(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    fn children_mut(&mut self, id: NodeId) -> &mut BTreeMap<Vec<u8>, NodeId> {
+        match &mut self.nodes[id].kind {
+            NodeKind::Dir(c) => c,
+            _ => unreachable!("children_mut on a non-directory"),
+        }
+    }
+
+    /// Finds a node by path.
+    pub fn lookup(&self, path: &[u8]) -> Option<NodeId> {
+        let mut cur = ROOT;
+        for part in split_path(path).ok()? {
+            cur = *self.children(cur)?.get(part)?;
+        }
+        Some(cur)
+    }
+
+    /// The directory that will hold `parts`' last component, creating missing parents with
+    /// default metadata (tar streams may name a file before, or without, its directory).
+    fn parent_dir(&mut self, parts: &[&[u8]], path: &[u8]) -> Result<NodeId, BuildError> {
+        let mut cur = ROOT;
+        for part in &parts[..parts.len().saturating_sub(1)] {
+            let next = self.children(cur).and_then(|c| c.get(*part)).copied();
+            cur = match next {
+                Some(n) if self.nodes[n].is_dir() => n,
+                Some(_) => {
+                    return Err(BuildError::BadEntry {
+                        path: String::from_utf8_lossy(path).into_owned(),
+                        reason: format!(
+                            "`{}` is not a directory",
+                            String::from_utf8_lossy(part)
+                        ),
+                    })
+                }
+                None => {
+                    let id = self.push(Node::new(
+                        Meta::DEFAULT_DIR,
+                        NodeKind::Dir(BTreeMap::new()),
+                    ));
+                    self.children_mut(cur).insert(part.to_vec(), id);
+                    id
+                }
+            };
+        }
+        Ok(cur)
+    }
+
+    fn push(&mut self, node: Node) -> NodeId {
+        self.nodes.push(node);
+        self.nodes.len() - 1
+    }
+
+    /// Puts `node` at `path`, replacing what was there. A directory replacing a directory
+    /// keeps its children (tar streams list a directory's metadata after its content, and
+    /// later OCI layers re-list parent directories); the empty path updates the root.
+    pub fn insert(&mut self, path: &[u8], node: Node) -> Result<NodeId, BuildError> {
+        let parts = split_path(path)?;
+        if parts.is_empty() {
+            if !node.is_dir() {
+                return Err(BuildError::BadEntry {
+                    path: String::from_utf8_lossy(path).into_owned(),
+                    reason: "the root of a layer must be a directory".into(),
+                });
+            }
+            self.nodes[ROOT].meta = node.meta;
+            self.nodes[ROOT].xattrs = node.xattrs;
+            return Ok(ROOT);
+        }
+        let parent = self.parent_dir(&parts, path)?;
+        let name = parts[parts.len() - 1];
+        if let Some(&existing) = self.children(parent).and_then(|c| c.get(name)) {
+            if self.nodes[existing].is_dir() && node.is_dir() {
+                self.nodes[existing].meta = node.meta;
+                self.nodes[existing].xattrs = node.xattrs;
+                return Ok(existing);
+            }
+        }
+        let id = self.push(node);
+        self.children_mut(parent).insert(name.to_vec(), id);
+        Ok(id)
+    }
+
+    /// Adds another name for the node at `target` (a hard link).
+    pub fn link(&mut self, path: &[u8], target: &[u8]) -> Result<NodeId, BuildError> {
+        let id = self.lookup(target).ok_or_else(|| BuildError::BadEntry {
+            path: String::from_utf8_lossy(path).into_owned(),
+            reason: format!(
+                "hard link to `{}`, which is not in the tree (it must come earlier in the source)",
+                String::from_utf8_lossy(target)
+            ),
+        })?;
+        if self.nodes[id].is_dir() {
+            return Err(BuildError::BadEntry {
+                path: String::from_utf8_lossy(path).into_owned(),
+                reason: "hard link to a directory".into(),
+            });
+        }
+        let parts = split_path(path)?;
+        let parent = self.parent_dir(&parts, path)?;
+        let name = parts
+            .last()
+            .ok_or_else(|| BuildError::BadEntry {
+                path: String::from_utf8_lossy(path).into_owned(),
+                reason: "hard link with an empty name".into(),
+            })?
+            .to_vec();
+        self.children_mut(parent).insert(name, id);
+        Ok(id)
+    }
+
+    /// Removes the entry at `path` if present.
+    pub fn remove(&mut self, path: &[u8]) -> Result<(), BuildError> {
+        let parts = split_path(path)?;
+        let Some((last, dirs)) = parts.split_last() else {
+            return Ok(());
+        };
+        let mut cur = ROOT;
+        for d in dirs {
+            match self.children(cur).and_then(|c| c.get(*d)) {
+                Some(&n) => cur = n,
+                None => return Ok(()),
+            }
+        }
+        if let NodeKind::Dir(c) = &mut self.nodes[cur].kind {
+            c.remove(*last);
+        }
+        Ok(())
+    }
+
+    /// Applies a tar entry path that may be a whiteout. Returns true if it was one.
+    pub fn apply_whiteout(
+        &mut self,
+        path: &[u8],
+        mode: Whiteouts,
+        meta: Meta,
+    ) -> Result<bool, BuildError> {
+        let parts = split_path(path)?;
+        let Some((last, dirs)) = parts.split_last() else {
+            return Ok(false);
+        };
+        if !last.starts_with(WHITEOUT_PREFIX) {
+            return Ok(false);
+        }
+        let dir_path = dirs.join(&b'/');
+        if *last == OPAQUE_MARKER {
+            let dir = match self.lookup(&dir_path) {
+                Some(d) if self.nodes[d].is_dir() => d,
+                _ => self.insert(&dir_path, Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new())))?,
+            };
+            self.children_mut(dir).clear();
+            if mode == Whiteouts::Overlay {
+                self.nodes[dir]
+                    .xattrs
+                    .insert(OPAQUE_XATTR.to_vec(), b"y".to_vec());
+            }
+            return Ok(true);
+        }
+        let victim = &last[WHITEOUT_PREFIX.len()..];
+        let mut target = dir_path.clone();
+        if !target.is_empty() {
+            target.push(b'/');
+        }
+        target.extend_from_slice(victim);
+        self.remove(&target)?;
+        if mode == Whiteouts::Overlay {
+            self.insert(&target, Node::new(meta, NodeKind::CharDev { major: 0, minor: 0 }))?;
+        }
+        Ok(true)
+    }
+
+    /// Visits every reachable node once, depth first in name order, parents before
+    /// children, with the path of its first name. This order fixes the layer's layout.
+    pub fn walk(&self, mut f: impl FnMut(&[u8], NodeId, &Node)) {
+        let mut seen = vec![false; self.nodes.len()];
+        let mut stack: Vec<(Vec<u8>, NodeId)> = vec![(Vec::new(), ROOT)];
+        while let Some((path, id)) = stack.pop() {
+            if std::mem::replace(&mut seen[id], true) {
+                continue;
+            }
+            f(&path, id, &self.nodes[id]);
+            if let Some(children) = self.children(id) {
+                for (name, &child) in children.iter().rev() {
+                    let mut p = path.clone();
+                    if !p.is_empty() {
+                        p.push(b'/');
+                    }
+                    p.extend_from_slice(name);
+                    stack.push((p, child));
+                }
+            }
+        }
+    }
+
+    /// Number of regular files and their total size (hard links counted once).
+    pub fn file_totals(&self) -> (u64, u64) {
+        let (mut files, mut bytes) = (0, 0);
+        self.walk(|_, _, n| {
+            if let NodeKind::File(f) = &n.kind {
+                files += 1;
+                bytes += f.size;
+            }
+        });
+        (files, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(size: u64) -> Node {
+        Node::new(
+            Meta { mode: 0o644, uid: 0, gid: 0, mtime: 1 },
+            NodeKind::File(FileData { size, segments: vec![] }),
+        )
+    }
+
+    #[test]
+    fn insert_creates_parents_and_keeps_children_of_relisted_dirs() {
+        let mut t = Tree::new();
+        t.insert(b"./a/b/c.txt", file(3)).unwrap();
+        let dir = Node::new(Meta { mode: 0o700, uid: 5, gid: 5, mtime: 9 }, NodeKind::Dir(BTreeMap::new()));
+        t.insert(b"a/b/", dir).unwrap();
+        let b = t.lookup(b"a/b").unwrap();
+        assert_eq!(t.node(b).meta.uid, 5);
+        assert!(t.lookup(b"a/b/c.txt").is_some());
+        assert!(t.insert(b"a/b/c.txt/d", file(1)).is_err());
+        assert!(t.insert(b"../etc/passwd", file(1)).is_err());
+        assert!(t.insert(&[b'x'; 256], file(1)).is_err());
+    }
+
+    #[test]
+    fn whiteouts_apply_or_become_overlay_markers() {
+        for mode in [Whiteouts::Apply, Whiteouts::Overlay] {
+            let mut t = Tree::new();
+            t.insert(b"etc/keep", file(1)).unwrap();
+            t.insert(b"etc/gone", file(1)).unwrap();
+            t.insert(b"opt/x/y", file(1)).unwrap();
+            assert!(t.apply_whiteout(b"etc/.wh.gone", mode, Meta::DEFAULT_DIR).unwrap());
+            assert!(t.apply_whiteout(b"opt/x/.wh..wh..opq", mode, Meta::DEFAULT_DIR).unwrap());
+            assert!(!t.apply_whiteout(b"etc/keep", mode, Meta::DEFAULT_DIR).unwrap());
+            let gone = t.lookup(b"etc/gone");
+            let x = t.lookup(b"opt/x").unwrap();
+            assert!(t.children(x).unwrap().is_empty());
+            match mode {
+                Whiteouts::Apply => {
+                    assert!(gone.is_none());
+                    assert!(t.node(x).xattrs.is_empty());
+                }
+                Whiteouts::Overlay => {
+                    assert_eq!(t.node(gone.unwrap()).kind, NodeKind::CharDev { major: 0, minor: 0 });
+                    assert_eq!(t.node(x).xattrs.get(OPAQUE_XATTR).unwrap(), b"y");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn hard_links_share_a_node_and_walk_visits_it_once() {
+        let mut t = Tree::new();
+        t.insert(b"a", file(10)).unwrap();
+        t.link(b"z/b", b"a").unwrap();
+        assert_eq!(t.lookup(b"a"), t.lookup(b"z/b"));
+        assert_eq!(t.file_totals(), (1, 10));
+        let mut paths = Vec::new();
+        t.walk(|p, _, _| paths.push(String::from_utf8_lossy(p).into_owned()));
+        assert_eq!(paths, vec!["", "a", "z"]);
+        assert!(t.link(b"c", b"missing").is_err());
+    }
+
+    #[test]
+    fn chunk_bits() {
+        assert_eq!(FileData::chunk_bits(1), 12);
+        assert_eq!(FileData::chunk_bits(4096), 12);
+        assert_eq!(FileData::chunk_bits(4097), 13);
+        assert_eq!(FileData::chunk_bits(1 << 20), 20);
+        assert_eq!(FileData::chunk_bits(100 << 20), 20);
+        assert_eq!(FileData::erofs_chunks(100 << 20), 100);
+        assert_eq!(FileData::erofs_chunks(5000), 1);
+    }
+}

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs what Strata needs on a fresh Debian 12 machine: build tools, the kernel-side
+# userspace (FUSE, erofs-utils for fsck), the S3 test server (Ceph radosgw), and the Rust
+# toolchain's components. Idempotent: a second run only checks.
+set -euo pipefail
+
+PKGS=(
+  build-essential pkg-config git zstd xz-utils ca-certificates curl
+  fuse3 libfuse3-dev erofs-utils attr acl
+  ceph-mon ceph-osd radosgw ceph-common
+  python3 python3-venv
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  echo "setup: cargo not found; install the Rust toolchain (rustup) first" >&2
+  exit 1
+fi
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+echo "setup: ok" >&2

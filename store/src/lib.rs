@@ -1,0 +1,479 @@
+//! Strata's store: chunk packs, metadata images, layer manifests and provenance records on
+//! an object store (a local directory by default, any S3-compatible store by URL).
+//!
+//! Object layout, all content-addressed except leases and the GC marker:
+//! - `packs/<aa>/<digest>`: lz4 chunks appended back to back (see [`pack`]);
+//! - `meta/<aa>/<digest>`: a layer's EROFS metadata image;
+//! - `layers/<id>.json`: the layer manifest, written last: a layer exists once it does;
+//! - `layers/<id>.provenance.json`: where the layer came from;
+//! - `leases/<uuid>.json`, `gc/running`: the build/GC handshake (see [`maintenance`]).
+
+pub mod chunk;
+mod digest;
+mod location;
+pub mod maintenance;
+pub mod manifest;
+pub mod pack;
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+
+pub use digest::{Digest, ParseDigestError};
+pub use location::{default_store_url, strata_home, StoreUrl};
+pub use manifest::{ChunkEntry, LayerManifest, ManifestError, MetadataRef, Provenance};
+
+/// What can go wrong talking to the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store URL `{url}`: {reason}")]
+    Url { url: String, reason: String },
+    #[error("store {op} of `{key}` failed: {source}")]
+    Backend {
+        op: &'static str,
+        key: String,
+        #[source]
+        source: object_store::Error,
+    },
+    #[error("layer `{0}` is not in the store (see `strata layer ls`)")]
+    LayerNotFound(String),
+    #[error("layer prefix `{prefix}` matches {count} layers; give more digits")]
+    AmbiguousLayer { prefix: String, count: usize },
+    #[error("{what} is corrupt: {reason}. Run `strata store verify` to list every damaged object, then rebuild the affected layers")]
+    Corrupt { what: String, reason: String },
+    #[error("{what} is missing from the store (object `{key}`); rebuild the affected layers")]
+    Missing { what: String, key: String },
+    #[error("layer {id}: {source}")]
+    Manifest {
+        id: String,
+        #[source]
+        source: ManifestError,
+    },
+    #[error("object `{key}` is not valid JSON: {source}")]
+    Json {
+        key: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("{0}")]
+    Busy(String),
+    #[error("local store at {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// A handle on one store. Cheap to clone.
+#[derive(Clone)]
+pub struct Store {
+    backend: Arc<dyn ObjectStore>,
+    url: StoreUrl,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Store({})", self.describe())
+    }
+}
+
+fn backend_err(op: &'static str, key: &ObjectPath) -> impl FnOnce(object_store::Error) -> StoreError {
+    let key = key.to_string();
+    move |source| StoreError::Backend { op, key, source }
+}
+
+fn shard(prefix: &str, d: &Digest) -> ObjectPath {
+    let hex = d.to_hex();
+    ObjectPath::from(format!("{prefix}/{}/{hex}", &hex[..2]))
+}
+
+impl Store {
+    /// Opens (creating if needed, for a local directory) the store at `url`.
+    pub fn open(url: &StoreUrl) -> Result<Store> {
+        let backend: Arc<dyn ObjectStore> = match url {
+            StoreUrl::Local(dir) => {
+                std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
+                    path: dir.display().to_string(),
+                    source,
+                })?;
+                let fs = object_store::local::LocalFileSystem::new_with_prefix(dir)
+                    .map_err(|source| StoreError::Backend {
+                        op: "open",
+                        key: dir.display().to_string(),
+                        source,
+                    })?;
+                Arc::new(fs)
+            }
+            StoreUrl::S3 {
+                bucket,
+                endpoint,
+                region,
+                prefix,
+            } => {
+                let mut b = object_store::aws::AmazonS3Builder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_conditional_put(object_store::aws::S3ConditionalPut::ETagMatch);
+                if let Some(e) = endpoint {
+                    b = b
+                        .with_endpoint(e)
+                        .with_allow_http(e.starts_with("http://"))
+                        .with_virtual_hosted_style_request(false);
+                }
+                if let Some(r) = region {
+                    b = b.with_region(r);
+                } else if std::env::var_os("AWS_REGION").is_none()
+                    && std::env::var_os("AWS_DEFAULT_REGION").is_none()
+                {
+                    b = b.with_region("us-east-1");
+                }
+                let s3 = b.build().map_err(|source| StoreError::Backend {
+                    op: "open",
+                    key: format!("s3://{bucket}"),
+                    source,
+                })?;
+                if prefix.is_empty() {
+                    Arc::new(s3)
+                } else {
+                    Arc::new(object_store::prefix::PrefixStore::new(
+                        s3,
+                        prefix.as_str(),
+                    ))
+                }
+            }
+        };
+        Ok(Store {
+            backend,
+            url: url.clone(),
+        })
+    }
+
+    pub fn url(&self) -> &StoreUrl {
+        &self.url
+    }
+
+    /// A human-readable name of the store for logs and errors.
+    pub fn describe(&self) -> String {
+        match &self.url {
+            StoreUrl::Local(p) => p.display().to_string(),
+            StoreUrl::S3 {
+                bucket, endpoint, ..
+            } => match endpoint {
+                Some(e) => format!("s3://{bucket} at {e}"),
+                None => format!("s3://{bucket}"),
+            },
+        }
+    }
+
+    /// The underlying object store, for the catalog's records.
+    pub fn backend(&self) -> &Arc<dyn ObjectStore> {
+        &self.backend
+    }
+
+    /// Writes an immutable, content-addressed object; an existing object with that name
+    /// already has these bytes, so it is left alone.
+    async fn put_immutable(&self, key: &ObjectPath, bytes: Bytes) -> Result<bool> {
+        let opts = PutOptions {
+            mode: PutMode::Create,
+            ..Default::default()
+        };
+        match self
+            .backend
+            .put_opts(key, PutPayload::from_bytes(bytes), opts)
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) => Ok(false),
+            Err(e) => Err(backend_err("put", key)(e)),
+        }
+    }
+
+    async fn get_bytes(&self, key: &ObjectPath, what: impl FnOnce() -> String) -> Result<Bytes> {
+        match self.backend.get(key).await {
+            Ok(r) => r.bytes().await.map_err(backend_err("get", key)),
+            Err(object_store::Error::NotFound { .. }) => Err(StoreError::Missing {
+                what: what(),
+                key: key.to_string(),
+            }),
+            Err(e) => Err(backend_err("get", key)(e)),
+        }
+    }
+
+    async fn exists(&self, key: &ObjectPath) -> Result<bool> {
+        match self.backend.head(key).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(backend_err("head", key)(e)),
+        }
+    }
+
+    // ---- packs ----
+
+    pub fn pack_key(id: &Digest) -> ObjectPath {
+        shard("packs", id)
+    }
+
+    /// Uploads a pack unless it is already there. Returns whether bytes were written.
+    pub async fn put_pack(&self, pack: &pack::Pack) -> Result<bool> {
+        self.put_immutable(&Self::pack_key(&pack.id), pack.bytes.clone())
+            .await
+    }
+
+    /// Reads a byte range of a pack (unverified: callers verify per chunk).
+    pub async fn read_pack_range(&self, pack: &Digest, offset: u64, len: u64) -> Result<Bytes> {
+        let key = Self::pack_key(pack);
+        match self.backend.get_range(&key, offset..offset + len).await {
+            Ok(b) if b.len() as u64 == len => Ok(b),
+            Ok(b) => Err(StoreError::Corrupt {
+                what: format!("pack {pack}"),
+                reason: format!(
+                    "range {offset}+{len} returned {} bytes (pack truncated?)",
+                    b.len()
+                ),
+            }),
+            Err(object_store::Error::NotFound { .. }) => Err(StoreError::Missing {
+                what: format!("pack {pack}"),
+                key: key.to_string(),
+            }),
+            Err(e) => Err(backend_err("get range", &key)(e)),
+        }
+    }
+
+    /// Reads a whole pack.
+    pub async fn read_pack(&self, pack: &Digest) -> Result<Bytes> {
+        self.get_bytes(&Self::pack_key(pack), || format!("pack {pack}"))
+            .await
+    }
+
+    /// Reads and verifies chunk `index` of a layer.
+    pub async fn read_chunk(&self, layer: &LayerManifest, index: usize) -> Result<Vec<u8>> {
+        let c = &layer.chunks[index];
+        let pack = &layer.packs[c.pack as usize];
+        let stored = self
+            .read_pack_range(pack, c.pack_offset, c.stored_length as u64)
+            .await?;
+        chunk::decode(&stored, c.length, &c.digest).map_err(|e| StoreError::Corrupt {
+            what: format!(
+                "chunk {} (pack {pack}, used by layer {})",
+                c.digest, layer.id
+            ),
+            reason: e.to_string(),
+        })
+    }
+
+    // ---- metadata images ----
+
+    pub fn metadata_key(d: &Digest) -> ObjectPath {
+        shard("meta", d)
+    }
+
+    pub async fn put_metadata(&self, image: Vec<u8>) -> Result<MetadataRef> {
+        let r = MetadataRef {
+            digest: Digest::of(&image),
+            size: image.len() as u64,
+        };
+        self.put_immutable(&Self::metadata_key(&r.digest), Bytes::from(image))
+            .await?;
+        Ok(r)
+    }
+
+    /// Reads a metadata image and checks it against its digest.
+    pub async fn get_metadata(&self, r: &MetadataRef) -> Result<Bytes> {
+        let bytes = self
+            .get_bytes(&Self::metadata_key(&r.digest), || {
+                format!("metadata image {}", r.digest)
+            })
+            .await?;
+        let actual = Digest::of(&bytes);
+        if actual != r.digest {
+            return Err(StoreError::Corrupt {
+                what: format!("metadata image {}", r.digest),
+                reason: format!("content digest is {actual}"),
+            });
+        }
+        Ok(bytes)
+    }
+
+    // ---- layers ----
+
+    fn manifest_key(id: &Digest) -> ObjectPath {
+        ObjectPath::from(format!("layers/{id}.json"))
+    }
+
+    fn provenance_key(id: &Digest) -> ObjectPath {
+        ObjectPath::from(format!("layers/{id}.provenance.json"))
+    }
+
+    pub async fn has_layer(&self, id: &Digest) -> Result<bool> {
+        self.exists(&Self::manifest_key(id)).await
+    }
+
+    /// Commits a layer: provenance first, manifest last, so a layer is visible only when
+    /// everything it points at is stored. An existing manifest for the same ID is kept.
+    pub async fn put_layer(&self, manifest: &LayerManifest, provenance: &Provenance) -> Result<bool> {
+        manifest.validate().map_err(|source| StoreError::Manifest {
+            id: manifest.id.to_hex(),
+            source,
+        })?;
+        if self.has_layer(&manifest.id).await? {
+            return Ok(false);
+        }
+        let prov = serde_json::to_vec_pretty(provenance).map_err(|source| StoreError::Json {
+            key: Self::provenance_key(&manifest.id).to_string(),
+            source,
+        })?;
+        self.backend
+            .put(&Self::provenance_key(&manifest.id), PutPayload::from(prov))
+            .await
+            .map_err(backend_err("put", &Self::provenance_key(&manifest.id)))?;
+        let body = serde_json::to_vec(manifest).map_err(|source| StoreError::Json {
+            key: Self::manifest_key(&manifest.id).to_string(),
+            source,
+        })?;
+        self.put_immutable(&Self::manifest_key(&manifest.id), Bytes::from(body))
+            .await
+    }
+
+    /// Reads and validates a layer manifest.
+    pub async fn get_layer(&self, id: &Digest) -> Result<LayerManifest> {
+        let key = Self::manifest_key(id);
+        let bytes = match self.backend.get(&key).await {
+            Ok(r) => r.bytes().await.map_err(backend_err("get", &key))?,
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(StoreError::LayerNotFound(id.to_hex()))
+            }
+            Err(e) => return Err(backend_err("get", &key)(e)),
+        };
+        let m: LayerManifest = serde_json::from_slice(&bytes).map_err(|source| StoreError::Json {
+            key: key.to_string(),
+            source,
+        })?;
+        if &m.id != id {
+            return Err(StoreError::Corrupt {
+                what: format!("manifest of layer {id}"),
+                reason: format!("it describes layer {}", m.id),
+            });
+        }
+        m.validate().map_err(|source| StoreError::Manifest {
+            id: id.to_hex(),
+            source,
+        })?;
+        Ok(m)
+    }
+
+    pub async fn get_provenance(&self, id: &Digest) -> Result<Provenance> {
+        let key = Self::provenance_key(id);
+        let bytes = self
+            .get_bytes(&key, || format!("provenance of layer {id}"))
+            .await?;
+        serde_json::from_slice(&bytes).map_err(|source| StoreError::Json {
+            key: key.to_string(),
+            source,
+        })
+    }
+
+    /// Every committed layer ID, sorted.
+    pub async fn list_layers(&self) -> Result<Vec<Digest>> {
+        let prefix = ObjectPath::from("layers");
+        let metas: Vec<_> = self
+            .backend
+            .list(Some(&prefix))
+            .try_collect()
+            .await
+            .map_err(backend_err("list", &prefix))?;
+        let mut ids: Vec<Digest> = metas
+            .iter()
+            .filter_map(|m| {
+                let name = m.location.filename()?;
+                let stem = name.strip_suffix(".json")?;
+                stem.parse().ok()
+            })
+            .collect();
+        ids.sort();
+        ids.dedup();
+        Ok(ids)
+    }
+
+    /// Resolves a full layer ID or a unique prefix of at least 8 hex digits.
+    pub async fn resolve_layer(&self, text: &str) -> Result<Digest> {
+        if let Ok(d) = text.parse::<Digest>() {
+            return Ok(d);
+        }
+        if text.len() < 8 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(StoreError::LayerNotFound(format!(
+                "{text}` (a layer ID is 64 hex digits or a unique prefix of 8 or more`"
+            )));
+        }
+        let lower = text.to_ascii_lowercase();
+        let matches: Vec<Digest> = self
+            .list_layers()
+            .await?
+            .into_iter()
+            .filter(|d| d.to_hex().starts_with(&lower))
+            .collect();
+        match matches.len() {
+            1 => Ok(matches[0]),
+            0 => Err(StoreError::LayerNotFound(text.to_string())),
+            count => Err(StoreError::AmbiguousLayer {
+                prefix: text.to_string(),
+                count,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::FORMAT_VERSION;
+
+    pub(crate) async fn sample_layer(store: &Store, text: &[u8]) -> LayerManifest {
+        let mut b = pack::PackBuilder::new();
+        let enc = chunk::encode(text);
+        b.push(&enc);
+        let p = b.finish();
+        store.put_pack(&p).await.unwrap();
+        let meta = store.put_metadata(vec![7u8; 4096]).await.unwrap();
+        let mut m = LayerManifest {
+            format: FORMAT_VERSION,
+            id: Digest([0; 32]),
+            metadata: meta,
+            blob_size: (text.len() as u64).div_ceil(4096) * 4096,
+            logical_bytes: text.len() as u64,
+            files: 1,
+            packs: vec![p.id],
+            chunks: vec![ChunkEntry {
+                blob_offset: 0,
+                length: enc.length,
+                digest: enc.digest,
+                pack: 0,
+                pack_offset: 0,
+                stored_length: enc.stored.len() as u32,
+            }],
+        };
+        m.id = m.content_id();
+        store.put_layer(&m, &Provenance::default()).await.unwrap();
+        m
+    }
+
+    #[tokio::test]
+    async fn layer_round_trip_on_local_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&StoreUrl::Local(dir.path().into())).unwrap();
+        let m = sample_layer(&store, b"hello layer").await;
+        assert_eq!(store.list_layers().await.unwrap(), vec![m.id]);
+        assert_eq!(store.get_layer(&m.id).await.unwrap(), m);
+        assert_eq!(store.read_chunk(&m, 0).await.unwrap(), b"hello layer");
+        let short = &m.id.to_hex()[..10];
+        assert_eq!(store.resolve_layer(short).await.unwrap(), m.id);
+        assert!(matches!(
+            store.get_layer(&Digest::of(b"nope")).await,
+            Err(StoreError::LayerNotFound(_))
+        ));
+    }
+}
