@@ -390,9 +390,11 @@ pub fn write_image(tree: &Tree, blob: &BlobLayout) -> Result<Vec<u8>, BuildError
             Data::None => {}
             Data::Bytes { bytes, inline_tail } => {
                 let full = inode.full_blocks();
-                let start = inode.first_block as usize * BS;
                 let in_blocks = if *inline_tail { full * BS } else { bytes.len() };
-                img[start..start + in_blocks].copy_from_slice(&bytes[..in_blocks]);
+                if in_blocks > 0 {
+                    let start = inode.first_block as usize * BS;
+                    img[start..start + in_blocks].copy_from_slice(&bytes[..in_blocks]);
+                }
                 if *inline_tail {
                     let tail = &bytes[full * BS..];
                     img[p..p + tail.len()].copy_from_slice(tail);

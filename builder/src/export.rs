@@ -134,7 +134,7 @@ pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, 
                 let mut off = 0u64;
                 while off < size {
                     let want = buf.len().min((size - off) as usize);
-                    let n = file.read_at(&mut buf[..want], off).map_err(bad)?;
+                    let n = file.read_at(&mut buf[..want], off).map_err(io_err(&target))?;
                     if n == 0 {
                         return Err(BuildError::Source(format!("{}: image data ends early", target.display())));
                     }

@@ -354,7 +354,7 @@ impl Tree {
 
     /// Visits every reachable node once, depth first in name order, parents before
     /// children, with the path of its first name. This order fixes the layer's layout.
-    pub fn walk(&self, mut f: impl FnMut(&[u8], NodeId, &Node)) {
+    pub fn walk<'a>(&'a self, mut f: impl FnMut(&[u8], NodeId, &'a Node)) {
         let mut seen = vec![false; self.nodes.len()];
         let mut stack: Vec<(Vec<u8>, NodeId)> = vec![(Vec::new(), ROOT)];
         while let Some((path, id)) = stack.pop() {

@@ -1,0 +1,47 @@
+//! `strata-bench`: runs a benchmark suite and writes `results/<suite>-<date>.json` plus a
+//! Markdown report. Every Strata number is reported next to a baseline measured in the same
+//! run on the same data, because this machine is shared and noisy.
+
+mod build;
+mod machine;
+mod report;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(name = "strata-bench")]
+struct Args {
+    /// Which suite to run: `build` (layer builder), or `quick` (every suite, small sizes).
+    #[arg(long, default_value = "quick")]
+    suite: String,
+    /// Where results and reports go.
+    #[arg(long, default_value = "bench/results")]
+    out: PathBuf,
+    /// Scratch space on a disk filesystem (not tmpfs).
+    #[arg(long, default_value = "target/bench-scratch")]
+    scratch: PathBuf,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    std::fs::create_dir_all(&args.out)?;
+    std::fs::create_dir_all(&args.scratch)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut sections = Vec::new();
+    match args.suite.as_str() {
+        "build" | "quick" => sections.push(build::run(&rt, &args.scratch)?),
+        other => anyhow::bail!("unknown suite `{other}` (build, quick)"),
+    }
+    let results = report::Results {
+        suite: args.suite.clone(),
+        date: report::today(),
+        machine: machine::facts(),
+        sections,
+    };
+    let (json, md) = report::write(&args.out, &results)?;
+    eprintln!("wrote {} and {}", json.display(), md.display());
+    Ok(())
+}

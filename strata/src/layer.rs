@@ -1,0 +1,171 @@
+//! `strata layer ...`: build, inspect, list and export layers.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Subcommand;
+use strata_builder::{BuildRequest, LayerKind, Source};
+use strata_store::Store;
+
+use crate::output::{byte_progress, human_bytes, print_json};
+
+#[derive(Subcommand)]
+pub enum LayerCommand {
+    /// Build a layer from a directory, tar (plain/gzip/zstd, `-` for stdin), OCI layout
+    /// (`oci:DIR[:REF]`), registry image (`docker://REF`), git revision (`git:REPO[@REV]`)
+    /// or a layer definition file (`*.toml`). Prints the layer ID last.
+    Build {
+        /// Role of the layer; a definition file's `kind` wins.
+        #[arg(long, default_value = "base")]
+        kind: String,
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        version: Option<String>,
+        /// Leave out paths matching this glob (repeatable).
+        #[arg(long)]
+        exclude: Vec<String>,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        source: String,
+    },
+    /// Show a layer's manifest summary and provenance.
+    Inspect {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List layers in the store.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write a layer's tree into a directory.
+    Export { id: String, dir: PathBuf },
+}
+
+pub async fn run(store: &Store, cmd: LayerCommand) -> Result<i32> {
+    match cmd {
+        LayerCommand::Build {
+            kind,
+            name,
+            version,
+            exclude,
+            json,
+            source,
+        } => {
+            let req = if source.ends_with(".toml") && std::path::Path::new(&source).is_file() {
+                let mut r = BuildRequest::from_definition(source.as_ref())?;
+                r.exclude.extend(exclude);
+                r.name = name.or(r.name);
+                r.version = version.or(r.version);
+                r
+            } else {
+                BuildRequest {
+                    source: Source::parse(&source)?,
+                    kind: kind.parse::<LayerKind>()?,
+                    name,
+                    version,
+                    exclude,
+                }
+            };
+            let (bar, progress) = byte_progress(&format!("building {}", req.source));
+            let report = strata_builder::build(store, &req, Some(progress)).await;
+            bar.finish_and_clear();
+            let report = report?;
+            if json {
+                print_json(&report)?;
+            } else {
+                eprintln!(
+                    "{} files, {} of data; {} new ({} uploaded), {}/{} chunks reused; {:.2} s{}",
+                    report.files,
+                    human_bytes(report.logical_bytes),
+                    human_bytes(report.new_data_bytes),
+                    human_bytes(report.uploaded_bytes),
+                    report.reused_chunks,
+                    report.chunks,
+                    report.seconds,
+                    if report.created { "" } else { " (layer already in store)" }
+                );
+                println!("{}", report.id);
+            }
+            Ok(0)
+        }
+        LayerCommand::Inspect { id, json } => {
+            let id = store.resolve_layer(&id).await?;
+            let m = store.get_layer(&id).await?;
+            let p = store.get_provenance(&id).await.ok();
+            if json {
+                print_json(&serde_json::json!({
+                    "id": m.id,
+                    "format": m.format,
+                    "files": m.files,
+                    "logical_bytes": m.logical_bytes,
+                    "blob_bytes": m.blob_size,
+                    "metadata": m.metadata,
+                    "chunks": m.chunks.len(),
+                    "packs": m.packs.len(),
+                    "provenance": p,
+                }))?;
+            } else {
+                println!("id             {}", m.id);
+                if let Some(p) = &p {
+                    println!("kind           {}", p.kind);
+                    println!("name           {}", p.name.as_deref().unwrap_or("-"));
+                    println!("version        {}", p.version.as_deref().unwrap_or("-"));
+                    println!("source         {}", p.source);
+                    println!("writer         {}", p.writer_version);
+                }
+                println!("files          {}", m.files);
+                println!("logical bytes  {} ({})", m.logical_bytes, human_bytes(m.logical_bytes));
+                println!("blob bytes     {}", m.blob_size);
+                println!("metadata       {} ({} bytes)", m.metadata.digest, m.metadata.size);
+                println!("chunks         {} in {} packs", m.chunks.len(), m.packs.len());
+            }
+            Ok(0)
+        }
+        LayerCommand::Ls { json } => {
+            let mut rows = Vec::new();
+            for id in store.list_layers().await? {
+                let m = store.get_layer(&id).await?;
+                let p = store.get_provenance(&id).await.unwrap_or_default();
+                rows.push((m, p));
+            }
+            if json {
+                let v: Vec<_> = rows
+                    .iter()
+                    .map(|(m, p)| {
+                        serde_json::json!({
+                            "id": m.id, "kind": p.kind, "name": p.name, "version": p.version,
+                            "files": m.files, "logical_bytes": m.logical_bytes,
+                        })
+                    })
+                    .collect();
+                print_json(&v)?;
+            } else {
+                println!("{:<16} {:<10} {:<24} {:<12} {:>8} {:>10}", "ID", "KIND", "NAME", "VERSION", "FILES", "SIZE");
+                for (m, p) in rows {
+                    println!(
+                        "{:<16} {:<10} {:<24} {:<12} {:>8} {:>10}",
+                        &m.id.to_hex()[..16],
+                        p.kind,
+                        p.name.as_deref().unwrap_or("-"),
+                        p.version.as_deref().unwrap_or("-"),
+                        m.files,
+                        human_bytes(m.logical_bytes)
+                    );
+                }
+            }
+            Ok(0)
+        }
+        LayerCommand::Export { id, dir } => {
+            let id = store.resolve_layer(&id).await?;
+            let m = store.get_layer(&id).await?;
+            let scratch = tempfile::tempdir().context("creating a scratch directory")?;
+            let r = strata_builder::export::export_layer(store, &m, &dir, scratch.path()).await?;
+            eprintln!("exported {} entries, {} to {}", r.entries, human_bytes(r.bytes), dir.display());
+            Ok(0)
+        }
+    }
+}

@@ -1,0 +1,72 @@
+//! The `strata` binary: parses the command line and wires the library crates together.
+//! Nothing here decides how layers or stores work; it only calls into the crates that do.
+
+mod layer;
+mod output;
+mod store;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use strata_store::{default_store_url, Store, StoreUrl};
+
+#[derive(Parser)]
+#[command(name = "strata", version, about = "Layered, lazily loaded sandbox environments for agents")]
+struct Cli {
+    /// Store URL: a directory, file:///dir, or s3://bucket?endpoint=http://host:port.
+    /// Default: a local store under STRATA_HOME.
+    #[arg(long, global = true, env = "STRATA_STORE")]
+    store: Option<String>,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Build, inspect, list and export layers.
+    #[command(subcommand)]
+    Layer(layer::LayerCommand),
+    /// Store statistics, verification and garbage collection.
+    #[command(subcommand)]
+    Store(store::StoreCommand),
+}
+
+fn open_store(url: Option<&str>) -> Result<Store> {
+    let url = match url {
+        Some(u) => StoreUrl::parse(u)?,
+        None => default_store_url(),
+    };
+    Ok(Store::open(&url)?)
+}
+
+fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let result = runtime.block_on(async {
+        let store = open_store(cli.store.as_deref())?;
+        match cli.command {
+            Command::Layer(c) => layer::run(&store, c).await,
+            Command::Store(c) => store::run(&store, c).await,
+        }
+    });
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}

@@ -1,0 +1,176 @@
+//! Fixtures for Strata's integration tests: privileged-capability gating, sample trees,
+//! whole-tree comparison, kernel EROFS mounts, the `strata` binary, and a real S3 server.
+
+pub mod fixtures;
+pub mod s3;
+pub mod treecmp;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Whether tests must fail (not skip) when a capability is missing. `.ci/run` sets it.
+pub fn privileged_required() -> bool {
+    std::env::var("STRATA_REQUIRE_PRIVILEGED").is_ok_and(|v| v == "1")
+}
+
+/// True if the test may use root, mounts and FUSE. Without them: a failure when
+/// STRATA_REQUIRE_PRIVILEGED=1, else a loud skip.
+pub fn have_root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if !root {
+        assert!(!privileged_required(), "{test}: needs root, and STRATA_REQUIRE_PRIVILEGED=1 is set");
+        eprintln!("SKIPPED {test}: needs root (set STRATA_REQUIRE_PRIVILEGED=1 to make this a failure)");
+    }
+    root
+}
+
+/// True if `tool` is on PATH; same failure/skip rule as [`have_root`].
+pub fn have_tool(test: &str, tool: &str) -> bool {
+    let found = Command::new("sh")
+        .arg("-c")
+        .arg(format!("command -v {tool}"))
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        assert!(!privileged_required(), "{test}: needs `{tool}` (run scripts/setup.sh)");
+        eprintln!("SKIPPED {test}: `{tool}` not installed (run scripts/setup.sh)");
+    }
+    found
+}
+
+/// The `strata` binary built next to this test executable.
+pub fn strata_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> -> target/<profile>/strata
+    let dir = exe.parent().and_then(Path::parent).expect("target directory");
+    let bin = dir.join("strata");
+    assert!(
+        bin.is_file(),
+        "{} is missing: build it first with `cargo build -p strata` (scripts/test.sh does)",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs `strata` with a store and arguments.
+pub fn strata(store: &str, args: &[&str]) -> Output {
+    Command::new(strata_bin())
+        .arg("--store")
+        .arg(store)
+        .args(args)
+        .output()
+        .expect("running strata")
+}
+
+/// Runs a shell command, panicking with its output if it fails.
+pub fn sh(script: &str) -> String {
+    let out = Command::new("bash").arg("-ec").arg(script).output().expect("bash");
+    assert!(
+        out.status.success(),
+        "`{script}` failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A multi-threaded runtime for tests that call async library code.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime")
+}
+
+/// A layer written out as files: its metadata image and (if it has data) its blob.
+pub struct LayerFiles {
+    pub dir: tempfile::TempDir,
+    pub meta: PathBuf,
+    pub blob: Option<PathBuf>,
+}
+
+/// Fetches a layer's image and blob from the store into a temp directory on local disk
+/// (file-backed EROFS mounts refuse tmpfs).
+pub fn fetch_layer(rt: &tokio::runtime::Runtime, store: &strata_store::Store, id: &strata_store::Digest) -> LayerFiles {
+    let dir = tempfile::Builder::new().prefix("strata-layer-").tempdir_in(scratch_root()).expect("tempdir");
+    let meta = dir.path().join("meta.erofs");
+    let blob = dir.path().join("blob");
+    rt.block_on(async {
+        let m = store.get_layer(id).await.expect("manifest");
+        strata_builder::export::fetch_layer_files(store, &m, &meta, &blob).await.expect("fetch");
+        let has_blob = m.blob_size > 0;
+        LayerFiles { meta, blob: has_blob.then_some(blob), dir }
+    })
+}
+
+/// Where tests put scratch files: on a disk filesystem, never tmpfs.
+pub fn scratch_root() -> PathBuf {
+    let p = std::env::var_os("STRATA_TEST_SCRATCH")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch"));
+    std::fs::create_dir_all(&p).expect("scratch dir");
+    p
+}
+
+/// A kernel EROFS mount, unmounted on drop.
+pub struct KernelMount {
+    pub target: tempfile::TempDir,
+}
+
+impl KernelMount {
+    /// Mounts `meta` file-backed (no loop device) with `device=blob`, read-only.
+    pub fn new(meta: &Path, blob: Option<&Path>) -> std::io::Result<KernelMount> {
+        use std::ffi::CString;
+        use std::os::unix::ffi::OsStrExt;
+        let target = tempfile::Builder::new().prefix("strata-mnt-").tempdir_in(scratch_root())?;
+        let src = CString::new(meta.as_os_str().as_bytes())?;
+        let dst = CString::new(target.path().as_os_str().as_bytes())?;
+        let opts = match blob {
+            Some(b) => format!("device={}", b.display()),
+            None => String::new(),
+        };
+        let opts = CString::new(opts)?;
+        let fstype = CString::new("erofs")?;
+        // SAFETY: all pointers are valid NUL-terminated strings.
+        let rc = unsafe {
+            libc::mount(src.as_ptr(), dst.as_ptr(), fstype.as_ptr(), libc::MS_RDONLY, opts.as_ptr().cast())
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(KernelMount { target })
+    }
+
+    pub fn path(&self) -> &Path {
+        self.target.path()
+    }
+}
+
+impl Drop for KernelMount {
+    fn drop(&mut self) {
+        use std::os::unix::ffi::OsStrExt;
+        if let Ok(p) = std::ffi::CString::new(self.target.path().as_os_str().as_bytes()) {
+            // SAFETY: valid path.
+            unsafe { libc::umount2(p.as_ptr(), libc::MNT_DETACH) };
+        }
+    }
+}
+
+/// Opens a local store in a fresh temp directory.
+pub fn temp_store() -> (tempfile::TempDir, strata_store::Store) {
+    let dir = tempfile::Builder::new().prefix("strata-store-").tempdir_in(scratch_root()).expect("tempdir");
+    let store = strata_store::Store::open(&strata_store::StoreUrl::Local(dir.path().join("store"))).expect("store");
+    (dir, store)
+}
+
+/// Builds `source` into `store`.
+pub fn build(
+    rt: &tokio::runtime::Runtime,
+    store: &strata_store::Store,
+    source: strata_builder::Source,
+    kind: strata_builder::LayerKind,
+) -> Result<strata_builder::BuildReport, strata_builder::BuildError> {
+    let req = strata_builder::BuildRequest { source, kind, name: None, version: None, exclude: vec![] };
+    rt.block_on(strata_builder::build(store, &req, None))
+}
