@@ -171,6 +171,14 @@ fn apply_meta(fs: &EroFS<MmapImage>, path: &Path, ino: &erofs_rs::types::Inode, 
     let bad = |e: erofs_rs::Error| BuildError::Source(format!("reading image: {e}"));
     let is_link = ino.is_symlink();
     let c = cstr(path)?;
+    // chown clears setuid bits and file capabilities: owner first, then mode, then xattrs.
+    if root {
+        std::os::unix::fs::lchown(path, Some(ino.uid()), Some(ino.gid())).map_err(io_err(path))?;
+    }
+    if !is_link {
+        let perm = ino.permissions().mode() & 0o7777;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(perm)).map_err(io_err(path))?;
+    }
     for (name, value) in fs.xattrs_inode(ino.clone()).map_err(bad)? {
         if !root && !name.starts_with(b"user.") {
             continue;
@@ -180,13 +188,6 @@ fn apply_meta(fs: &EroFS<MmapImage>, path: &Path, ino: &erofs_rs::types::Inode, 
         check(path, unsafe {
             libc::lsetxattr(c.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0)
         })?;
-    }
-    if root {
-        std::os::unix::fs::lchown(path, Some(ino.uid()), Some(ino.gid())).map_err(io_err(path))?;
-    }
-    if !is_link {
-        let perm = ino.permissions().mode() & 0o7777;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(perm)).map_err(io_err(path))?;
     }
     let (secs, nsec) = ino.modified_unix();
     let times = [

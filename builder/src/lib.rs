@@ -175,7 +175,7 @@ async fn build_leased(
     if let Some(t) = ticker {
         t.abort();
     }
-    let tree = match read {
+    let mut tree = match read {
         Ok(t) => t,
         Err(e) => {
             uploader.abort();
@@ -183,6 +183,8 @@ async fn build_leased(
         }
     };
 
+    // Where and when the tree was unpacked must not change the layer.
+    tree.node_mut(tree::ROOT).meta = tree::Meta::DEFAULT_DIR;
     let blob = layout::layout(&tree)?;
     let image = erofs::write_image(&tree, &blob)?;
     let referenced: HashSet<Digest> = blob.chunks.iter().map(|(_, c)| c.digest).collect();

@@ -2,7 +2,7 @@
 //! byte-sorted name maps, hard links as several names for one node, and regular files as
 //! the chunk lists the chunker produced (the data itself is already in the store).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use strata_store::Digest;
 
@@ -153,6 +153,41 @@ pub fn split_path(path: &[u8]) -> Result<Vec<&[u8]>, BuildError> {
 #[derive(Debug, Clone)]
 pub struct Tree {
     nodes: Vec<Node>,
+    /// Directories created only because something inside them was named; their metadata
+    /// must not override a lower layer's when layers are merged.
+    implicit: HashSet<NodeId>,
+}
+
+/// A whiteout marker found in a layer, to be applied to the layers below it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Whiteout {
+    /// `.wh.NAME`: the path that is removed.
+    Remove { path: Vec<u8>, meta: Meta },
+    /// `.wh..wh..opq`: the directory whose lower content is hidden.
+    Opaque { dir: Vec<u8> },
+}
+
+impl Whiteout {
+    /// Recognizes a whiteout marker path.
+    pub fn parse(path: &[u8], meta: Meta) -> Result<Option<Whiteout>, BuildError> {
+        let parts = split_path(path)?;
+        let Some((last, dirs)) = parts.split_last() else {
+            return Ok(None);
+        };
+        if !last.starts_with(WHITEOUT_PREFIX) {
+            return Ok(None);
+        }
+        let dir = dirs.join(&b'/');
+        if *last == OPAQUE_MARKER {
+            return Ok(Some(Whiteout::Opaque { dir }));
+        }
+        let mut target = dir;
+        if !target.is_empty() {
+            target.push(b'/');
+        }
+        target.extend_from_slice(&last[WHITEOUT_PREFIX.len()..]);
+        Ok(Some(Whiteout::Remove { path: target, meta }))
+    }
 }
 
 impl Default for Tree {
@@ -165,6 +200,7 @@ impl Tree {
     pub fn new() -> Tree {
         Tree {
             nodes: vec![Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new()))],
+            implicit: HashSet::new(),
         }
     }
 
@@ -221,6 +257,7 @@ impl Tree {
                         Meta::DEFAULT_DIR,
                         NodeKind::Dir(BTreeMap::new()),
                     ));
+                    self.implicit.insert(id);
                     self.children_mut(cur).insert(part.to_vec(), id);
                     id
                 }
@@ -256,6 +293,7 @@ impl Tree {
             if self.nodes[existing].is_dir() && node.is_dir() {
                 self.nodes[existing].meta = node.meta;
                 self.nodes[existing].xattrs = node.xattrs;
+                self.implicit.remove(&existing);
                 return Ok(existing);
             }
         }
@@ -311,45 +349,77 @@ impl Tree {
         Ok(())
     }
 
-    /// Applies a tar entry path that may be a whiteout. Returns true if it was one.
-    pub fn apply_whiteout(
-        &mut self,
-        path: &[u8],
-        mode: Whiteouts,
-        meta: Meta,
-    ) -> Result<bool, BuildError> {
-        let parts = split_path(path)?;
-        let Some((last, dirs)) = parts.split_last() else {
-            return Ok(false);
-        };
-        if !last.starts_with(WHITEOUT_PREFIX) {
-            return Ok(false);
-        }
-        let dir_path = dirs.join(&b'/');
-        if *last == OPAQUE_MARKER {
-            let dir = match self.lookup(&dir_path) {
-                Some(d) if self.nodes[d].is_dir() => d,
-                _ => self.insert(&dir_path, Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new())))?,
-            };
-            self.children_mut(dir).clear();
-            if mode == Whiteouts::Overlay {
-                self.nodes[dir]
-                    .xattrs
-                    .insert(OPAQUE_XATTR.to_vec(), b"y".to_vec());
+    /// Stacks `layer` (one OCI/tar layer read on its own) on this tree: its whiteouts hide
+    /// what lies below, then its entries are added. With [`Whiteouts::Overlay`] the
+    /// whiteouts are also kept, as overlayfs markers, to mask layers stacked under this one.
+    pub fn apply_layer(&mut self, mut layer: Tree, whiteouts: &[Whiteout], mode: Whiteouts) -> Result<(), BuildError> {
+        for w in whiteouts {
+            match w {
+                Whiteout::Remove { path, meta } => {
+                    self.remove(path)?;
+                    if mode == Whiteouts::Overlay && layer.lookup(path).is_none() {
+                        layer.insert(path, Node::new(*meta, NodeKind::CharDev { major: 0, minor: 0 }))?;
+                    }
+                }
+                Whiteout::Opaque { dir } => {
+                    if let Some(d) = self.lookup(dir).filter(|&d| self.nodes[d].is_dir()) {
+                        self.children_mut(d).clear();
+                    }
+                    if mode == Whiteouts::Overlay {
+                        let d = match layer.lookup(dir) {
+                            Some(d) if layer.nodes[d].is_dir() => d,
+                            _ => layer.insert(dir, Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new())))?,
+                        };
+                        layer.nodes[d].xattrs.insert(OPAQUE_XATTR.to_vec(), b"y".to_vec());
+                    }
+                }
             }
-            return Ok(true);
         }
-        let victim = &last[WHITEOUT_PREFIX.len()..];
-        let mut target = dir_path.clone();
-        if !target.is_empty() {
-            target.push(b'/');
+        let mut copied = HashMap::new();
+        self.graft(ROOT, &layer, ROOT, &mut copied);
+        Ok(())
+    }
+
+    /// Copies the children of `src` in `other` into directory `dst`, merging directories.
+    fn graft(&mut self, dst: NodeId, other: &Tree, src: NodeId, copied: &mut HashMap<NodeId, NodeId>) {
+        let Some(children) = other.children(src) else { return };
+        for (name, &child) in children {
+            let theirs = &other.nodes[child];
+            let ours = self.children(dst).and_then(|c| c.get(name)).copied();
+            match ours {
+                Some(o) if self.nodes[o].is_dir() && theirs.is_dir() => {
+                    if !other.implicit.contains(&child) {
+                        self.nodes[o].meta = theirs.meta;
+                        self.nodes[o].xattrs = theirs.xattrs.clone();
+                        self.implicit.remove(&o);
+                    } else if let Some(v) = theirs.xattrs.get(OPAQUE_XATTR) {
+                        self.nodes[o].xattrs.insert(OPAQUE_XATTR.to_vec(), v.clone());
+                    }
+                    self.graft(o, other, child, copied);
+                }
+                _ => {
+                    let id = match copied.get(&child) {
+                        Some(&id) => id,
+                        None => {
+                            let mut node = theirs.clone();
+                            if let NodeKind::Dir(c) = &mut node.kind {
+                                c.clear();
+                            }
+                            let id = self.push(node);
+                            if other.implicit.contains(&child) {
+                                self.implicit.insert(id);
+                            }
+                            copied.insert(child, id);
+                            if theirs.is_dir() {
+                                self.graft(id, other, child, copied);
+                            }
+                            id
+                        }
+                    };
+                    self.children_mut(dst).insert(name.clone(), id);
+                }
+            }
         }
-        target.extend_from_slice(victim);
-        self.remove(&target)?;
-        if mode == Whiteouts::Overlay {
-            self.insert(&target, Node::new(meta, NodeKind::CharDev { major: 0, minor: 0 }))?;
-        }
-        Ok(true)
     }
 
     /// Visits every reachable node once, depth first in name order, parents before
@@ -414,26 +484,36 @@ mod tests {
     }
 
     #[test]
-    fn whiteouts_apply_or_become_overlay_markers() {
+    fn layers_apply_whiteouts_to_what_is_below_only() {
         for mode in [Whiteouts::Apply, Whiteouts::Overlay] {
-            let mut t = Tree::new();
-            t.insert(b"etc/keep", file(1)).unwrap();
-            t.insert(b"etc/gone", file(1)).unwrap();
-            t.insert(b"opt/x/y", file(1)).unwrap();
-            assert!(t.apply_whiteout(b"etc/.wh.gone", mode, Meta::DEFAULT_DIR).unwrap());
-            assert!(t.apply_whiteout(b"opt/x/.wh..wh..opq", mode, Meta::DEFAULT_DIR).unwrap());
-            assert!(!t.apply_whiteout(b"etc/keep", mode, Meta::DEFAULT_DIR).unwrap());
-            let gone = t.lookup(b"etc/gone");
-            let x = t.lookup(b"opt/x").unwrap();
-            assert!(t.children(x).unwrap().is_empty());
+            let mut lower = Tree::new();
+            lower.insert(b"etc/keep", file(1)).unwrap();
+            lower.insert(b"etc/gone", file(1)).unwrap();
+            lower.insert(b"opt/x/y", file(1)).unwrap();
+            let dir = Node::new(Meta { mode: 0o700, uid: 3, gid: 3, mtime: 5 }, NodeKind::Dir(BTreeMap::new()));
+            lower.insert(b"opt/x", dir).unwrap();
+            let mut upper = Tree::new();
+            upper.insert(b"opt/x/new", file(2)).unwrap();
+            let marks: Vec<_> = [b"etc/.wh.gone".as_slice(), b"opt/x/.wh..wh..opq", b"etc/keep"]
+                .iter()
+                .filter_map(|p| Whiteout::parse(p, Meta::DEFAULT_DIR).unwrap())
+                .collect();
+            assert_eq!(marks.len(), 2);
+            lower.apply_layer(upper, &marks, mode).unwrap();
+            let x = lower.lookup(b"opt/x").unwrap();
+            let names: Vec<_> = lower.children(x).unwrap().keys().cloned().collect();
+            assert_eq!(names, vec![b"new".to_vec()], "same-layer entries survive the opaque marker");
+            assert_eq!(lower.node(x).meta.uid, 3, "an implicit directory keeps the lower metadata");
+            assert!(lower.lookup(b"etc/keep").is_some());
+            let gone = lower.lookup(b"etc/gone");
             match mode {
                 Whiteouts::Apply => {
                     assert!(gone.is_none());
-                    assert!(t.node(x).xattrs.is_empty());
+                    assert!(lower.node(x).xattrs.is_empty());
                 }
                 Whiteouts::Overlay => {
-                    assert_eq!(t.node(gone.unwrap()).kind, NodeKind::CharDev { major: 0, minor: 0 });
-                    assert_eq!(t.node(x).xattrs.get(OPAQUE_XATTR).unwrap(), b"y");
+                    assert_eq!(lower.node(gone.unwrap()).kind, NodeKind::CharDev { major: 0, minor: 0 });
+                    assert_eq!(lower.node(x).xattrs.get(OPAQUE_XATTR).unwrap(), b"y");
                 }
             }
         }

@@ -50,7 +50,14 @@ fn full_tree_reads_back_identically_through_three_readers() {
     assert!(o.status.success(), "fsck.erofs --extract failed: {}", String::from_utf8_lossy(&o.stderr));
     let want = treecmp::snapshot(&src);
     let got = treecmp::snapshot(&extracted);
+    // erofs-utils 1.5 extracts chunk-index holes wrongly (it writes the next chunk's bytes
+    // and truncates the file; the kernel and erofs-rs read them as zeros, as the format
+    // says), so files with holes are left to the other two readers.
+    let with_holes: &[&[u8]] = &[b"big/zeros-inside", b"sparse"];
     for (path, e) in &want {
+        if with_holes.contains(&path.as_slice()) {
+            continue;
+        }
         if e.content.is_some() || e.target.is_some() {
             let g = got.get(path).unwrap_or_else(|| panic!("fsck did not extract {}", String::from_utf8_lossy(path)));
             assert_eq!((&e.content, &e.target), (&g.content, &g.target), "{}", String::from_utf8_lossy(path));

@@ -48,46 +48,6 @@ fn is_index(media_type: &str) -> bool {
     media_type.contains("image.index") || media_type.contains("manifest.list")
 }
 
-/// Reads a blob through a sha256 check that fails at end of stream on a mismatch.
-pub(crate) struct VerifiedReader<R> {
-    inner: R,
-    hasher: Sha256,
-    expected: String,
-    what: String,
-}
-
-impl<R: Read> VerifiedReader<R> {
-    pub(crate) fn new(inner: R, digest: &str, what: String) -> Result<Self, BuildError> {
-        let expected = digest
-            .strip_prefix("sha256:")
-            .ok_or_else(|| BuildError::Oci(format!("{what}: digest `{digest}` is not sha256")))?
-            .to_ascii_lowercase();
-        Ok(VerifiedReader {
-            inner,
-            hasher: Sha256::new(),
-            expected,
-            what,
-        })
-    }
-}
-
-impl<R: Read> Read for VerifiedReader<R> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        if n == 0 && !buf.is_empty() {
-            let actual = hex::encode(self.hasher.clone().finalize());
-            if actual != self.expected {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!("{}: digest mismatch: content is sha256:{actual}, expected sha256:{}", self.what, self.expected),
-                ));
-            }
-        }
-        self.hasher.update(&buf[..n]);
-        Ok(n)
-    }
-}
-
 struct Layout {
     root: PathBuf,
 }
@@ -103,13 +63,26 @@ impl Layout {
         Ok(self.root.join("blobs").join(alg).join(hex))
     }
 
-    fn open_blob(&self, digest: &str) -> Result<VerifiedReader<File>, BuildError> {
+    /// Opens a blob after checking its whole content against `digest`, so a damaged blob
+    /// is reported as such rather than as whatever parse error its damage causes.
+    fn open_blob(&self, digest: &str) -> Result<File, BuildError> {
         let p = self.blob_path(digest)?;
-        let f = File::open(&p).map_err(|source| BuildError::Io {
+        let io = |source| BuildError::Io {
             path: p.display().to_string(),
             source,
-        })?;
-        VerifiedReader::new(f, digest, format!("blob {}", p.display()))
+        };
+        let mut f = File::open(&p).map_err(io)?;
+        let mut hasher = Sha256::new();
+        std::io::copy(&mut f, &mut hasher).map_err(io)?;
+        let actual = format!("sha256:{}", hex::encode(hasher.finalize()));
+        if !actual.eq_ignore_ascii_case(digest) {
+            return Err(BuildError::Oci(format!(
+                "blob {}: digest mismatch: content is {actual}, expected {digest}",
+                p.display()
+            )));
+        }
+        std::io::Seek::rewind(&mut f).map_err(io)?;
+        Ok(f)
     }
 
     fn read_json<T: for<'de> Deserialize<'de>>(&self, digest: &str) -> Result<T, BuildError> {
@@ -178,8 +151,6 @@ pub fn read_layout(
         let what = format!("layer {}", layer.digest);
         let mut reader = decompress(blob, &what)?;
         apply_tar(&mut tree, &mut reader, &what, whiteouts, excludes, sink)?;
-        // Drain to the end so the digest check runs even if tar stopped at its end marker.
-        std::io::copy(&mut reader, &mut std::io::sink()).map_err(|e| BuildError::Oci(format!("{what}: {e}")))?;
     }
     Ok(tree)
 }

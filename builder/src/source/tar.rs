@@ -8,7 +8,7 @@ use rayon::prelude::*;
 
 use crate::chunker::{chunk_file, ChunkSink};
 use crate::source::Excludes;
-use crate::tree::{FileData, Meta, Node, NodeId, NodeKind, Tree, Whiteouts};
+use crate::tree::{FileData, Meta, Node, NodeId, NodeKind, Tree, Whiteout, Whiteouts};
 use crate::BuildError;
 
 /// Files up to this size are read into memory and chunked in parallel batches.
@@ -34,13 +34,29 @@ pub fn decompress<'a>(reader: impl Read + 'a, what: &str) -> Result<Box<dyn Read
     })
 }
 
-/// Applies the tar stream `reader` (already decompressed) on top of `tree`.
-/// `what` names the stream in errors.
+/// Applies the tar stream `reader` (already decompressed) on top of `lower` as one layer:
+/// its whiteout markers hide what is in `lower`, its entries are added. `what` names the
+/// stream in errors.
 pub fn apply_tar(
-    tree: &mut Tree,
+    lower: &mut Tree,
     reader: &mut dyn Read,
     what: &str,
     whiteouts: Whiteouts,
+    excludes: &Excludes,
+    sink: &dyn ChunkSink,
+) -> Result<(), BuildError> {
+    let mut marks = Vec::new();
+    let mut layer = Tree::new();
+    read_layer(&mut layer, &mut marks, lower, reader, what, excludes, sink)?;
+    lower.apply_layer(layer, &marks, whiteouts)
+}
+
+fn read_layer(
+    tree: &mut Tree,
+    marks: &mut Vec<Whiteout>,
+    lower: &Tree,
+    reader: &mut dyn Read,
+    what: &str,
     excludes: &Excludes,
     sink: &dyn ChunkSink,
 ) -> Result<(), BuildError> {
@@ -100,7 +116,8 @@ pub fn apply_tar(
                 }
             }
         }
-        if tree.apply_whiteout(&path, whiteouts, meta)? {
+        if let Some(mark) = Whiteout::parse(&path, meta)? {
+            marks.push(mark);
             continue;
         }
         let kind = match et {
@@ -119,7 +136,14 @@ pub fn apply_tar(
                     .link_name_bytes()
                     .ok_or_else(|| bad("hard link without a target".into()))?
                     .into_owned();
-                tree.link(&path, &target)?;
+                if tree.lookup(&target).is_some() {
+                    tree.link(&path, &target)?;
+                } else if let Some(below) = lower.lookup(&target) {
+                    // A link to a file of a lower layer: the flattened tree gets a copy.
+                    tree.insert(&path, lower.node(below).clone())?;
+                } else {
+                    tree.link(&path, &target)?;
+                }
                 continue;
             }
             tar::EntryType::Char => {
