@@ -35,7 +35,11 @@ fn read_all(root: &Path) -> Result<u64> {
     Ok(total)
 }
 
-fn build(rt: &tokio::runtime::Runtime, store: &Store, dir: &Path) -> Result<strata_builder::BuildReport> {
+fn build(
+    rt: &tokio::runtime::Runtime,
+    store: &Store,
+    dir: &Path,
+) -> Result<strata_builder::BuildReport> {
     let req = BuildRequest {
         source: Source::Dir(dir.to_path_buf()),
         kind: LayerKind::Workspace,
@@ -56,17 +60,30 @@ fn change_one_percent(root: &Path, round: u64) -> Result<()> {
         .collect();
     files.sort();
     let n = (files.len() / 100).max(3);
-    for f in files.iter().skip(round as usize).step_by(files.len() / n).take(n / 2) {
+    for f in files
+        .iter()
+        .skip(round as usize)
+        .step_by(files.len() / n)
+        .take(n / 2)
+    {
         let mut data = std::fs::read(f)?;
         let at = data.len() / 2;
         data.splice(at..at, format!("// edit {round}\n").bytes());
         std::fs::write(f, data)?;
     }
-    for f in files.iter().skip(round as usize + 3).step_by(files.len() / n).take(n / 4) {
+    for f in files
+        .iter()
+        .skip(round as usize + 3)
+        .step_by(files.len() / n)
+        .take(n / 4)
+    {
         std::fs::remove_file(f)?;
     }
     for i in 0..n / 4 {
-        std::fs::write(root.join(format!("pkg00/added-{round}-{i}.rs")), fixtures::text_bytes(6000, round * 100 + i as u64))?;
+        std::fs::write(
+            root.join(format!("pkg00/added-{round}-{i}.rs")),
+            fixtures::text_bytes(6000, round * 100 + i as u64),
+        )?;
     }
     Ok(())
 }
@@ -74,9 +91,15 @@ fn change_one_percent(root: &Path, round: u64) -> Result<()> {
 fn zstd_tar_size(dir: &Path) -> Result<u64> {
     let out = Command::new("bash")
         .arg("-c")
-        .arg(format!("tar -C '{}' -cf - . | zstd -3 -q -c | wc -c", dir.display()))
+        .arg(format!(
+            "tar -C '{}' -cf - . | zstd -3 -q -c | wc -c",
+            dir.display()
+        ))
         .output()?;
-    String::from_utf8_lossy(&out.stdout).trim().parse().context("tar | zstd | wc")
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .context("tar | zstd | wc")
 }
 
 pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path) -> Result<Section> {
@@ -85,7 +108,10 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path) -> Result<Section> {
     fixtures::workspace_tree(&corpus, 3000, 1);
     std::fs::create_dir_all(corpus.join("assets"))?;
     for i in 0..4 {
-        std::fs::write(corpus.join(format!("assets/blob{i}.bin")), fixtures::random_bytes(64 << 20, 100 + i))?;
+        std::fs::write(
+            corpus.join(format!("assets/blob{i}.bin")),
+            fixtures::random_bytes(64 << 20, 100 + i),
+        )?;
     }
     let mut rows = Vec::new();
 
@@ -98,7 +124,15 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path) -> Result<Section> {
     let store = Store::open(&StoreUrl::Local(work.path().join("store")))?;
     let r = build(rt, &store, &corpus)?;
     let build_mbps = r.logical_bytes as f64 / MB / r.seconds;
-    rows.push(Row::new("build throughput, cold store", "MB/s", build_mbps, "read every byte", read_mbps, "higher", &format!("{:.0} MB of file data, {} files", bytes / MB, r.files)));
+    rows.push(Row::new(
+        "build throughput, cold store",
+        "MB/s",
+        build_mbps,
+        "read every byte",
+        read_mbps,
+        "higher",
+        &format!("{:.0} MB of file data, {} files", bytes / MB, r.files),
+    ));
 
     let again = build(rt, &store, &corpus)?;
     rows.push(Row::new(
@@ -122,7 +156,15 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path) -> Result<Section> {
         .unwrap_or(false);
     if ok {
         let mkfs_mbps = bytes / MB / t.elapsed().as_secs_f64();
-        rows.push(Row::new("build throughput, cold store", "MB/s", build_mbps, "mkfs.erofs 1.5 (local image, no dedup)", mkfs_mbps, "higher", ""));
+        rows.push(Row::new(
+            "build throughput, cold store",
+            "MB/s",
+            build_mbps,
+            "mkfs.erofs 1.5 (local image, no dedup)",
+            mkfs_mbps,
+            "higher",
+            "",
+        ));
     }
 
     // Rebuild after a 1 % change.
@@ -135,7 +177,10 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path) -> Result<Section> {
         "full rebuild",
         r.new_data_bytes as f64 / MB,
         "lower",
-        &format!("target ≤ 5% of the first build: {:.2}%", 100.0 * changed.new_data_bytes as f64 / r.new_data_bytes as f64),
+        &format!(
+            "target ≤ 5% of the first build: {:.2}%",
+            100.0 * changed.new_data_bytes as f64 / r.new_data_bytes as f64
+        ),
     ));
 
     // Five versions: stored bytes vs five zstd-compressed full images.

@@ -29,7 +29,9 @@ fn main() -> Result<()> {
     let args = Args::parse();
     std::fs::create_dir_all(&args.out)?;
     std::fs::create_dir_all(&args.scratch)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let mut sections = Vec::new();
     match args.suite.as_str() {
         "build" | "quick" => sections.push(build::run(&rt, &args.scratch)?),

@@ -23,8 +23,20 @@ pub struct Row {
 }
 
 impl Row {
-    pub fn new(name: &str, unit: &str, strata: f64, baseline_name: &str, baseline: f64, better: &str, note: &str) -> Row {
-        let ratio = if baseline == 0.0 { 0.0 } else { strata / baseline };
+    pub fn new(
+        name: &str,
+        unit: &str,
+        strata: f64,
+        baseline_name: &str,
+        baseline: f64,
+        better: &str,
+        note: &str,
+    ) -> Row {
+        let ratio = if baseline == 0.0 {
+            0.0
+        } else {
+            strata / baseline
+        };
         Row {
             name: name.into(),
             unit: unit.into(),
@@ -54,8 +66,12 @@ pub struct Results {
 }
 
 pub fn today() -> String {
-    let out = std::process::Command::new("date").arg("-u").arg("+%Y-%m-%d").output();
-    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+    let out = std::process::Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d")
+        .output();
+    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
 }
 
 fn fmt(v: f64) -> String {
@@ -83,7 +99,10 @@ pub fn markdown(r: &Results) -> String {
     );
     for sec in &r.sections {
         let _ = writeln!(s, "## {}\n\n{}\n", sec.name, sec.description);
-        let _ = writeln!(s, "| measurement | strata | baseline | baseline value | ratio | better | note |");
+        let _ = writeln!(
+            s,
+            "| measurement | strata | baseline | baseline value | ratio | better | note |"
+        );
         let _ = writeln!(s, "|---|---|---|---|---|---|---|");
         for row in &sec.rows {
             let _ = writeln!(

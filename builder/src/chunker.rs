@@ -52,7 +52,9 @@ pub fn chunk_file(
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 BuildError::BadEntry {
                     path: path.to_string(),
-                    reason: format!("file is shorter than its recorded size {size} (changed while reading?)"),
+                    reason: format!(
+                        "file is shorter than its recorded size {size} (changed while reading?)"
+                    ),
                 }
             } else {
                 io(e)
@@ -92,7 +94,12 @@ fn is_zero(data: &[u8]) -> bool {
 /// Cuts `buf` into chunks, hands them to the sink and appends them to `seg`. Unless
 /// `last`, the final piece (whose end is only the buffer's end, not a content boundary)
 /// stays in `buf` for the next round.
-fn cut(buf: &mut Vec<u8>, last: bool, seg: &mut Segment, sink: &dyn ChunkSink) -> Result<(), BuildError> {
+fn cut(
+    buf: &mut Vec<u8>,
+    last: bool,
+    seg: &mut Segment,
+    sink: &dyn ChunkSink,
+) -> Result<(), BuildError> {
     let mut pieces: Vec<(usize, usize)> =
         FastCDC::with_level(buf, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK, Normalization::Level2)
             .map(|c| (c.offset, c.length))
@@ -109,10 +116,15 @@ fn cut(buf: &mut Vec<u8>, last: bool, seg: &mut Segment, sink: &dyn ChunkSink) -
         })
         .collect::<Result<_, _>>()?;
     let consumed = pieces.last().map(|&(o, l)| o + l).unwrap_or(0);
-    seg.chunks.extend(pieces.iter().zip(digests).map(|(&(_, len), digest)| ChunkRef {
-        digest,
-        length: len as u32,
-    }));
+    seg.chunks.extend(
+        pieces
+            .iter()
+            .zip(digests)
+            .map(|(&(_, len), digest)| ChunkRef {
+                digest,
+                length: len as u32,
+            }),
+    );
     buf.drain(..consumed);
     Ok(())
 }
@@ -146,7 +158,10 @@ pub(crate) mod tests {
                     out[pos..pos + c.length as usize].copy_from_slice(&map[&c.digest]);
                     pos += c.length as usize;
                 }
-                assert_eq!(pos, (((s.first + s.count) << bits) as usize).min(f.size as usize));
+                assert_eq!(
+                    pos,
+                    (((s.first + s.count) << bits) as usize).min(f.size as usize)
+                );
             }
             out
         }
@@ -191,7 +206,8 @@ pub(crate) mod tests {
         let mut edited = vec![b'!'];
         edited.extend_from_slice(&data);
         let b = chunk_file("b", &mut edited.as_slice(), edited.len() as u64, &sink).unwrap();
-        let old: std::collections::HashSet<_> = a.segments[0].chunks.iter().map(|c| c.digest).collect();
+        let old: std::collections::HashSet<_> =
+            a.segments[0].chunks.iter().map(|c| c.digest).collect();
         let new_bytes: u64 = b.segments[0]
             .chunks
             .iter()

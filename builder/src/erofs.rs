@@ -92,7 +92,10 @@ impl Inode {
 }
 
 /// Encodes the xattrs of a node into an inline xattr area (section 12), or an empty vector.
-fn xattr_area(path: &[u8], xattrs: &std::collections::BTreeMap<Vec<u8>, Vec<u8>>) -> Result<Vec<u8>, BuildError> {
+fn xattr_area(
+    path: &[u8],
+    xattrs: &std::collections::BTreeMap<Vec<u8>, Vec<u8>>,
+) -> Result<Vec<u8>, BuildError> {
     if xattrs.is_empty() {
         return Ok(Vec::new());
     }
@@ -203,7 +206,10 @@ pub fn write_image(tree: &Tree, blob: &BlobLayout) -> Result<Vec<u8>, BuildError
         let perm = node.meta.mode & 0o7777;
         let (mode, size, data, links) = match &node.kind {
             NodeKind::Dir(children) => {
-                let subdirs = children.values().filter(|&&c| tree.node(c).is_dir()).count() as u32;
+                let subdirs = children
+                    .values()
+                    .filter(|&&c| tree.node(c).is_dir())
+                    .count() as u32;
                 // Size only: nids are filled in after placement.
                 let mut names: Vec<&[u8]> = vec![b".", b".."];
                 names.extend(children.keys().map(|k| k.as_slice()));
@@ -233,7 +239,10 @@ pub fn write_image(tree: &Tree, blob: &BlobLayout) -> Result<Vec<u8>, BuildError
                 if target.is_empty() || target.len() > 4095 {
                     return Err(BuildError::BadEntry {
                         path: String::from_utf8_lossy(path).into_owned(),
-                        reason: format!("symlink target of {} bytes (must be 1..4095)", target.len()),
+                        reason: format!(
+                            "symlink target of {} bytes (must be 1..4095)",
+                            target.len()
+                        ),
                     });
                 }
                 (
@@ -300,10 +309,14 @@ pub fn write_image(tree: &Tree, blob: &BlobLayout) -> Result<Vec<u8>, BuildError
     }
     let total_blocks = next_block;
     if inodes[0].nid() > u16::MAX as u64 {
-        return Err(BuildError::TooLarge("root inode is out of the superblock's reach".into()));
+        return Err(BuildError::TooLarge(
+            "root inode is out of the superblock's reach".into(),
+        ));
     }
     if total_blocks as u64 + blob.size / BS as u64 >= u32::MAX as u64 {
-        return Err(BuildError::TooLarge("image and blob exceed 2^32 blocks".into()));
+        return Err(BuildError::TooLarge(
+            "image and blob exceed 2^32 blocks".into(),
+        ));
     }
 
     // 3. Directory contents, now that every nid is known.
@@ -316,7 +329,11 @@ pub fn write_image(tree: &Tree, blob: &BlobLayout) -> Result<Vec<u8>, BuildError
             (b"..", inodes[index_of[&inodes[i].parent]].nid(), 2),
         ];
         for (name, &c) in children {
-            entries.push((name, inodes[index_of[&c]].nid(), file_type(&tree.node(c).kind)));
+            entries.push((
+                name,
+                inodes[index_of[&c]].nid(),
+                file_type(&tree.node(c).kind),
+            ));
         }
         entries.sort_by(|a, b| a.0.cmp(b.0));
         let names: Vec<&[u8]> = entries.iter().map(|e| e.0).collect();
@@ -354,7 +371,9 @@ pub fn write_image(tree: &Tree, blob: &BlobLayout) -> Result<Vec<u8>, BuildError
     for (ino, inode) in inodes.iter().enumerate() {
         let layout = match &inode.data {
             Data::None => LAYOUT_FLAT_PLAIN,
-            Data::Bytes { inline_tail: true, .. } => LAYOUT_FLAT_INLINE,
+            Data::Bytes {
+                inline_tail: true, ..
+            } => LAYOUT_FLAT_INLINE,
             Data::Bytes { .. } => LAYOUT_FLAT_PLAIN,
             Data::Chunks(_) => LAYOUT_CHUNK_BASED,
         };
@@ -453,7 +472,12 @@ mod tests {
     use strata_store::Digest;
 
     fn meta(mode: u16) -> Meta {
-        Meta { mode, uid: 0, gid: 0, mtime: 1_700_000_000 }
+        Meta {
+            mode,
+            uid: 0,
+            gid: 0,
+            mtime: 1_700_000_000,
+        }
     }
 
     fn sample_tree() -> Tree {
@@ -463,11 +487,19 @@ mod tests {
             segments: vec![Segment {
                 first: 0,
                 count: 1,
-                chunks: vec![ChunkRef { digest: Digest::of(b"0123456789"), length: 10 }],
+                chunks: vec![ChunkRef {
+                    digest: Digest::of(b"0123456789"),
+                    length: 10,
+                }],
             }],
         };
-        t.insert(b"dir/file", Node::new(meta(0o644), NodeKind::File(data))).unwrap();
-        t.insert(b"link", Node::new(meta(0o777), NodeKind::Symlink(b"dir/file".to_vec()))).unwrap();
+        t.insert(b"dir/file", Node::new(meta(0o644), NodeKind::File(data)))
+            .unwrap();
+        t.insert(
+            b"link",
+            Node::new(meta(0o777), NodeKind::Symlink(b"dir/file".to_vec())),
+        )
+        .unwrap();
         t
     }
 

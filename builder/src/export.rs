@@ -56,8 +56,12 @@ pub struct ExportReport {
 }
 
 /// Opens a metadata image (and its blob, if the layer has data) with erofs-rs.
-pub fn open_image(meta_path: &Path, blob_path: Option<&Path>) -> Result<EroFS<MmapImage>, BuildError> {
-    let bad = |e: erofs_rs::Error| BuildError::Source(format!("reading {}: {e}", meta_path.display()));
+pub fn open_image(
+    meta_path: &Path,
+    blob_path: Option<&Path>,
+) -> Result<EroFS<MmapImage>, BuildError> {
+    let bad =
+        |e: erofs_rs::Error| BuildError::Source(format!("reading {}: {e}", meta_path.display()));
     // SAFETY: the files are ours, written above or by the caller, and not modified while mapped.
     let meta = unsafe { MmapImage::new_from_path(meta_path) }.map_err(io_err(meta_path))?;
     match blob_path {
@@ -88,7 +92,11 @@ fn check(path: &Path, rc: libc::c_int) -> Result<(), BuildError> {
 /// contents, modes, owners (when run as root), xattrs, hard links, devices and times.
 pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, BuildError> {
     std::fs::create_dir_all(dest).map_err(io_err(dest))?;
-    if std::fs::read_dir(dest).map_err(io_err(dest))?.next().is_some() {
+    if std::fs::read_dir(dest)
+        .map_err(io_err(dest))?
+        .next()
+        .is_some()
+    {
         return Err(BuildError::BadEntry {
             path: dest.display().to_string(),
             reason: "export target is not empty".into(),
@@ -100,12 +108,16 @@ pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, 
     let mut report = ExportReport::default();
     let mut first_path: HashMap<u64, PathBuf> = HashMap::new();
     let mut dirs: Vec<(PathBuf, erofs_rs::types::Inode)> = Vec::new();
-    let root_inode = fs.get_inode(fs.super_block().root_inode_id()).map_err(bad)?;
+    let root_inode = fs
+        .get_inode(fs.super_block().root_inode_id())
+        .map_err(bad)?;
     dirs.push((dest.to_path_buf(), root_inode));
     for entry in fs.walk_dir("/").map_err(bad)? {
         let entry = entry.map_err(bad)?;
         let rel = entry.dir_entry.path();
-        let target = dest.join(std::ffi::OsStr::from_bytes(rel.as_bytes().strip_prefix(b"/").unwrap_or(rel.as_bytes())));
+        let target = dest.join(std::ffi::OsStr::from_bytes(
+            rel.as_bytes().strip_prefix(b"/").unwrap_or(rel.as_bytes()),
+        ));
         let ino = entry.inode;
         report.entries += 1;
         if !ino.is_dir() {
@@ -126,7 +138,7 @@ pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, 
                 continue;
             }
             m if m == libc::S_IFREG => {
-                let file = fs.open_inode_file(ino.clone()).map_err(bad)?;
+                let file = fs.open_inode_file(ino).map_err(bad)?;
                 let out = std::fs::File::create(&target).map_err(io_err(&target))?;
                 let size = file.size();
                 out.set_len(size).map_err(io_err(&target))?;
@@ -134,9 +146,14 @@ pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, 
                 let mut off = 0u64;
                 while off < size {
                     let want = buf.len().min((size - off) as usize);
-                    let n = file.read_at(&mut buf[..want], off).map_err(io_err(&target))?;
+                    let n = file
+                        .read_at(&mut buf[..want], off)
+                        .map_err(io_err(&target))?;
                     if n == 0 {
-                        return Err(BuildError::Source(format!("{}: image data ends early", target.display())));
+                        return Err(BuildError::Source(format!(
+                            "{}: image data ends early",
+                            target.display()
+                        )));
                     }
                     // Keep zero runs as holes, as the layer stored them.
                     if buf[..n].iter().any(|&b| b != 0) {
@@ -147,15 +164,20 @@ pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, 
                 report.bytes += size;
             }
             m if m == libc::S_IFLNK => {
-                let link = fs.read_link_inode(ino.clone()).map_err(bad)?;
+                let link = fs.read_link_inode(ino).map_err(bad)?;
                 std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(link.as_bytes()), &target)
                     .map_err(io_err(&target))?;
             }
             _ => {
-                let dev = ino.device().map(|(ma, mi)| libc::makedev(ma, mi)).unwrap_or(0);
+                let dev = ino
+                    .device()
+                    .map(|(ma, mi)| libc::makedev(ma, mi))
+                    .unwrap_or(0);
                 let c = cstr(&target)?;
                 // SAFETY: c is a valid NUL-terminated path.
-                check(&target, unsafe { libc::mknod(c.as_ptr(), mode | perm, dev) })?;
+                check(&target, unsafe {
+                    libc::mknod(c.as_ptr(), mode | perm, dev)
+                })?;
             }
         }
         apply_meta(fs, &target, &ino, root)?;
@@ -167,7 +189,12 @@ pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, 
     Ok(report)
 }
 
-fn apply_meta(fs: &EroFS<MmapImage>, path: &Path, ino: &erofs_rs::types::Inode, root: bool) -> Result<(), BuildError> {
+fn apply_meta(
+    fs: &EroFS<MmapImage>,
+    path: &Path,
+    ino: &erofs_rs::types::Inode,
+    root: bool,
+) -> Result<(), BuildError> {
     let bad = |e: erofs_rs::Error| BuildError::Source(format!("reading image: {e}"));
     let is_link = ino.is_symlink();
     let c = cstr(path)?;
@@ -177,31 +204,55 @@ fn apply_meta(fs: &EroFS<MmapImage>, path: &Path, ino: &erofs_rs::types::Inode, 
     }
     if !is_link {
         let perm = ino.permissions().mode() & 0o7777;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(perm)).map_err(io_err(path))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(perm))
+            .map_err(io_err(path))?;
     }
-    for (name, value) in fs.xattrs_inode(ino.clone()).map_err(bad)? {
+    for (name, value) in fs.xattrs_inode(*ino).map_err(bad)? {
         if !root && !name.starts_with(b"user.") {
             continue;
         }
-        let name = CString::new(name).map_err(|_| BuildError::Internal("xattr name with NUL".into()))?;
+        let name =
+            CString::new(name).map_err(|_| BuildError::Internal("xattr name with NUL".into()))?;
         // SAFETY: pointers are valid for the given lengths.
         check(path, unsafe {
-            libc::lsetxattr(c.as_ptr(), name.as_ptr(), value.as_ptr().cast(), value.len(), 0)
+            libc::lsetxattr(
+                c.as_ptr(),
+                name.as_ptr(),
+                value.as_ptr().cast(),
+                value.len(),
+                0,
+            )
         })?;
     }
     let (secs, nsec) = ino.modified_unix();
     let times = [
-        libc::timespec { tv_sec: secs, tv_nsec: nsec as _ },
-        libc::timespec { tv_sec: secs, tv_nsec: nsec as _ },
+        libc::timespec {
+            tv_sec: secs,
+            tv_nsec: nsec as _,
+        },
+        libc::timespec {
+            tv_sec: secs,
+            tv_nsec: nsec as _,
+        },
     ];
     // SAFETY: c is a valid path and times has two entries.
     check(path, unsafe {
-        libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), libc::AT_SYMLINK_NOFOLLOW)
+        libc::utimensat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            times.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
     })
 }
 
 /// Exports layer `m` from the store into `dest`, using `scratch` for its image files.
-pub async fn export_layer(store: &Store, m: &LayerManifest, dest: &Path, scratch: &Path) -> Result<ExportReport, BuildError> {
+pub async fn export_layer(
+    store: &Store,
+    m: &LayerManifest,
+    dest: &Path,
+    scratch: &Path,
+) -> Result<ExportReport, BuildError> {
     let meta_path = scratch.join(format!("{}.meta", m.id));
     let blob_path = scratch.join(format!("{}.blob", m.id));
     fetch_layer_files(store, m, &meta_path, &blob_path).await?;

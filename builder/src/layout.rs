@@ -81,7 +81,12 @@ mod tests {
 
     fn file(size: u64, segments: Vec<Segment>) -> Node {
         Node::new(
-            Meta { mode: 0o644, uid: 0, gid: 0, mtime: 0 },
+            Meta {
+                mode: 0o644,
+                uid: 0,
+                gid: 0,
+                mtime: 0,
+            },
             NodeKind::File(FileData { size, segments }),
         )
     }
@@ -93,7 +98,10 @@ mod tests {
             chunks: lens
                 .iter()
                 .enumerate()
-                .map(|(i, &l)| ChunkRef { digest: Digest::of(&[tag, i as u8]), length: l })
+                .map(|(i, &l)| ChunkRef {
+                    digest: Digest::of(&[tag, i as u8]),
+                    length: l,
+                })
                 .collect(),
         }
     }
@@ -101,15 +109,20 @@ mod tests {
     #[test]
     fn segments_are_block_aligned_and_twins_share_data() {
         let mut t = Tree::new();
-        t.insert(b"a", file(5000, vec![seg(0, 1, &[5000], 1)])).unwrap();
+        t.insert(b"a", file(5000, vec![seg(0, 1, &[5000], 1)]))
+            .unwrap();
         // 3 MiB + 10 bytes with a hole in the second MiB.
         let mib = 1u32 << 20;
         t.insert(
             b"b",
-            file(3 * mib as u64 + 10, vec![seg(0, 1, &[mib], 2), seg(2, 2, &[mib / 2, mib / 2, 10], 3)]),
+            file(
+                3 * mib as u64 + 10,
+                vec![seg(0, 1, &[mib], 2), seg(2, 2, &[mib / 2, mib / 2, 10], 3)],
+            ),
         )
         .unwrap();
-        t.insert(b"c", file(5000, vec![seg(0, 1, &[5000], 1)])).unwrap();
+        t.insert(b"c", file(5000, vec![seg(0, 1, &[5000], 1)]))
+            .unwrap();
         t.insert(b"empty", file(0, vec![])).unwrap();
         let l = layout(&t).unwrap();
         let a = t.lookup(b"a").unwrap();

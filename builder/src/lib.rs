@@ -137,7 +137,11 @@ pub struct BuildReport {
 pub type Progress = Arc<dyn Fn(u64) + Send + Sync>;
 
 /// Builds a layer from `req` into `store`.
-pub async fn build(store: &Store, req: &BuildRequest, progress: Option<Progress>) -> Result<BuildReport, BuildError> {
+pub async fn build(
+    store: &Store,
+    req: &BuildRequest,
+    progress: Option<Progress>,
+) -> Result<BuildReport, BuildError> {
     let started = Instant::now();
     let lease = store.begin_build().await?;
     let result = build_leased(store, req, progress, started).await;

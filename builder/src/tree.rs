@@ -246,17 +246,12 @@ impl Tree {
                 Some(_) => {
                     return Err(BuildError::BadEntry {
                         path: String::from_utf8_lossy(path).into_owned(),
-                        reason: format!(
-                            "`{}` is not a directory",
-                            String::from_utf8_lossy(part)
-                        ),
+                        reason: format!("`{}` is not a directory", String::from_utf8_lossy(part)),
                     })
                 }
                 None => {
-                    let id = self.push(Node::new(
-                        Meta::DEFAULT_DIR,
-                        NodeKind::Dir(BTreeMap::new()),
-                    ));
+                    let id =
+                        self.push(Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new())));
                     self.implicit.insert(id);
                     self.children_mut(cur).insert(part.to_vec(), id);
                     id
@@ -352,13 +347,21 @@ impl Tree {
     /// Stacks `layer` (one OCI/tar layer read on its own) on this tree: its whiteouts hide
     /// what lies below, then its entries are added. With [`Whiteouts::Overlay`] the
     /// whiteouts are also kept, as overlayfs markers, to mask layers stacked under this one.
-    pub fn apply_layer(&mut self, mut layer: Tree, whiteouts: &[Whiteout], mode: Whiteouts) -> Result<(), BuildError> {
+    pub fn apply_layer(
+        &mut self,
+        mut layer: Tree,
+        whiteouts: &[Whiteout],
+        mode: Whiteouts,
+    ) -> Result<(), BuildError> {
         for w in whiteouts {
             match w {
                 Whiteout::Remove { path, meta } => {
                     self.remove(path)?;
                     if mode == Whiteouts::Overlay && layer.lookup(path).is_none() {
-                        layer.insert(path, Node::new(*meta, NodeKind::CharDev { major: 0, minor: 0 }))?;
+                        layer.insert(
+                            path,
+                            Node::new(*meta, NodeKind::CharDev { major: 0, minor: 0 }),
+                        )?;
                     }
                 }
                 Whiteout::Opaque { dir } => {
@@ -368,9 +371,14 @@ impl Tree {
                     if mode == Whiteouts::Overlay {
                         let d = match layer.lookup(dir) {
                             Some(d) if layer.nodes[d].is_dir() => d,
-                            _ => layer.insert(dir, Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new())))?,
+                            _ => layer.insert(
+                                dir,
+                                Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new())),
+                            )?,
                         };
-                        layer.nodes[d].xattrs.insert(OPAQUE_XATTR.to_vec(), b"y".to_vec());
+                        layer.nodes[d]
+                            .xattrs
+                            .insert(OPAQUE_XATTR.to_vec(), b"y".to_vec());
                     }
                 }
             }
@@ -381,8 +389,16 @@ impl Tree {
     }
 
     /// Copies the children of `src` in `other` into directory `dst`, merging directories.
-    fn graft(&mut self, dst: NodeId, other: &Tree, src: NodeId, copied: &mut HashMap<NodeId, NodeId>) {
-        let Some(children) = other.children(src) else { return };
+    fn graft(
+        &mut self,
+        dst: NodeId,
+        other: &Tree,
+        src: NodeId,
+        copied: &mut HashMap<NodeId, NodeId>,
+    ) {
+        let Some(children) = other.children(src) else {
+            return;
+        };
         for (name, &child) in children {
             let theirs = &other.nodes[child];
             let ours = self.children(dst).and_then(|c| c.get(name)).copied();
@@ -393,7 +409,9 @@ impl Tree {
                         self.nodes[o].xattrs = theirs.xattrs.clone();
                         self.implicit.remove(&o);
                     } else if let Some(v) = theirs.xattrs.get(OPAQUE_XATTR) {
-                        self.nodes[o].xattrs.insert(OPAQUE_XATTR.to_vec(), v.clone());
+                        self.nodes[o]
+                            .xattrs
+                            .insert(OPAQUE_XATTR.to_vec(), v.clone());
                     }
                     self.graft(o, other, child, copied);
                 }
@@ -464,8 +482,16 @@ mod tests {
 
     fn file(size: u64) -> Node {
         Node::new(
-            Meta { mode: 0o644, uid: 0, gid: 0, mtime: 1 },
-            NodeKind::File(FileData { size, segments: vec![] }),
+            Meta {
+                mode: 0o644,
+                uid: 0,
+                gid: 0,
+                mtime: 1,
+            },
+            NodeKind::File(FileData {
+                size,
+                segments: vec![],
+            }),
         )
     }
 
@@ -473,7 +499,15 @@ mod tests {
     fn insert_creates_parents_and_keeps_children_of_relisted_dirs() {
         let mut t = Tree::new();
         t.insert(b"./a/b/c.txt", file(3)).unwrap();
-        let dir = Node::new(Meta { mode: 0o700, uid: 5, gid: 5, mtime: 9 }, NodeKind::Dir(BTreeMap::new()));
+        let dir = Node::new(
+            Meta {
+                mode: 0o700,
+                uid: 5,
+                gid: 5,
+                mtime: 9,
+            },
+            NodeKind::Dir(BTreeMap::new()),
+        );
         t.insert(b"a/b/", dir).unwrap();
         let b = t.lookup(b"a/b").unwrap();
         assert_eq!(t.node(b).meta.uid, 5);
@@ -490,20 +524,40 @@ mod tests {
             lower.insert(b"etc/keep", file(1)).unwrap();
             lower.insert(b"etc/gone", file(1)).unwrap();
             lower.insert(b"opt/x/y", file(1)).unwrap();
-            let dir = Node::new(Meta { mode: 0o700, uid: 3, gid: 3, mtime: 5 }, NodeKind::Dir(BTreeMap::new()));
+            let dir = Node::new(
+                Meta {
+                    mode: 0o700,
+                    uid: 3,
+                    gid: 3,
+                    mtime: 5,
+                },
+                NodeKind::Dir(BTreeMap::new()),
+            );
             lower.insert(b"opt/x", dir).unwrap();
             let mut upper = Tree::new();
             upper.insert(b"opt/x/new", file(2)).unwrap();
-            let marks: Vec<_> = [b"etc/.wh.gone".as_slice(), b"opt/x/.wh..wh..opq", b"etc/keep"]
-                .iter()
-                .filter_map(|p| Whiteout::parse(p, Meta::DEFAULT_DIR).unwrap())
-                .collect();
+            let marks: Vec<_> = [
+                b"etc/.wh.gone".as_slice(),
+                b"opt/x/.wh..wh..opq",
+                b"etc/keep",
+            ]
+            .iter()
+            .filter_map(|p| Whiteout::parse(p, Meta::DEFAULT_DIR).unwrap())
+            .collect();
             assert_eq!(marks.len(), 2);
             lower.apply_layer(upper, &marks, mode).unwrap();
             let x = lower.lookup(b"opt/x").unwrap();
             let names: Vec<_> = lower.children(x).unwrap().keys().cloned().collect();
-            assert_eq!(names, vec![b"new".to_vec()], "same-layer entries survive the opaque marker");
-            assert_eq!(lower.node(x).meta.uid, 3, "an implicit directory keeps the lower metadata");
+            assert_eq!(
+                names,
+                vec![b"new".to_vec()],
+                "same-layer entries survive the opaque marker"
+            );
+            assert_eq!(
+                lower.node(x).meta.uid,
+                3,
+                "an implicit directory keeps the lower metadata"
+            );
             assert!(lower.lookup(b"etc/keep").is_some());
             let gone = lower.lookup(b"etc/gone");
             match mode {
@@ -512,7 +566,10 @@ mod tests {
                     assert!(lower.node(x).xattrs.is_empty());
                 }
                 Whiteouts::Overlay => {
-                    assert_eq!(lower.node(gone.unwrap()).kind, NodeKind::CharDev { major: 0, minor: 0 });
+                    assert_eq!(
+                        lower.node(gone.unwrap()).kind,
+                        NodeKind::CharDev { major: 0, minor: 0 }
+                    );
                     assert_eq!(lower.node(x).xattrs.get(OPAQUE_XATTR).unwrap(), b"y");
                 }
             }

@@ -78,7 +78,10 @@ impl Uploader {
 
     /// Flushes the last pack, waits for every upload, and returns where each chunk this
     /// build referenced is stored.
-    pub async fn finish(&self, referenced: &HashSet<Digest>) -> Result<HashMap<Digest, ChunkLocation>, BuildError> {
+    pub async fn finish(
+        &self,
+        referenced: &HashSet<Digest>,
+    ) -> Result<HashMap<Digest, ChunkLocation>, BuildError> {
         let last = {
             let mut st = self
                 .state

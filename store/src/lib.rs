@@ -83,7 +83,10 @@ impl std::fmt::Debug for Store {
     }
 }
 
-fn backend_err(op: &'static str, key: &ObjectPath) -> impl FnOnce(object_store::Error) -> StoreError {
+fn backend_err(
+    op: &'static str,
+    key: &ObjectPath,
+) -> impl FnOnce(object_store::Error) -> StoreError {
     let key = key.to_string();
     move |source| StoreError::Backend { op, key, source }
 }
@@ -102,12 +105,13 @@ impl Store {
                     path: dir.display().to_string(),
                     source,
                 })?;
-                let fs = object_store::local::LocalFileSystem::new_with_prefix(dir)
-                    .map_err(|source| StoreError::Backend {
+                let fs = object_store::local::LocalFileSystem::new_with_prefix(dir).map_err(
+                    |source| StoreError::Backend {
                         op: "open",
                         key: dir.display().to_string(),
                         source,
-                    })?;
+                    },
+                )?;
                 Arc::new(fs)
             }
             StoreUrl::S3 {
@@ -140,10 +144,7 @@ impl Store {
                 if prefix.is_empty() {
                     Arc::new(s3)
                 } else {
-                    Arc::new(object_store::prefix::PrefixStore::new(
-                        s3,
-                        prefix.as_str(),
-                    ))
+                    Arc::new(object_store::prefix::PrefixStore::new(s3, prefix.as_str()))
                 }
             }
         };
@@ -315,7 +316,11 @@ impl Store {
 
     /// Commits a layer: provenance first, manifest last, so a layer is visible only when
     /// everything it points at is stored. An existing manifest for the same ID is kept.
-    pub async fn put_layer(&self, manifest: &LayerManifest, provenance: &Provenance) -> Result<bool> {
+    pub async fn put_layer(
+        &self,
+        manifest: &LayerManifest,
+        provenance: &Provenance,
+    ) -> Result<bool> {
         manifest.validate().map_err(|source| StoreError::Manifest {
             id: manifest.id.to_hex(),
             source,
@@ -349,10 +354,11 @@ impl Store {
             }
             Err(e) => return Err(backend_err("get", &key)(e)),
         };
-        let m: LayerManifest = serde_json::from_slice(&bytes).map_err(|source| StoreError::Json {
-            key: key.to_string(),
-            source,
-        })?;
+        let m: LayerManifest =
+            serde_json::from_slice(&bytes).map_err(|source| StoreError::Json {
+                key: key.to_string(),
+                source,
+            })?;
         if &m.id != id {
             return Err(StoreError::Corrupt {
                 what: format!("manifest of layer {id}"),

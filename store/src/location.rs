@@ -113,7 +113,9 @@ mod tests {
                 prefix: "pre".into()
             }
         );
-        let err = StoreUrl::parse("s3://bkt?endpont=x").unwrap_err().to_string();
+        let err = StoreUrl::parse("s3://bkt?endpont=x")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("endpont"), "{err}");
         assert!(StoreUrl::parse("ftp://x").is_err());
         assert!(StoreUrl::parse("relative/dir").is_err());

@@ -320,7 +320,10 @@ impl Store {
     pub async fn gc(&self, grace: Duration) -> Result<GcReport> {
         let marker = ObjectPath::from(GC_MARKER);
         self.backend
-            .put(&marker, PutPayload::from(format!("pid {}", std::process::id())))
+            .put(
+                &marker,
+                PutPayload::from(format!("pid {}", std::process::id())),
+            )
             .await
             .map_err(backend_err("put", &marker))?;
         let result = self.gc_marked(grace).await;
@@ -390,7 +393,12 @@ impl Store {
 
 impl Store {
     /// Deletes an unreferenced object unless it is younger than `grace`.
-    async fn sweep(&self, obj: &ObjectMeta, grace: Duration, report: &mut GcReport) -> Result<bool> {
+    async fn sweep(
+        &self,
+        obj: &ObjectMeta,
+        grace: Duration,
+        report: &mut GcReport,
+    ) -> Result<bool> {
         if age(obj) < grace {
             report.kept_young += 1;
             return Ok(false);
@@ -409,7 +417,10 @@ fn digest_of(obj: &ObjectMeta) -> Option<Digest> {
 }
 
 fn list(ids: &BTreeSet<Digest>) -> String {
-    ids.iter().map(|d| d.to_hex()).collect::<Vec<_>>().join(", ")
+    ids.iter()
+        .map(|d| d.to_hex())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 #[cfg(test)]
@@ -436,7 +447,10 @@ mod tests {
 
         // A live build lease blocks GC.
         let lease = store.begin_build().await.unwrap();
-        assert!(matches!(store.gc(Duration::ZERO).await, Err(StoreError::Busy(_))));
+        assert!(matches!(
+            store.gc(Duration::ZERO).await,
+            Err(StoreError::Busy(_))
+        ));
         lease.release().await;
 
         let g = store.gc(Duration::ZERO).await.unwrap();
@@ -454,6 +468,9 @@ mod tests {
         assert!(r.problems[0].contains(&m.chunks[0].digest.to_hex()));
         assert!(r.problems[0].contains(&m.id.to_hex()));
         let err = store.read_chunk(&m, 0).await.unwrap_err().to_string();
-        assert!(err.contains("corrupt") && err.contains(&m.id.to_hex()), "{err}");
+        assert!(
+            err.contains("corrupt") && err.contains(&m.id.to_hex()),
+            "{err}"
+        );
     }
 }

@@ -122,7 +122,7 @@ impl LayerManifest {
                 actual,
             });
         }
-        if self.blob_size % BLOCK_SIZE != 0 {
+        if !self.blob_size.is_multiple_of(BLOCK_SIZE) {
             return Err(ManifestError::Table(format!(
                 "blob size {} is not a multiple of {BLOCK_SIZE}",
                 self.blob_size

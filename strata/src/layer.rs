@@ -86,7 +86,11 @@ pub async fn run(store: &Store, cmd: LayerCommand) -> Result<i32> {
                     report.reused_chunks,
                     report.chunks,
                     report.seconds,
-                    if report.created { "" } else { " (layer already in store)" }
+                    if report.created {
+                        ""
+                    } else {
+                        " (layer already in store)"
+                    }
                 );
                 println!("{}", report.id);
             }
@@ -118,10 +122,21 @@ pub async fn run(store: &Store, cmd: LayerCommand) -> Result<i32> {
                     println!("writer         {}", p.writer_version);
                 }
                 println!("files          {}", m.files);
-                println!("logical bytes  {} ({})", m.logical_bytes, human_bytes(m.logical_bytes));
+                println!(
+                    "logical bytes  {} ({})",
+                    m.logical_bytes,
+                    human_bytes(m.logical_bytes)
+                );
                 println!("blob bytes     {}", m.blob_size);
-                println!("metadata       {} ({} bytes)", m.metadata.digest, m.metadata.size);
-                println!("chunks         {} in {} packs", m.chunks.len(), m.packs.len());
+                println!(
+                    "metadata       {} ({} bytes)",
+                    m.metadata.digest, m.metadata.size
+                );
+                println!(
+                    "chunks         {} in {} packs",
+                    m.chunks.len(),
+                    m.packs.len()
+                );
             }
             Ok(0)
         }
@@ -144,7 +159,10 @@ pub async fn run(store: &Store, cmd: LayerCommand) -> Result<i32> {
                     .collect();
                 print_json(&v)?;
             } else {
-                println!("{:<16} {:<10} {:<24} {:<12} {:>8} {:>10}", "ID", "KIND", "NAME", "VERSION", "FILES", "SIZE");
+                println!(
+                    "{:<16} {:<10} {:<24} {:<12} {:>8} {:>10}",
+                    "ID", "KIND", "NAME", "VERSION", "FILES", "SIZE"
+                );
                 for (m, p) in rows {
                     println!(
                         "{:<16} {:<10} {:<24} {:<12} {:>8} {:>10}",
@@ -164,7 +182,12 @@ pub async fn run(store: &Store, cmd: LayerCommand) -> Result<i32> {
             let m = store.get_layer(&id).await?;
             let scratch = tempfile::tempdir().context("creating a scratch directory")?;
             let r = strata_builder::export::export_layer(store, &m, &dir, scratch.path()).await?;
-            eprintln!("exported {} entries, {} to {}", r.entries, human_bytes(r.bytes), dir.display());
+            eprintln!(
+                "exported {} entries, {} to {}",
+                r.entries,
+                human_bytes(r.bytes),
+                dir.display()
+            );
             Ok(0)
         }
     }

@@ -10,7 +10,11 @@ use clap::{Parser, Subcommand};
 use strata_store::{default_store_url, Store, StoreUrl};
 
 #[derive(Parser)]
-#[command(name = "strata", version, about = "Layered, lazily loaded sandbox environments for agents")]
+#[command(
+    name = "strata",
+    version,
+    about = "Layered, lazily loaded sandbox environments for agents"
+)]
 struct Cli {
     /// Store URL: a directory, file:///dir, or s3://bucket?endpoint=http://host:port.
     /// Default: a local store under STRATA_HOME.
@@ -48,7 +52,10 @@ fn main() {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(r) => r,
         Err(e) => {
             eprintln!("error: cannot start the async runtime: {e}");

@@ -42,9 +42,21 @@ pub async fn run(store: &Store, cmd: StoreCommand) -> Result<i32> {
                 println!("layers         {}", s.layers);
                 println!("chunks         {}", s.chunks);
                 println!("packs          {}", s.packs);
-                println!("stored bytes   {} ({})", s.stored_bytes, human_bytes(s.stored_bytes));
-                println!("logical bytes  {} ({})", s.logical_bytes, human_bytes(s.logical_bytes));
-                println!("unique bytes   {} ({})", s.unique_bytes, human_bytes(s.unique_bytes));
+                println!(
+                    "stored bytes   {} ({})",
+                    s.stored_bytes,
+                    human_bytes(s.stored_bytes)
+                );
+                println!(
+                    "logical bytes  {} ({})",
+                    s.logical_bytes,
+                    human_bytes(s.logical_bytes)
+                );
+                println!(
+                    "unique bytes   {} ({})",
+                    s.unique_bytes,
+                    human_bytes(s.unique_bytes)
+                );
                 println!("dedup ratio    {:.2}", s.dedup_ratio);
             }
             Ok(0)

@@ -23,7 +23,10 @@ pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
 
 /// Source-code-like text: compressible, distinct per seed.
 pub fn text_bytes(len: usize, seed: u64) -> Vec<u8> {
-    let words = ["fn", "let", "return", "self", "value", "index", "match", "Some", "None", "=>", "{", "}", "(", ")", ";", "\n", "    "];
+    let words = [
+        "fn", "let", "return", "self", "value", "index", "match", "Some", "None", "=>", "{", "}",
+        "(", ")", ";", "\n", "    ",
+    ];
     let r = random_bytes(len / 3 + 16, seed);
     let mut out = Vec::with_capacity(len + 16);
     let mut i = 0;
@@ -46,13 +49,35 @@ fn c(p: &Path) -> CString {
 fn mknod(p: &Path, mode: u32, major: u32, minor: u32) {
     // SAFETY: valid C path.
     let rc = unsafe { libc::mknod(c(p).as_ptr(), mode, libc::makedev(major, minor)) };
-    assert_eq!(rc, 0, "mknod {}: {}", p.display(), std::io::Error::last_os_error());
+    assert_eq!(
+        rc,
+        0,
+        "mknod {}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    );
 }
 
 fn set_mtime(p: &Path, secs: i64, nsec: i64) {
-    let t = [libc::timespec { tv_sec: secs, tv_nsec: nsec }, libc::timespec { tv_sec: secs, tv_nsec: nsec }];
+    let t = [
+        libc::timespec {
+            tv_sec: secs,
+            tv_nsec: nsec,
+        },
+        libc::timespec {
+            tv_sec: secs,
+            tv_nsec: nsec,
+        },
+    ];
     // SAFETY: valid path, two timespecs.
-    let rc = unsafe { libc::utimensat(libc::AT_FDCWD, c(p).as_ptr(), t.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) };
+    let rc = unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            c(p).as_ptr(),
+            t.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
     assert_eq!(rc, 0, "utimensat {}", p.display());
 }
 
@@ -89,7 +114,10 @@ pub fn full_tree(root: &Path, with_socket: bool) {
     }
     // A directory spanning several blocks, with names that sort around '.'.
     for i in 0..300 {
-        w(&format!("many/entry-{i:04}-{}", "x".repeat(i % 40)), format!("{i}").as_bytes());
+        w(
+            &format!("many/entry-{i:04}-{}", "x".repeat(i % 40)),
+            format!("{i}").as_bytes(),
+        );
     }
     for name in ["!bang", "+plus", "-minus", ".hidden", "~tilde"] {
         w(&format!("many/{name}"), name.as_bytes());
@@ -157,6 +185,10 @@ pub fn workspace_tree(root: &Path, files: usize, seed: u64) {
         let dir = root.join(format!("pkg{:02}/mod{:02}", i % 17, i % 5));
         fs::create_dir_all(&dir).expect("mkdir");
         let len = 200 + (random_bytes(8, seed + i as u64)[0] as usize * 160);
-        fs::write(dir.join(format!("file{i:05}.rs")), text_bytes(len, seed * 1_000_003 + i as u64)).expect("write");
+        fs::write(
+            dir.join(format!("file{i:05}.rs")),
+            text_bytes(len, seed * 1_000_003 + i as u64),
+        )
+        .expect("write");
     }
 }

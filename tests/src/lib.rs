@@ -19,8 +19,13 @@ pub fn have_root(test: &str) -> bool {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     if !root {
-        assert!(!privileged_required(), "{test}: needs root, and STRATA_REQUIRE_PRIVILEGED=1 is set");
-        eprintln!("SKIPPED {test}: needs root (set STRATA_REQUIRE_PRIVILEGED=1 to make this a failure)");
+        assert!(
+            !privileged_required(),
+            "{test}: needs root, and STRATA_REQUIRE_PRIVILEGED=1 is set"
+        );
+        eprintln!(
+            "SKIPPED {test}: needs root (set STRATA_REQUIRE_PRIVILEGED=1 to make this a failure)"
+        );
     }
     root
 }
@@ -33,7 +38,10 @@ pub fn have_tool(test: &str, tool: &str) -> bool {
         .output()
         .is_ok_and(|o| o.status.success());
     if !found {
-        assert!(!privileged_required(), "{test}: needs `{tool}` (run scripts/setup.sh)");
+        assert!(
+            !privileged_required(),
+            "{test}: needs `{tool}` (run scripts/setup.sh)"
+        );
         eprintln!("SKIPPED {test}: `{tool}` not installed (run scripts/setup.sh)");
     }
     found
@@ -43,7 +51,10 @@ pub fn have_tool(test: &str, tool: &str) -> bool {
 pub fn strata_bin() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> -> target/<profile>/strata
-    let dir = exe.parent().and_then(Path::parent).expect("target directory");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target directory");
     let bin = dir.join("strata");
     assert!(
         bin.is_file(),
@@ -65,7 +76,11 @@ pub fn strata(store: &str, args: &[&str]) -> Output {
 
 /// Runs a shell command, panicking with its output if it fails.
 pub fn sh(script: &str) -> String {
-    let out = Command::new("bash").arg("-ec").arg(script).output().expect("bash");
+    let out = Command::new("bash")
+        .arg("-ec")
+        .arg(script)
+        .output()
+        .expect("bash");
     assert!(
         out.status.success(),
         "`{script}` failed: {}{}",
@@ -92,15 +107,28 @@ pub struct LayerFiles {
 
 /// Fetches a layer's image and blob from the store into a temp directory on local disk
 /// (file-backed EROFS mounts refuse tmpfs).
-pub fn fetch_layer(rt: &tokio::runtime::Runtime, store: &strata_store::Store, id: &strata_store::Digest) -> LayerFiles {
-    let dir = tempfile::Builder::new().prefix("strata-layer-").tempdir_in(scratch_root()).expect("tempdir");
+pub fn fetch_layer(
+    rt: &tokio::runtime::Runtime,
+    store: &strata_store::Store,
+    id: &strata_store::Digest,
+) -> LayerFiles {
+    let dir = tempfile::Builder::new()
+        .prefix("strata-layer-")
+        .tempdir_in(scratch_root())
+        .expect("tempdir");
     let meta = dir.path().join("meta.erofs");
     let blob = dir.path().join("blob");
     rt.block_on(async {
         let m = store.get_layer(id).await.expect("manifest");
-        strata_builder::export::fetch_layer_files(store, &m, &meta, &blob).await.expect("fetch");
+        strata_builder::export::fetch_layer_files(store, &m, &meta, &blob)
+            .await
+            .expect("fetch");
         let has_blob = m.blob_size > 0;
-        LayerFiles { meta, blob: has_blob.then_some(blob), dir }
+        LayerFiles {
+            meta,
+            blob: has_blob.then_some(blob),
+            dir,
+        }
     })
 }
 
@@ -108,7 +136,9 @@ pub fn fetch_layer(rt: &tokio::runtime::Runtime, store: &strata_store::Store, id
 pub fn scratch_root() -> PathBuf {
     let p = std::env::var_os("STRATA_TEST_SCRATCH")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch"));
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch")
+        });
     std::fs::create_dir_all(&p).expect("scratch dir");
     p
 }
@@ -123,7 +153,9 @@ impl KernelMount {
     pub fn new(meta: &Path, blob: Option<&Path>) -> std::io::Result<KernelMount> {
         use std::ffi::CString;
         use std::os::unix::ffi::OsStrExt;
-        let target = tempfile::Builder::new().prefix("strata-mnt-").tempdir_in(scratch_root())?;
+        let target = tempfile::Builder::new()
+            .prefix("strata-mnt-")
+            .tempdir_in(scratch_root())?;
         let src = CString::new(meta.as_os_str().as_bytes())?;
         let dst = CString::new(target.path().as_os_str().as_bytes())?;
         let opts = match blob {
@@ -134,7 +166,13 @@ impl KernelMount {
         let fstype = CString::new("erofs")?;
         // SAFETY: all pointers are valid NUL-terminated strings.
         let rc = unsafe {
-            libc::mount(src.as_ptr(), dst.as_ptr(), fstype.as_ptr(), libc::MS_RDONLY, opts.as_ptr().cast())
+            libc::mount(
+                src.as_ptr(),
+                dst.as_ptr(),
+                fstype.as_ptr(),
+                libc::MS_RDONLY,
+                opts.as_ptr().cast(),
+            )
         };
         if rc != 0 {
             return Err(std::io::Error::last_os_error());
@@ -159,8 +197,12 @@ impl Drop for KernelMount {
 
 /// Opens a local store in a fresh temp directory.
 pub fn temp_store() -> (tempfile::TempDir, strata_store::Store) {
-    let dir = tempfile::Builder::new().prefix("strata-store-").tempdir_in(scratch_root()).expect("tempdir");
-    let store = strata_store::Store::open(&strata_store::StoreUrl::Local(dir.path().join("store"))).expect("store");
+    let dir = tempfile::Builder::new()
+        .prefix("strata-store-")
+        .tempdir_in(scratch_root())
+        .expect("tempdir");
+    let store = strata_store::Store::open(&strata_store::StoreUrl::Local(dir.path().join("store")))
+        .expect("store");
     (dir, store)
 }
 
@@ -171,6 +213,12 @@ pub fn build(
     source: strata_builder::Source,
     kind: strata_builder::LayerKind,
 ) -> Result<strata_builder::BuildReport, strata_builder::BuildError> {
-    let req = strata_builder::BuildRequest { source, kind, name: None, version: None, exclude: vec![] };
+    let req = strata_builder::BuildRequest {
+        source,
+        kind,
+        name: None,
+        version: None,
+        exclude: vec![],
+    };
     rt.block_on(strata_builder::build(store, &req, None))
 }

@@ -22,7 +22,10 @@ impl S3Server {
         if !crate::have_tool(test, "radosgw") {
             return None;
         }
-        let dir = tempfile::Builder::new().prefix("strata-s3-").tempdir().expect("tempdir");
+        let dir = tempfile::Builder::new()
+            .prefix("strata-s3-")
+            .tempdir()
+            .expect("tempdir");
         let port = 7480 + (std::process::id() % 500) as u16;
         let out = Command::new("bash")
             .arg(script())
@@ -44,8 +47,12 @@ impl S3Server {
         );
         let mut server = server;
         for line in String::from_utf8_lossy(&out.stdout).lines() {
-            let Some(rest) = line.strip_prefix("export ") else { continue };
-            let Some((k, v)) = rest.split_once('=') else { continue };
+            let Some(rest) = line.strip_prefix("export ") else {
+                continue;
+            };
+            let Some((k, v)) = rest.split_once('=') else {
+                continue;
+            };
             let v = v.trim_matches('"').trim_matches('\'');
             if k == "STRATA_TEST_S3_URL" {
                 server.url = v.to_string();
@@ -54,13 +61,20 @@ impl S3Server {
                 unsafe { std::env::set_var(k, v) };
             }
         }
-        assert!(!server.url.is_empty(), "s3-server.sh printed no STRATA_TEST_S3_URL");
+        assert!(
+            !server.url.is_empty(),
+            "s3-server.sh printed no STRATA_TEST_S3_URL"
+        );
         Some(server)
     }
 }
 
 impl Drop for S3Server {
     fn drop(&mut self) {
-        let _ = Command::new("bash").arg(&self.script).arg("stop").arg(self.dir.path()).status();
+        let _ = Command::new("bash")
+            .arg(&self.script)
+            .arg("stop")
+            .arg(self.dir.path())
+            .status();
     }
 }

@@ -29,7 +29,9 @@ fn hash_file(p: &Path) -> [u8; 32] {
     let mut h = blake3::Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = f.read(&mut buf).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
+        let n = f
+            .read(&mut buf)
+            .unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
         if n == 0 {
             break;
         }
@@ -48,10 +50,20 @@ pub fn snapshot(root: &Path) -> BTreeMap<Vec<u8>, Entry> {
         .into_iter()
         .map(|e| e.unwrap_or_else(|e| panic!("walking {}: {e}", root.display())))
         .collect();
-    walk.sort_by(|a, b| a.path().as_os_str().as_bytes().cmp(b.path().as_os_str().as_bytes()));
+    walk.sort_by(|a, b| {
+        a.path()
+            .as_os_str()
+            .as_bytes()
+            .cmp(b.path().as_os_str().as_bytes())
+    });
     for e in walk {
         let p = e.path();
-        let rel = p.strip_prefix(root).expect("under root").as_os_str().as_bytes().to_vec();
+        let rel = p
+            .strip_prefix(root)
+            .expect("under root")
+            .as_os_str()
+            .as_bytes()
+            .to_vec();
         let m = std::fs::symlink_metadata(p).expect("lstat");
         let ft = m.file_type();
         let mut xattrs = BTreeMap::new();
@@ -59,7 +71,10 @@ pub fn snapshot(root: &Path) -> BTreeMap<Vec<u8>, Entry> {
             let v = xattr::get(p, &name).expect("getxattr").unwrap_or_default();
             xattrs.insert(name.as_bytes().to_vec(), v);
         }
-        let group = groups.entry((m.dev(), m.ino())).or_insert_with(|| rel.clone()).clone();
+        let group = groups
+            .entry((m.dev(), m.ino()))
+            .or_insert_with(|| rel.clone())
+            .clone();
         out.insert(
             rel,
             Entry {
@@ -69,8 +84,18 @@ pub fn snapshot(root: &Path) -> BTreeMap<Vec<u8>, Entry> {
                 mtime: m.mtime(),
                 size: if ft.is_dir() { 0 } else { m.size() },
                 content: ft.is_file().then(|| hash_file(p)),
-                target: ft.is_symlink().then(|| std::fs::read_link(p).expect("readlink").as_os_str().as_bytes().to_vec()),
-                rdev: if ft.is_char_device_or_block() { m.rdev() } else { 0 },
+                target: ft.is_symlink().then(|| {
+                    std::fs::read_link(p)
+                        .expect("readlink")
+                        .as_os_str()
+                        .as_bytes()
+                        .to_vec()
+                }),
+                rdev: if ft.is_char_device_or_block() {
+                    m.rdev()
+                } else {
+                    0
+                },
                 xattrs,
                 nlink: m.nlink(),
                 link_group: if ft.is_dir() { Vec::new() } else { group },
@@ -103,7 +128,11 @@ pub struct Ignore {
 }
 
 /// Differences between two snapshots, one line each; empty when equal.
-pub fn diff(expected: &BTreeMap<Vec<u8>, Entry>, actual: &BTreeMap<Vec<u8>, Entry>, ignore: Ignore) -> Vec<String> {
+pub fn diff(
+    expected: &BTreeMap<Vec<u8>, Entry>,
+    actual: &BTreeMap<Vec<u8>, Entry>,
+    ignore: Ignore,
+) -> Vec<String> {
     let mut out = Vec::new();
     for (path, e) in expected {
         let shown = String::from_utf8_lossy(path);
@@ -128,7 +157,9 @@ pub fn diff(expected: &BTreeMap<Vec<u8>, Entry>, actual: &BTreeMap<Vec<u8>, Entr
             a.xattrs.retain(|k, _| k.starts_with(b"user."));
         }
         if e != a {
-            out.push(format!("differs: {shown}\n  expected {e:?}\n  actual   {a:?}"));
+            out.push(format!(
+                "differs: {shown}\n  expected {e:?}\n  actual   {a:?}"
+            ));
         }
     }
     for path in actual.keys() {

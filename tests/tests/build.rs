@@ -37,12 +37,24 @@ fn same_tree_gives_same_id_from_any_source_form() {
     let copy = work.path().join("copy");
     sh(&format!("cp -a '{}' '{}'", src.display(), copy.display()));
     let (_sd2, store2) = temp_store();
-    assert_eq!(build(&rt, &store2, Source::Dir(copy), LayerKind::Base).unwrap().id, a.id);
-    for (name, filter) in [("plain.tar", ""), ("gz.tar.gz", "| gzip -1"), ("zst.tar.zst", "| zstd -q")] {
+    assert_eq!(
+        build(&rt, &store2, Source::Dir(copy), LayerKind::Base)
+            .unwrap()
+            .id,
+        a.id
+    );
+    for (name, filter) in [
+        ("plain.tar", ""),
+        ("gz.tar.gz", "| gzip -1"),
+        ("zst.tar.zst", "| zstd -q"),
+    ] {
         let t = work.path().join(name);
         tar_of(&src, &t, filter);
         let r = build(&rt, &store2, Source::Tar(t), LayerKind::Base).unwrap();
-        assert_eq!(r.id, a.id, "{name} gives a different layer than the directory");
+        assert_eq!(
+            r.id, a.id,
+            "{name} gives a different layer than the directory"
+        );
     }
 }
 
@@ -73,7 +85,11 @@ fn a_one_percent_change_stores_under_five_percent_new_data() {
         std::fs::remove_file(f).unwrap();
     }
     for i in 0..5 {
-        std::fs::write(src.join(format!("pkg00/new{i}.rs")), fixtures::text_bytes(8000, 900 + i)).unwrap();
+        std::fs::write(
+            src.join(format!("pkg00/new{i}.rs")),
+            fixtures::text_bytes(8000, 900 + i),
+        )
+        .unwrap();
     }
     let second = build(&rt, &store, Source::Dir(src.clone()), LayerKind::Workspace).unwrap();
     assert_ne!(first.id, second.id);
@@ -86,7 +102,11 @@ fn a_one_percent_change_stores_under_five_percent_new_data() {
         second.reused_chunks,
         second.chunks
     );
-    assert!(fraction <= 0.05, "second build stored {:.2}% new data", fraction * 100.0);
+    assert!(
+        fraction <= 0.05,
+        "second build stored {:.2}% new data",
+        fraction * 100.0
+    );
 }
 
 #[test]
@@ -103,9 +123,16 @@ fn one_byte_inserted_at_the_start_of_100_mib_costs_under_2_mib() {
     edited.extend_from_slice(&data);
     std::fs::write(src.join("blob.bin"), &edited).unwrap();
     let second = build(&rt, &store, Source::Dir(src.clone()), LayerKind::Workspace).unwrap();
-    eprintln!("insertion: {} new bytes of {}", second.new_data_bytes, second.logical_bytes);
+    eprintln!(
+        "insertion: {} new bytes of {}",
+        second.new_data_bytes, second.logical_bytes
+    );
     assert_eq!(first.new_data_bytes, 100 << 20);
-    assert!(second.new_data_bytes <= 2 << 20, "{} new bytes", second.new_data_bytes);
+    assert!(
+        second.new_data_bytes <= 2 << 20,
+        "{} new bytes",
+        second.new_data_bytes
+    );
 }
 
 #[test]
@@ -118,7 +145,10 @@ fn a_corrupt_chunk_fails_verify_and_every_read_of_it() {
     let r = build(&rt, &store, Source::Dir(src), LayerKind::Workspace).unwrap();
     let m = rt.block_on(store.get_layer(&r.id)).unwrap();
     let pack = m.packs[m.chunks[0].pack as usize];
-    let path = sd.path().join("store").join(strata_store::Store::pack_key(&pack).to_string());
+    let path = sd
+        .path()
+        .join("store")
+        .join(strata_store::Store::pack_key(&pack).to_string());
     let mut bytes = std::fs::read(&path).unwrap();
     let at = m.chunks[0].pack_offset as usize + 1;
     bytes[at] ^= 0xff;
@@ -126,19 +156,39 @@ fn a_corrupt_chunk_fails_verify_and_every_read_of_it() {
 
     let v = rt.block_on(store.verify()).unwrap();
     assert!(!v.problems.is_empty());
-    assert!(v.problems.iter().any(|p| p.contains(&m.chunks[0].digest.to_hex()) && p.contains(&r.id.to_hex())), "{:?}", v.problems);
-    let err = rt.block_on(store.read_chunk(&m, 0)).unwrap_err().to_string();
-    assert!(err.contains("corrupt") && err.contains(&m.chunks[0].digest.to_hex()), "{err}");
+    assert!(
+        v.problems
+            .iter()
+            .any(|p| p.contains(&m.chunks[0].digest.to_hex()) && p.contains(&r.id.to_hex())),
+        "{:?}",
+        v.problems
+    );
+    let err = rt
+        .block_on(store.read_chunk(&m, 0))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("corrupt") && err.contains(&m.chunks[0].digest.to_hex()),
+        "{err}"
+    );
     let out = tempfile::tempdir_in(scratch_root()).unwrap();
     let e = rt
-        .block_on(strata_builder::export::export_layer(&store, &m, &out.path().join("x"), out.path()))
+        .block_on(strata_builder::export::export_layer(
+            &store,
+            &m,
+            &out.path().join("x"),
+            out.path(),
+        ))
         .unwrap_err()
         .to_string();
     assert!(e.contains("corrupt"), "{e}");
 }
 
 fn assert_nothing_committed(rt: &tokio::runtime::Runtime, store: &strata_store::Store) {
-    assert!(rt.block_on(store.list_layers()).unwrap().is_empty(), "a failed build left a layer");
+    assert!(
+        rt.block_on(store.list_layers()).unwrap().is_empty(),
+        "a failed build left a layer"
+    );
 }
 
 #[test]
@@ -166,7 +216,10 @@ fn bad_inputs_fail_clearly_and_commit_nothing() {
         b.finish().unwrap();
     }
     let e = build(&rt, &store, Source::Tar(t), LayerKind::Base).unwrap_err();
-    assert!(matches!(e, BuildError::BadEntry { .. }) && e.to_string().contains("evil.txt"), "{e}");
+    assert!(
+        matches!(e, BuildError::BadEntry { .. }) && e.to_string().contains("evil.txt"),
+        "{e}"
+    );
 
     // A 256-byte name (GNU long name).
     let t = work.path().join("long.tar");
@@ -181,7 +234,9 @@ fn bad_inputs_fail_clearly_and_commit_nothing() {
         b.append_data(&mut h, "n".repeat(256), &b"x"[..]).unwrap();
         b.finish().unwrap();
     }
-    let e = build(&rt, &store, Source::Tar(t), LayerKind::Base).unwrap_err().to_string();
+    let e = build(&rt, &store, Source::Tar(t), LayerKind::Base)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("256 bytes") && e.contains("255"), "{e}");
 
     // An entry type a layer cannot hold (a GNU volume label).
@@ -198,13 +253,20 @@ fn bad_inputs_fail_clearly_and_commit_nothing() {
         b.append_data(&mut h, "label", &b""[..]).unwrap();
         b.finish().unwrap();
     }
-    let e = build(&rt, &store, Source::Tar(t), LayerKind::Base).unwrap_err().to_string();
-    assert!(e.contains("unsupported tar entry") && e.contains("label"), "{e}");
+    let e = build(&rt, &store, Source::Tar(t), LayerKind::Base)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("unsupported tar entry") && e.contains("label"),
+        "{e}"
+    );
 
     // Not a tar at all.
     let t = work.path().join("garbage.tar");
     std::fs::write(&t, fixtures::random_bytes(10_000, 1)).unwrap();
-    let e = build(&rt, &store, Source::Tar(t), LayerKind::Base).unwrap_err().to_string();
+    let e = build(&rt, &store, Source::Tar(t), LayerKind::Base)
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("garbage.tar"), "{e}");
 
     // An OCI layout whose layer blob does not match its digest.
@@ -220,9 +282,17 @@ fn bad_inputs_fail_clearly_and_commit_nothing() {
     let n = bytes.len();
     bytes[n - 2000] ^= 1;
     std::fs::write(&blob, bytes).unwrap();
-    let e = build(&rt, &store, Source::OciLayout { path: layout, reference: None }, LayerKind::Base)
-        .unwrap_err()
-        .to_string();
+    let e = build(
+        &rt,
+        &store,
+        Source::OciLayout {
+            path: layout,
+            reference: None,
+        },
+        LayerKind::Base,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("digest mismatch"), "{e}");
 
     assert_nothing_committed(&rt, &store);
@@ -265,8 +335,15 @@ fn hex_of(b: &[u8]) -> String {
 /// Writes an OCI image layout with one image made of `layers` (bottom first).
 fn write_oci_layout(layout: &Path, layers: &[Vec<u8>]) {
     std::fs::create_dir_all(layout.join("blobs/sha256")).unwrap();
-    std::fs::write(layout.join("oci-layout"), r#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
-    let (cfg, cfg_size) = put_blob(layout, br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#);
+    std::fs::write(
+        layout.join("oci-layout"),
+        r#"{"imageLayoutVersion":"1.0.0"}"#,
+    )
+    .unwrap();
+    let (cfg, cfg_size) = put_blob(
+        layout,
+        br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#,
+    );
     let descs: Vec<_> = layers
         .iter()
         .map(|l| {
@@ -295,14 +372,38 @@ fn oci_layers_flatten_with_whiteouts_applied_or_kept_for_overlay() {
     let work = tempfile::tempdir_in(scratch_root()).unwrap();
     let layout = work.path().join("oci");
     let lower = simple_tar(
-        &[("etc/keep", b"keep"), ("etc/gone", b"gone"), ("opt/app/old", b"old"), ("opt/app/sub/older", b"older")],
+        &[
+            ("etc/keep", b"keep"),
+            ("etc/gone", b"gone"),
+            ("opt/app/old", b"old"),
+            ("opt/app/sub/older", b"older"),
+        ],
         &[],
     );
-    let upper = simple_tar(&[("opt/app/new", b"new")], &["etc/.wh.gone", "opt/app/.wh..wh..opq", "var/.wh.never-existed"]);
+    let upper = simple_tar(
+        &[("opt/app/new", b"new")],
+        &[
+            "etc/.wh.gone",
+            "opt/app/.wh..wh..opq",
+            "var/.wh.never-existed",
+        ],
+    );
     write_oci_layout(&layout, &[lower, upper]);
     let (_sd, store) = temp_store();
-    for (kind, reference) in [(LayerKind::Base, None), (LayerKind::Toolkit, Some("latest".to_string()))] {
-        let r = build(&rt, &store, Source::OciLayout { path: layout.clone(), reference }, kind).unwrap();
+    for (kind, reference) in [
+        (LayerKind::Base, None),
+        (LayerKind::Toolkit, Some("latest".to_string())),
+    ] {
+        let r = build(
+            &rt,
+            &store,
+            Source::OciLayout {
+                path: layout.clone(),
+                reference,
+            },
+            kind,
+        )
+        .unwrap();
         let files = fetch_layer(&rt, &store, &r.id);
         let fs = strata_builder::export::open_image(&files.meta, files.blob.as_deref()).unwrap();
         let mut names = Vec::new();
@@ -314,17 +415,43 @@ fn oci_layers_flatten_with_whiteouts_applied_or_kept_for_overlay() {
         let opaque = fs.xattrs("/opt/app").unwrap();
         match kind {
             LayerKind::Base => {
-                assert_eq!(names, ["/etc", "/etc/keep", "/opt", "/opt/app", "/opt/app/new"]);
+                assert_eq!(
+                    names,
+                    ["/etc", "/etc/keep", "/opt", "/opt/app", "/opt/app/new"]
+                );
                 assert!(opaque.is_empty());
             }
             _ => {
                 assert_eq!(
                     names,
-                    ["/etc", "/etc/gone", "/etc/keep", "/opt", "/opt/app", "/opt/app/new", "/var", "/var/never-existed"]
+                    [
+                        "/etc",
+                        "/etc/gone",
+                        "/etc/keep",
+                        "/opt",
+                        "/opt/app",
+                        "/opt/app/new",
+                        "/var",
+                        "/var/never-existed"
+                    ]
                 );
-                let wh = fs.walk_dir("/etc").unwrap().map(|e| e.unwrap()).find(|e| e.dir_entry.file_name() == b"gone").unwrap();
-                assert_eq!(wh.inode.device(), Some((0, 0)), "whiteout is a 0:0 character device");
-                assert_eq!(opaque.get(b"trusted.overlay.opaque".as_slice()).map(Vec::as_slice), Some(b"y".as_slice()));
+                let wh = fs
+                    .walk_dir("/etc")
+                    .unwrap()
+                    .map(|e| e.unwrap())
+                    .find(|e| e.dir_entry.file_name() == b"gone")
+                    .unwrap();
+                assert_eq!(
+                    wh.inode.device(),
+                    Some((0, 0)),
+                    "whiteout is a 0:0 character device"
+                );
+                assert_eq!(
+                    opaque
+                        .get(b"trusted.overlay.opaque".as_slice())
+                        .map(Vec::as_slice),
+                    Some(b"y".as_slice())
+                );
             }
         }
     }
@@ -345,8 +472,20 @@ fn git_revision_is_a_source() {
         repo.display()
     ));
     let (_sd, store) = temp_store();
-    let v1 = build(&rt, &store, Source::parse(&format!("git:{}@v1", repo.display())).unwrap(), LayerKind::Workspace).unwrap();
-    let head = build(&rt, &store, Source::parse(&format!("git:{}", repo.display())).unwrap(), LayerKind::Workspace).unwrap();
+    let v1 = build(
+        &rt,
+        &store,
+        Source::parse(&format!("git:{}@v1", repo.display())).unwrap(),
+        LayerKind::Workspace,
+    )
+    .unwrap();
+    let head = build(
+        &rt,
+        &store,
+        Source::parse(&format!("git:{}", repo.display())).unwrap(),
+        LayerKind::Workspace,
+    )
+    .unwrap();
     assert_ne!(v1.id, head.id);
     assert_eq!(v1.files, 20);
     let files = fetch_layer(&rt, &store, &head.id);
@@ -355,8 +494,13 @@ fn git_revision_is_a_source() {
     let mut buf = vec![0u8; 64];
     let n = f.read_at(&mut buf, 0).unwrap();
     assert_eq!(&buf[..n], b"changed\n");
-    let e = build(&rt, &store, Source::parse(&format!("git:{}@no-such-rev", repo.display())).unwrap(), LayerKind::Workspace)
-        .unwrap_err()
-        .to_string();
+    let e = build(
+        &rt,
+        &store,
+        Source::parse(&format!("git:{}@no-such-rev", repo.display())).unwrap(),
+        LayerKind::Workspace,
+    )
+    .unwrap_err()
+    .to_string();
     assert!(e.contains("no-such-rev"), "{e}");
 }

@@ -19,10 +19,33 @@ fn layer_and_store_commands() {
     let store = store.to_str().unwrap();
     let src_s = src.to_str().unwrap();
 
-    let o = strata(store, &["layer", "build", "--kind", "workspace", "--name", "demo", "--version", "1", "--json", src_s]);
+    let o = strata(
+        store,
+        &[
+            "layer",
+            "build",
+            "--kind",
+            "workspace",
+            "--name",
+            "demo",
+            "--version",
+            "1",
+            "--json",
+            src_s,
+        ],
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     let j: serde_json::Value = serde_json::from_str(&stdout(&o)).expect("one JSON object");
-    for key in ["id", "files", "logical_bytes", "uploaded_bytes", "new_data_bytes", "chunks", "reused_chunks", "seconds"] {
+    for key in [
+        "id",
+        "files",
+        "logical_bytes",
+        "uploaded_bytes",
+        "new_data_bytes",
+        "chunks",
+        "reused_chunks",
+        "seconds",
+    ] {
         assert!(j.get(key).is_some(), "--json lacks `{key}`: {j}");
     }
     assert_eq!(j["files"], 120);
@@ -40,7 +63,11 @@ fn layer_and_store_commands() {
     assert_eq!(j["provenance"]["kind"], "workspace");
 
     let o = strata(store, &["layer", "ls"]);
-    assert!(stdout(&o).contains(&id[..16]) && stdout(&o).contains("demo"), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains(&id[..16]) && stdout(&o).contains("demo"),
+        "{}",
+        stdout(&o)
+    );
 
     let o = strata(store, &["store", "stats", "--json"]);
     let j: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
@@ -51,7 +78,14 @@ fn layer_and_store_commands() {
     let out = work.path().join("export");
     let o = strata(store, &["layer", "export", &id, out.to_str().unwrap()]);
     assert!(o.status.success(), "{}", stderr(&o));
-    treecmp::assert_same_tree(&src, &out, treecmp::Ignore { root_meta: true, ..Default::default() });
+    treecmp::assert_same_tree(
+        &src,
+        &out,
+        treecmp::Ignore {
+            root_meta: true,
+            ..Default::default()
+        },
+    );
 
     let o = strata(store, &["store", "verify"]);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -68,14 +102,26 @@ fn layer_and_store_commands() {
     std::fs::write(&pack, bytes).unwrap();
     let o = strata(store, &["store", "verify"]);
     assert!(!o.status.success());
-    assert!(stderr(&o).contains("corrupt") && stderr(&o).contains(&id), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("corrupt") && stderr(&o).contains(&id),
+        "{}",
+        stderr(&o)
+    );
 
     // Bad input: a clear error naming the path, non-zero exit.
     let o = strata(store, &["layer", "build", "/no/such/tree"]);
     assert!(!o.status.success());
     assert!(stderr(&o).contains("/no/such/tree"), "{}", stderr(&o));
     let o = strata(store, &["layer", "inspect", "0123456789abcdef"]);
-    assert!(!o.status.success() && stderr(&o).contains("not in the store"), "{}", stderr(&o));
+    assert!(
+        !o.status.success() && stderr(&o).contains("not in the store"),
+        "{}",
+        stderr(&o)
+    );
     let o = strata("s3://", &["store", "stats"]);
-    assert!(!o.status.success() && stderr(&o).contains("bucket"), "{}", stderr(&o));
+    assert!(
+        !o.status.success() && stderr(&o).contains("bucket"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -13,7 +13,10 @@ fn fsck(files: &LayerFiles, extra: &[&str]) -> std::process::Output {
     if let Some(b) = &files.blob {
         cmd.arg(format!("--device={}", b.display()));
     }
-    cmd.args(extra).arg(&files.meta).output().expect("fsck.erofs")
+    cmd.args(extra)
+        .arg(&files.meta)
+        .output()
+        .expect("fsck.erofs")
 }
 
 #[test]
@@ -28,7 +31,10 @@ fn full_tree_reads_back_identically_through_three_readers() {
     let (_sd, store) = temp_store();
     let report = build(&rt, &store, Source::Dir(src.clone()), LayerKind::Base).unwrap();
     let files = fetch_layer(&rt, &store, &report.id);
-    let ignore = Ignore { root_meta: true, ..Default::default() };
+    let ignore = Ignore {
+        root_meta: true,
+        ..Default::default()
+    };
 
     // 1. The kernel, file-backed with the blob as an extra device.
     {
@@ -44,10 +50,19 @@ fn full_tree_reads_back_identically_through_three_readers() {
 
     // 3. fsck.erofs: integrity check, then extraction compared on content.
     let o = fsck(&files, &[]);
-    assert!(o.status.success(), "fsck.erofs failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "fsck.erofs failed: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
     let extracted = work.path().join("fsck");
     let o = fsck(&files, &[&format!("--extract={}", extracted.display())]);
-    assert!(o.status.success(), "fsck.erofs --extract failed: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "fsck.erofs --extract failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let want = treecmp::snapshot(&src);
     let got = treecmp::snapshot(&extracted);
     // erofs-utils 1.5 extracts chunk-index holes wrongly (it writes the next chunk's bytes
@@ -59,8 +74,15 @@ fn full_tree_reads_back_identically_through_three_readers() {
             continue;
         }
         if e.content.is_some() || e.target.is_some() {
-            let g = got.get(path).unwrap_or_else(|| panic!("fsck did not extract {}", String::from_utf8_lossy(path)));
-            assert_eq!((&e.content, &e.target), (&g.content, &g.target), "{}", String::from_utf8_lossy(path));
+            let g = got.get(path).unwrap_or_else(|| {
+                panic!("fsck did not extract {}", String::from_utf8_lossy(path))
+            });
+            assert_eq!(
+                (&e.content, &e.target),
+                (&g.content, &g.target),
+                "{}",
+                String::from_utf8_lossy(path)
+            );
         }
     }
 }
@@ -78,7 +100,11 @@ fn files_over_4gib_and_holes_read_back() {
     let size = (4u64 << 30) + (3 << 20) + 123;
     big.set_len(size).unwrap();
     use std::os::unix::fs::FileExt;
-    let marks = [(0u64, b"start".as_slice()), (1 << 32, b"past 4 GiB"), (size - 4, b"end!")];
+    let marks = [
+        (0u64, b"start".as_slice()),
+        (1 << 32, b"past 4 GiB"),
+        (size - 4, b"end!"),
+    ];
     for (off, data) in marks {
         big.write_all_at(data, off).unwrap();
     }
@@ -88,11 +114,22 @@ fn files_over_4gib_and_holes_read_back() {
     let report = build(&rt, &store, Source::Dir(src.clone()), LayerKind::Base).unwrap();
     assert_eq!(report.logical_bytes, size + 5);
     // Holes are not stored: three 1 MiB chunks of data at most, plus the small file.
-    assert!(report.blob_bytes <= (3 << 20) + 4096, "blob is {} bytes", report.blob_bytes);
+    assert!(
+        report.blob_bytes <= (3 << 20) + 4096,
+        "blob is {} bytes",
+        report.blob_bytes
+    );
     let files = fetch_layer(&rt, &store, &report.id);
 
     let mnt = KernelMount::new(&files.meta, files.blob.as_deref()).expect("kernel mount");
-    assert_same_tree(&src, mnt.path(), Ignore { root_meta: true, ..Default::default() });
+    assert_same_tree(
+        &src,
+        mnt.path(),
+        Ignore {
+            root_meta: true,
+            ..Default::default()
+        },
+    );
 
     let fs = strata_builder::export::open_image(&files.meta, files.blob.as_deref()).unwrap();
     let f = fs.open("/big.img").unwrap();
@@ -108,7 +145,11 @@ fn files_over_4gib_and_holes_read_back() {
         assert_eq!(buf, data, "erofs-rs at offset {off}");
     }
     let o = fsck(&files, &[]);
-    assert!(o.status.success(), "fsck.erofs: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "fsck.erofs: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[test]
@@ -127,5 +168,12 @@ fn empty_layer_and_data_free_layer_mount() {
     let files = fetch_layer(&rt, &store, &report.id);
     assert!(files.blob.is_none());
     let mnt = KernelMount::new(&files.meta, None).expect("kernel mount");
-    assert_same_tree(&src, mnt.path(), Ignore { root_meta: true, ..Default::default() });
+    assert_same_tree(
+        &src,
+        mnt.path(),
+        Ignore {
+            root_meta: true,
+            ..Default::default()
+        },
+    );
 }

@@ -18,13 +18,29 @@ fn builds_verify_gc_and_export_against_radosgw() {
     let first = build(&rt, &store, Source::Dir(src.clone()), LayerKind::Workspace).unwrap();
     assert!(first.uploaded_bytes > 0);
     let again = build(&rt, &store, Source::Dir(src.clone()), LayerKind::Workspace).unwrap();
-    assert_eq!((again.id, again.new_data_bytes, again.created), (first.id, 0, false));
+    assert_eq!(
+        (again.id, again.new_data_bytes, again.created),
+        (first.id, 0, false)
+    );
 
     // Read everything back through the store and compare with the source.
     let out = work.path().join("export");
     let m = rt.block_on(store.get_layer(&first.id)).unwrap();
-    rt.block_on(strata_builder::export::export_layer(&store, &m, &out, work.path())).unwrap();
-    treecmp::assert_same_tree(&src, &out, treecmp::Ignore { root_meta: true, ..Default::default() });
+    rt.block_on(strata_builder::export::export_layer(
+        &store,
+        &m,
+        &out,
+        work.path(),
+    ))
+    .unwrap();
+    treecmp::assert_same_tree(
+        &src,
+        &out,
+        treecmp::Ignore {
+            root_meta: true,
+            ..Default::default()
+        },
+    );
 
     let v = rt.block_on(store.verify()).unwrap();
     assert!(v.problems.is_empty(), "{:?}", v.problems);

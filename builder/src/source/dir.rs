@@ -47,7 +47,11 @@ fn read_xattrs(path: &Path, node: &mut Node) -> Result<(), BuildError> {
 
 /// Reads `root` into a tree. The root directory itself is normalized (0755, 0:0, time 0):
 /// where a tree was unpacked must not change the layer.
-pub fn read_dir(root: &Path, excludes: &Excludes, sink: &dyn ChunkSink) -> Result<Tree, BuildError> {
+pub fn read_dir(
+    root: &Path,
+    excludes: &Excludes,
+    sink: &dyn ChunkSink,
+) -> Result<Tree, BuildError> {
     let meta = std::fs::symlink_metadata(root).map_err(io_err(root))?;
     if !meta.is_dir() {
         return Err(BuildError::BadEntry {
@@ -65,10 +69,15 @@ pub fn read_dir(root: &Path, excludes: &Excludes, sink: &dyn ChunkSink) -> Resul
     let mut it = walker.into_iter();
     while let Some(entry) = it.next() {
         let entry = entry.map_err(|e| {
-            let path = e.path().map(|p| p.display().to_string()).unwrap_or_default();
+            let path = e
+                .path()
+                .map(|p| p.display().to_string())
+                .unwrap_or_default();
             BuildError::Io {
                 path,
-                source: e.into_io_error().unwrap_or_else(|| std::io::Error::other("directory loop")),
+                source: e
+                    .into_io_error()
+                    .unwrap_or_else(|| std::io::Error::other("directory loop")),
             }
         })?;
         let full = entry.path();
@@ -86,7 +95,9 @@ pub fn read_dir(root: &Path, excludes: &Excludes, sink: &dyn ChunkSink) -> Resul
         }
         let m = entry.metadata().map_err(|e| BuildError::Io {
             path: full.display().to_string(),
-            source: e.into_io_error().unwrap_or_else(|| std::io::Error::other("stat failed")),
+            source: e
+                .into_io_error()
+                .unwrap_or_else(|| std::io::Error::other("stat failed")),
         })?;
         let ft = m.file_type();
         if !ft.is_dir() && m.nlink() > 1 {
@@ -99,7 +110,10 @@ pub fn read_dir(root: &Path, excludes: &Excludes, sink: &dyn ChunkSink) -> Resul
         let kind = if ft.is_dir() {
             NodeKind::Dir(Default::default())
         } else if ft.is_file() {
-            NodeKind::File(FileData { size: m.len(), segments: vec![] })
+            NodeKind::File(FileData {
+                size: m.len(),
+                segments: vec![],
+            })
         } else if ft.is_symlink() {
             let target = std::fs::read_link(full).map_err(io_err(full))?;
             NodeKind::Symlink(target.as_os_str().as_bytes().to_vec())

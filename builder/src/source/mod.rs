@@ -21,11 +21,17 @@ pub enum Source {
     Dir(PathBuf),
     /// A tar file, plain or gzip/zstd compressed (`-` for standard input).
     Tar(PathBuf),
-    OciLayout { path: PathBuf, reference: Option<String> },
+    OciLayout {
+        path: PathBuf,
+        reference: Option<String>,
+    },
     /// An image in a registry, e.g. `127.0.0.1:5000/debian:bookworm`.
     Registry(String),
     /// `git archive` of a revision of a repository.
-    Git { repo: PathBuf, rev: String },
+    Git {
+        repo: PathBuf,
+        rev: String,
+    },
 }
 
 impl std::fmt::Display for Source {
@@ -33,8 +39,14 @@ impl std::fmt::Display for Source {
         match self {
             Source::Dir(p) => write!(f, "dir:{}", p.display()),
             Source::Tar(p) => write!(f, "tar:{}", p.display()),
-            Source::OciLayout { path, reference: Some(r) } => write!(f, "oci:{}:{r}", path.display()),
-            Source::OciLayout { path, reference: None } => write!(f, "oci:{}", path.display()),
+            Source::OciLayout {
+                path,
+                reference: Some(r),
+            } => write!(f, "oci:{}:{r}", path.display()),
+            Source::OciLayout {
+                path,
+                reference: None,
+            } => write!(f, "oci:{}", path.display()),
             Source::Registry(r) => write!(f, "docker://{r}"),
             Source::Git { repo, rev } => write!(f, "git:{}@{rev}", repo.display()),
         }
@@ -63,7 +75,10 @@ impl Excludes {
             return false;
         }
         let text = String::from_utf8_lossy(path);
-        let text = text.trim_start_matches("./").trim_start_matches('/').trim_end_matches('/');
+        let text = text
+            .trim_start_matches("./")
+            .trim_start_matches('/')
+            .trim_end_matches('/');
         let opts = glob::MatchOptions {
             require_literal_separator: true,
             ..Default::default()
@@ -104,14 +119,21 @@ impl LayerDefinition {
             path: path.display().to_string(),
             source,
         })?;
-        toml::from_str(&text).map_err(|e| BuildError::Definition(format!("{}: {e}", path.display())))
+        toml::from_str(&text)
+            .map_err(|e| BuildError::Definition(format!("{}: {e}", path.display())))
     }
 
     /// The source, with relative paths taken from the definition file's directory.
     pub fn source(&self, def_path: &Path) -> Result<Source, BuildError> {
         let base = def_path.parent().unwrap_or(Path::new("."));
         let s = &self.source;
-        let rel = |p: &PathBuf| if p.is_absolute() { p.clone() } else { base.join(p) };
+        let rel = |p: &PathBuf| {
+            if p.is_absolute() {
+                p.clone()
+            } else {
+                base.join(p)
+            }
+        };
         let mut found = Vec::new();
         if let Some(p) = &s.dir {
             found.push(Source::Dir(rel(p)));
@@ -120,13 +142,19 @@ impl LayerDefinition {
             found.push(Source::Tar(rel(p)));
         }
         if let Some(p) = &s.oci {
-            found.push(Source::OciLayout { path: rel(p), reference: s.reference.clone() });
+            found.push(Source::OciLayout {
+                path: rel(p),
+                reference: s.reference.clone(),
+            });
         }
         if let Some(i) = &s.image {
             found.push(Source::Registry(i.clone()));
         }
         if let Some(p) = &s.git {
-            found.push(Source::Git { repo: rel(p), rev: s.rev.clone().unwrap_or_else(|| "HEAD".into()) });
+            found.push(Source::Git {
+                repo: rel(p),
+                rev: s.rev.clone().unwrap_or_else(|| "HEAD".into()),
+            });
         }
         match found.len() {
             1 => Ok(found.remove(0)),
@@ -155,11 +183,17 @@ impl Source {
                 Some((p, r)) if !r.contains('/') => (p, Some(r.to_string())),
                 _ => (rest, None),
             };
-            return Ok(Source::OciLayout { path: path.into(), reference });
+            return Ok(Source::OciLayout {
+                path: path.into(),
+                reference,
+            });
         }
         if let Some(rest) = text.strip_prefix("git:") {
             let (repo, rev) = rest.rsplit_once('@').unwrap_or((rest, "HEAD"));
-            return Ok(Source::Git { repo: repo.into(), rev: rev.to_string() });
+            return Ok(Source::Git {
+                repo: repo.into(),
+                rev: rev.to_string(),
+            });
         }
         if let Some(p) = text.strip_prefix("tar:") {
             return Ok(Source::Tar(p.into()));
@@ -174,7 +208,10 @@ impl Source {
         })?;
         if meta.is_dir() {
             if p.join("oci-layout").is_file() && p.join("index.json").is_file() {
-                return Ok(Source::OciLayout { path: p, reference: None });
+                return Ok(Source::OciLayout {
+                    path: p,
+                    reference: None,
+                });
             }
             return Ok(Source::Dir(p));
         }
@@ -182,9 +219,18 @@ impl Source {
     }
 
     /// Reads the source into a tree, sending file data to `sink`.
-    pub fn read(&self, kind: LayerKind, excludes: &Excludes, sink: &dyn ChunkSink) -> Result<Tree, BuildError> {
+    pub fn read(
+        &self,
+        kind: LayerKind,
+        excludes: &Excludes,
+        sink: &dyn ChunkSink,
+    ) -> Result<Tree, BuildError> {
         // A base is the bottom of every stack: whiteouts in it have nothing to hide.
-        let whiteouts = if kind == LayerKind::Base { Whiteouts::Apply } else { Whiteouts::Overlay };
+        let whiteouts = if kind == LayerKind::Base {
+            Whiteouts::Apply
+        } else {
+            Whiteouts::Overlay
+        };
         match self {
             Source::Dir(p) => dir::read_dir(p, excludes, sink),
             Source::Tar(p) => {
@@ -192,21 +238,31 @@ impl Source {
                 let input: Box<dyn std::io::Read> = if p.as_os_str() == "-" {
                     Box::new(std::io::stdin().lock())
                 } else {
-                    Box::new(std::fs::File::open(p).map_err(|source| BuildError::Io { path: what.clone(), source })?)
+                    Box::new(std::fs::File::open(p).map_err(|source| BuildError::Io {
+                        path: what.clone(),
+                        source,
+                    })?)
                 };
                 let mut reader = tar::decompress(input, &what)?;
                 let mut tree = Tree::new();
                 tar::apply_tar(&mut tree, &mut reader, &what, whiteouts, excludes, sink)?;
                 Ok(tree)
             }
-            Source::OciLayout { path, reference } => oci::read_layout(path, reference.as_deref(), whiteouts, excludes, sink),
+            Source::OciLayout { path, reference } => {
+                oci::read_layout(path, reference.as_deref(), whiteouts, excludes, sink)
+            }
             Source::Registry(r) => registry::read_image(r, whiteouts, excludes, sink),
             Source::Git { repo, rev } => read_git(repo, rev, excludes, sink),
         }
     }
 }
 
-fn read_git(repo: &Path, rev: &str, excludes: &Excludes, sink: &dyn ChunkSink) -> Result<Tree, BuildError> {
+fn read_git(
+    repo: &Path,
+    rev: &str,
+    excludes: &Excludes,
+    sink: &dyn ChunkSink,
+) -> Result<Tree, BuildError> {
     let what = format!("{}@{rev}", repo.display());
     let mut child = Command::new("git")
         .arg("-C")
@@ -215,14 +271,21 @@ fn read_git(repo: &Path, rev: &str, excludes: &Excludes, sink: &dyn ChunkSink) -
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|source| BuildError::Io { path: format!("git (for {what})"), source })?;
-    let mut out = child.stdout.take().ok_or_else(|| BuildError::Internal("git stdout missing".into()))?;
+        .map_err(|source| BuildError::Io {
+            path: format!("git (for {what})"),
+            source,
+        })?;
+    let mut out = child
+        .stdout
+        .take()
+        .ok_or_else(|| BuildError::Internal("git stdout missing".into()))?;
     let mut tree = Tree::new();
     let applied = tar::apply_tar(&mut tree, &mut out, &what, Whiteouts::Apply, excludes, sink);
     drop(out);
-    let output = child
-        .wait_with_output()
-        .map_err(|source| BuildError::Io { path: format!("git (for {what})"), source })?;
+    let output = child.wait_with_output().map_err(|source| BuildError::Io {
+        path: format!("git (for {what})"),
+        source,
+    })?;
     if !output.status.success() {
         return Err(BuildError::Source(format!(
             "git archive of {what} failed: {}",
@@ -239,7 +302,12 @@ mod tests {
 
     #[test]
     fn excludes_match_paths_and_globs() {
-        let e = Excludes::new(&["tmp".into(), "**/__pycache__".into(), "var/cache/apt".into()]).unwrap();
+        let e = Excludes::new(&[
+            "tmp".into(),
+            "**/__pycache__".into(),
+            "var/cache/apt".into(),
+        ])
+        .unwrap();
         assert!(e.matches(b"tmp"));
         assert!(e.matches(b"./tmp/"));
         assert!(!e.matches(b"tmpfile"));
@@ -251,21 +319,40 @@ mod tests {
 
     #[test]
     fn parses_source_forms() {
-        assert_eq!(Source::parse("docker://127.0.0.1:5000/x:1").unwrap(), Source::Registry("127.0.0.1:5000/x:1".into()));
+        assert_eq!(
+            Source::parse("docker://127.0.0.1:5000/x:1").unwrap(),
+            Source::Registry("127.0.0.1:5000/x:1".into())
+        );
         assert_eq!(
             Source::parse("oci:/a/b:latest").unwrap(),
-            Source::OciLayout { path: "/a/b".into(), reference: Some("latest".into()) }
+            Source::OciLayout {
+                path: "/a/b".into(),
+                reference: Some("latest".into())
+            }
         );
-        assert_eq!(Source::parse("git:/r@v1").unwrap(), Source::Git { repo: "/r".into(), rev: "v1".into() });
+        assert_eq!(
+            Source::parse("git:/r@v1").unwrap(),
+            Source::Git {
+                repo: "/r".into(),
+                rev: "v1".into()
+            }
+        );
         assert!(Source::parse("/definitely/not/here").is_err());
     }
 
     #[test]
     fn definition_needs_exactly_one_source() {
-        let d: LayerDefinition = toml::from_str("kind = \"workspace\"\n[source]\ndir = \"tree\"\n").unwrap();
-        assert_eq!(d.source(Path::new("/defs/x.toml")).unwrap(), Source::Dir("/defs/tree".into()));
-        let d: LayerDefinition = toml::from_str("kind = \"base\"\n[source]\ndir = \"a\"\ntar = \"b\"\n").unwrap();
+        let d: LayerDefinition =
+            toml::from_str("kind = \"workspace\"\n[source]\ndir = \"tree\"\n").unwrap();
+        assert_eq!(
+            d.source(Path::new("/defs/x.toml")).unwrap(),
+            Source::Dir("/defs/tree".into())
+        );
+        let d: LayerDefinition =
+            toml::from_str("kind = \"base\"\n[source]\ndir = \"a\"\ntar = \"b\"\n").unwrap();
         assert!(d.source(Path::new("x.toml")).is_err());
-        assert!(toml::from_str::<LayerDefinition>("kind = \"base\"\nsauce = 1\n[source]\n").is_err());
+        assert!(
+            toml::from_str::<LayerDefinition>("kind = \"base\"\nsauce = 1\n[source]\n").is_err()
+        );
     }
 }

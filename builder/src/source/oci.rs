@@ -58,7 +58,9 @@ impl Layout {
             .split_once(':')
             .ok_or_else(|| BuildError::Oci(format!("malformed digest `{digest}`")))?;
         if alg != "sha256" || hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(BuildError::Oci(format!("unsupported or malformed digest `{digest}`")));
+            return Err(BuildError::Oci(format!(
+                "unsupported or malformed digest `{digest}`"
+            )));
         }
         Ok(self.root.join("blobs").join(alg).join(hex))
     }
@@ -88,7 +90,8 @@ impl Layout {
     fn read_json<T: for<'de> Deserialize<'de>>(&self, digest: &str) -> Result<T, BuildError> {
         let mut bytes = Vec::new();
         let mut r = self.open_blob(digest)?;
-        r.read_to_end(&mut bytes).map_err(|e| BuildError::Oci(e.to_string()))?;
+        r.read_to_end(&mut bytes)
+            .map_err(|e| BuildError::Oci(e.to_string()))?;
         serde_json::from_slice(&bytes).map_err(|e| BuildError::Oci(format!("blob {digest}: {e}")))
     }
 
@@ -107,8 +110,17 @@ impl Layout {
                 .iter()
                 .find(|d| d.annotations.get(REF_NAME).map(String::as_str) == Some(r))
                 .ok_or_else(|| {
-                    let names: Vec<_> = index.manifests.iter().filter_map(|d| d.annotations.get(REF_NAME)).cloned().collect();
-                    BuildError::Oci(format!("no image named `{r}` in {} (it has: {})", self.root.display(), names.join(", ")))
+                    let names: Vec<_> = index
+                        .manifests
+                        .iter()
+                        .filter_map(|d| d.annotations.get(REF_NAME))
+                        .cloned()
+                        .collect();
+                    BuildError::Oci(format!(
+                        "no image named `{r}` in {} (it has: {})",
+                        self.root.display(),
+                        names.join(", ")
+                    ))
                 })?,
             None if index.manifests.len() == 1 => &index.manifests[0],
             None => {
@@ -126,8 +138,14 @@ impl Layout {
             let pick = nested
                 .manifests
                 .iter()
-                .find(|d| d.platform.as_ref().is_some_and(|p| p.os == "linux" && p.architecture == "amd64"))
-                .ok_or_else(|| BuildError::Oci(format!("image index {digest} has no linux/amd64 image")))?;
+                .find(|d| {
+                    d.platform
+                        .as_ref()
+                        .is_some_and(|p| p.os == "linux" && p.architecture == "amd64")
+                })
+                .ok_or_else(|| {
+                    BuildError::Oci(format!("image index {digest} has no linux/amd64 image"))
+                })?;
             digest = pick.digest.clone();
             media_type = pick.media_type.clone();
         }
@@ -143,7 +161,9 @@ pub fn read_layout(
     excludes: &Excludes,
     sink: &dyn ChunkSink,
 ) -> Result<Tree, BuildError> {
-    let layout = Layout { root: root.to_path_buf() };
+    let layout = Layout {
+        root: root.to_path_buf(),
+    };
     let manifest = layout.resolve(reference)?;
     let mut tree = Tree::new();
     for layer in &manifest.layers {

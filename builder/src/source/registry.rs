@@ -32,7 +32,10 @@ fn client_for(reference: &Reference) -> Client {
 }
 
 fn auth() -> RegistryAuth {
-    match (std::env::var("STRATA_REGISTRY_USER"), std::env::var("STRATA_REGISTRY_PASSWORD")) {
+    match (
+        std::env::var("STRATA_REGISTRY_USER"),
+        std::env::var("STRATA_REGISTRY_PASSWORD"),
+    ) {
         (Ok(u), Ok(p)) => RegistryAuth::Basic(u, p),
         _ => RegistryAuth::Anonymous,
     }
@@ -52,7 +55,12 @@ fn explain(image: &str, e: oci_client::errors::OciDistributionError) -> BuildErr
 
 /// Pulls `image` and flattens it into a tree. Must run on a thread that may block, inside a
 /// tokio runtime (the build runs sources on a blocking thread).
-pub fn read_image(image: &str, whiteouts: Whiteouts, excludes: &Excludes, sink: &dyn ChunkSink) -> Result<Tree, BuildError> {
+pub fn read_image(
+    image: &str,
+    whiteouts: Whiteouts,
+    excludes: &Excludes,
+    sink: &dyn ChunkSink,
+) -> Result<Tree, BuildError> {
     let reference: Reference = image
         .parse()
         .map_err(|e| BuildError::Oci(format!("`{image}` is not an image reference: {e}")))?;
@@ -67,18 +75,27 @@ pub fn read_image(image: &str, whiteouts: Whiteouts, excludes: &Excludes, sink: 
     for layer in &manifest.layers {
         // The blob is spooled (compressed, digest-checked) to a temp file: the tar reader is
         // synchronous and the download is not. Nothing is unpacked.
-        let spool = tempfile::tempfile().map_err(|source| BuildError::Io { path: "temporary file".into(), source })?;
-        let mut out = tokio::fs::File::from_std(spool.try_clone().map_err(|source| BuildError::Io {
+        let spool = tempfile::tempfile().map_err(|source| BuildError::Io {
             path: "temporary file".into(),
             source,
-        })?);
+        })?;
+        let mut out =
+            tokio::fs::File::from_std(spool.try_clone().map_err(|source| BuildError::Io {
+                path: "temporary file".into(),
+                source,
+            })?);
         rt.block_on(async {
             client.pull_blob(&reference, layer, &mut out).await?;
-            tokio::io::AsyncWriteExt::flush(&mut out).await.map_err(oci_client::errors::OciDistributionError::from)
+            tokio::io::AsyncWriteExt::flush(&mut out)
+                .await
+                .map_err(oci_client::errors::OciDistributionError::from)
         })
         .map_err(|e| explain(image, e))?;
         let mut file = spool;
-        std::io::Seek::rewind(&mut file).map_err(|source| BuildError::Io { path: "temporary file".into(), source })?;
+        std::io::Seek::rewind(&mut file).map_err(|source| BuildError::Io {
+            path: "temporary file".into(),
+            source,
+        })?;
         let what = format!("{image} layer {}", layer.digest);
         let mut reader = decompress(file, &what)?;
         apply_tar(&mut tree, &mut reader, &what, whiteouts, excludes, sink)?;

@@ -16,7 +16,10 @@ const SMALL_FILE: u64 = 1 << 20;
 const BATCH_BYTES: usize = 32 << 20;
 
 /// Wraps `reader` in the decompressor its first bytes call for.
-pub fn decompress<'a>(reader: impl Read + 'a, what: &str) -> Result<Box<dyn Read + 'a>, BuildError> {
+pub fn decompress<'a>(
+    reader: impl Read + 'a,
+    what: &str,
+) -> Result<Box<dyn Read + 'a>, BuildError> {
     let mut r = BufReader::with_capacity(1 << 20, reader);
     let head = r.fill_buf().map_err(|source| BuildError::Io {
         path: what.to_string(),
@@ -25,10 +28,12 @@ pub fn decompress<'a>(reader: impl Read + 'a, what: &str) -> Result<Box<dyn Read
     Ok(if head.starts_with(&[0x1f, 0x8b]) {
         Box::new(flate2::read::MultiGzDecoder::new(r))
     } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
-        Box::new(zstd::stream::read::Decoder::with_buffer(r).map_err(|source| BuildError::Io {
-            path: what.to_string(),
-            source,
-        })?)
+        Box::new(
+            zstd::stream::read::Decoder::with_buffer(r).map_err(|source| BuildError::Io {
+                path: what.to_string(),
+                source,
+            })?,
+        )
     } else {
         Box::new(r)
     })
@@ -91,8 +96,12 @@ fn read_layer(
         let et = h.entry_type();
         let dev = || -> Result<(u32, u32), BuildError> {
             Ok((
-                h.device_major().map_err(|e| bad(e.to_string()))?.unwrap_or(0),
-                h.device_minor().map_err(|e| bad(e.to_string()))?.unwrap_or(0),
+                h.device_major()
+                    .map_err(|e| bad(e.to_string()))?
+                    .unwrap_or(0),
+                h.device_minor()
+                    .map_err(|e| bad(e.to_string()))?
+                    .unwrap_or(0),
             ))
         };
         if et == tar::EntryType::XGlobalHeader {
@@ -174,10 +183,12 @@ fn read_layer(
         }
         if size <= SMALL_FILE {
             let mut data = Vec::with_capacity(size as usize);
-            entry.read_to_end(&mut data).map_err(|source| BuildError::Io {
-                path: shown.clone(),
-                source,
-            })?;
+            entry
+                .read_to_end(&mut data)
+                .map_err(|source| BuildError::Io {
+                    path: shown.clone(),
+                    source,
+                })?;
             batch_bytes += data.len();
             batch.push((id, shown, data));
             if batch_bytes >= BATCH_BYTES {
@@ -192,10 +203,19 @@ fn read_layer(
     flush(tree, &mut batch, sink)
 }
 
-fn flush(tree: &mut Tree, batch: &mut Vec<(NodeId, String, Vec<u8>)>, sink: &dyn ChunkSink) -> Result<(), BuildError> {
+fn flush(
+    tree: &mut Tree,
+    batch: &mut Vec<(NodeId, String, Vec<u8>)>,
+    sink: &dyn ChunkSink,
+) -> Result<(), BuildError> {
     let done: Vec<(NodeId, FileData)> = batch
         .par_iter()
-        .map(|(id, shown, data)| Ok((*id, chunk_file(shown, &mut data.as_slice(), data.len() as u64, sink)?)))
+        .map(|(id, shown, data)| {
+            Ok((
+                *id,
+                chunk_file(shown, &mut data.as_slice(), data.len() as u64, sink)?,
+            ))
+        })
         .collect::<Result<_, BuildError>>()?;
     for (id, d) in done {
         tree.node_mut(id).kind = NodeKind::File(d);
