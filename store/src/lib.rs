@@ -383,6 +383,42 @@ impl Store {
         })
     }
 
+    fn prefetch_key(id: &Digest) -> ObjectPath {
+        ObjectPath::from(format!("layers/{id}.prefetch.json"))
+    }
+
+    /// Stores the order in which a first run of the layer read its chunks (chunk indexes),
+    /// for later runs to prefetch. A later list replaces an earlier one.
+    pub async fn put_prefetch(&self, id: &Digest, order: &[u32]) -> Result<()> {
+        let key = Self::prefetch_key(id);
+        let body = serde_json::to_vec(order).map_err(|source| StoreError::Json {
+            key: key.to_string(),
+            source,
+        })?;
+        self.backend
+            .put(&key, PutPayload::from(body))
+            .await
+            .map_err(backend_err("put", &key))?;
+        Ok(())
+    }
+
+    /// The layer's prefetch list, if one was recorded.
+    pub async fn get_prefetch(&self, id: &Digest) -> Result<Option<Vec<u32>>> {
+        let key = Self::prefetch_key(id);
+        match self.backend.get(&key).await {
+            Ok(r) => {
+                let bytes = r.bytes().await.map_err(backend_err("get", &key))?;
+                let order = serde_json::from_slice(&bytes).map_err(|source| StoreError::Json {
+                    key: key.to_string(),
+                    source,
+                })?;
+                Ok(Some(order))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(backend_err("get", &key)(e)),
+        }
+    }
+
     /// Every committed layer ID, sorted.
     pub async fn list_layers(&self) -> Result<Vec<Digest>> {
         let prefix = ObjectPath::from("layers");

@@ -11,6 +11,23 @@ use crate::output::{byte_progress, human_bytes, print_json};
 
 #[derive(Subcommand)]
 pub enum LayerCommand {
+    #[command(flatten)]
+    Stored(StoredLayerCommand),
+    /// Mount a layer read-only at DIR, lazily loaded (starts the lazyfs daemon if needed).
+    Mount { id: String, dir: PathBuf },
+    /// Unmount a layer mounted with `layer mount`.
+    Umount { dir: PathBuf },
+    /// Read counters of a mounted layer since the daemon started.
+    Stats {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Layer commands that work on the store directly.
+#[derive(Subcommand)]
+pub enum StoredLayerCommand {
     /// Build a layer from a directory, tar (plain/gzip/zstd, `-` for stdin), OCI layout
     /// (`oci:DIR[:REF]`), registry image (`docker://REF`), git revision (`git:REPO[@REV]`)
     /// or a layer definition file (`*.toml`). Prints the layer ID last.
@@ -45,9 +62,18 @@ pub enum LayerCommand {
     Export { id: String, dir: PathBuf },
 }
 
-pub async fn run(store: &Store, cmd: LayerCommand) -> Result<i32> {
+pub async fn run(url: Option<String>, cmd: LayerCommand) -> Result<i32> {
     match cmd {
-        LayerCommand::Build {
+        LayerCommand::Mount { id, dir } => crate::lazy::mount(url, id, dir).await,
+        LayerCommand::Umount { dir } => crate::lazy::umount(dir).await,
+        LayerCommand::Stats { id, json } => crate::lazy::stats(url, id, json).await,
+        LayerCommand::Stored(c) => run_stored(&crate::open_store(url.as_deref())?, c).await,
+    }
+}
+
+async fn run_stored(store: &Store, cmd: StoredLayerCommand) -> Result<i32> {
+    match cmd {
+        StoredLayerCommand::Build {
             kind,
             name,
             version,
@@ -96,7 +122,7 @@ pub async fn run(store: &Store, cmd: LayerCommand) -> Result<i32> {
             }
             Ok(0)
         }
-        LayerCommand::Inspect { id, json } => {
+        StoredLayerCommand::Inspect { id, json } => {
             let id = store.resolve_layer(&id).await?;
             let m = store.get_layer(&id).await?;
             let p = store.get_provenance(&id).await.ok();
@@ -140,7 +166,7 @@ pub async fn run(store: &Store, cmd: LayerCommand) -> Result<i32> {
             }
             Ok(0)
         }
-        LayerCommand::Ls { json } => {
+        StoredLayerCommand::Ls { json } => {
             let mut rows = Vec::new();
             for id in store.list_layers().await? {
                 let m = store.get_layer(&id).await?;
@@ -177,7 +203,7 @@ pub async fn run(store: &Store, cmd: LayerCommand) -> Result<i32> {
             }
             Ok(0)
         }
-        LayerCommand::Export { id, dir } => {
+        StoredLayerCommand::Export { id, dir } => {
             let id = store.resolve_layer(&id).await?;
             let m = store.get_layer(&id).await?;
             let scratch = tempfile::tempdir().context("creating a scratch directory")?;

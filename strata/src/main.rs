@@ -2,6 +2,7 @@
 //! Nothing here decides how layers or stores work; it only calls into the crates that do.
 
 mod layer;
+mod lazy;
 mod output;
 mod store;
 
@@ -33,9 +34,15 @@ enum Command {
     /// Store statistics, verification and garbage collection.
     #[command(subcommand)]
     Store(store::StoreCommand),
+    /// The local chunk cache of the lazyfs daemon.
+    #[command(subcommand)]
+    Cache(lazy::CacheCommand),
+    /// The lazyfs daemon itself.
+    #[command(subcommand)]
+    Lazyfs(lazy::LazyfsCommand),
 }
 
-fn open_store(url: Option<&str>) -> Result<Store> {
+pub fn open_store(url: Option<&str>) -> Result<Store> {
     let url = match url {
         Some(u) => StoreUrl::parse(u)?,
         None => default_store_url(),
@@ -63,10 +70,16 @@ fn main() {
         }
     };
     let result = runtime.block_on(async {
-        let store = open_store(cli.store.as_deref())?;
+        let url = cli.store.clone();
         match cli.command {
-            Command::Layer(c) => layer::run(&store, c).await,
-            Command::Store(c) => store::run(&store, c).await,
+            Command::Layer(c) => layer::run(url, c).await,
+            Command::Store(c) => store::run(&open_store(url.as_deref())?, c).await,
+            Command::Cache(c) => lazy::cache(url, c).await,
+            Command::Lazyfs(lazy::LazyfsCommand::Serve {
+                cache_max,
+                fetch_timeout,
+            }) => lazy::serve(open_store(url.as_deref())?, cache_max, fetch_timeout).await,
+            Command::Lazyfs(lazy::LazyfsCommand::Stop) => lazy::stop().await,
         }
     });
     match result {

@@ -222,3 +222,16 @@ pub fn build(
     };
     rt.block_on(strata_builder::build(store, &req, None))
 }
+
+/// True if /dev/fuse exists; same failure/skip rule as [`have_root`].
+pub fn have_fuse(test: &str) -> bool {
+    let ok = Path::new("/dev/fuse").exists();
+    if !ok {
+        assert!(
+            !privileged_required(),
+            "{test}: needs /dev/fuse, and STRATA_REQUIRE_PRIVILEGED=1 is set"
+        );
+        eprintln!("SKIPPED {test}: /dev/fuse is missing");
+    }
+    ok
+}

@@ -204,12 +204,7 @@ fn bad_inputs_fail_clearly_and_commit_nothing() {
     let t = work.path().join("escape.tar");
     {
         let mut b = tar::Builder::new(std::fs::File::create(&t).unwrap());
-        let mut h = tar::Header::new_gnu();
-        h.set_size(1);
-        h.set_mode(0o644);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(0);
+        let mut h = header(1);
         h.as_gnu_mut().unwrap().name[..12].copy_from_slice(b"../evil.txt\0");
         h.set_cksum();
         b.append(&h, &b"x"[..]).unwrap();
@@ -225,12 +220,7 @@ fn bad_inputs_fail_clearly_and_commit_nothing() {
     let t = work.path().join("long.tar");
     {
         let mut b = tar::Builder::new(std::fs::File::create(&t).unwrap());
-        let mut h = tar::Header::new_gnu();
-        h.set_size(1);
-        h.set_mode(0o644);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(0);
+        let mut h = header(1);
         b.append_data(&mut h, "n".repeat(256), &b"x"[..]).unwrap();
         b.finish().unwrap();
     }
@@ -243,13 +233,8 @@ fn bad_inputs_fail_clearly_and_commit_nothing() {
     let t = work.path().join("volume.tar");
     {
         let mut b = tar::Builder::new(std::fs::File::create(&t).unwrap());
-        let mut h = tar::Header::new_gnu();
+        let mut h = header(0);
         h.set_entry_type(tar::EntryType::new(b'V'));
-        h.set_size(0);
-        h.set_mode(0o644);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(0);
         b.append_data(&mut h, "label", &b""[..]).unwrap();
         b.finish().unwrap();
     }
@@ -296,6 +281,17 @@ fn bad_inputs_fail_clearly_and_commit_nothing() {
     assert!(e.contains("digest mismatch"), "{e}");
 
     assert_nothing_committed(&rt, &store);
+}
+
+/// A GNU tar header for a regular file of `size` bytes, owned by root, at time 0.
+fn header(size: u64) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_size(size);
+    h.set_mode(0o644);
+    h.set_uid(0);
+    h.set_gid(0);
+    h.set_mtime(0);
+    h
 }
 
 /// An uncompressed tar with files and whiteout markers.

@@ -1,0 +1,386 @@
+//! One layer's data blob as the kernel sees it: a virtual file assembled from the layer's
+//! chunk table. Reads map to chunks, which come from the cache or are fetched from the
+//! store in ≥ 1 MiB units, verified, with bounded retries; readahead follows the reader.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use strata_store::{chunk, Digest, LayerManifest, Store, StoreError};
+
+use crate::cache::ChunkCache;
+use crate::LazyError;
+
+/// Fetch at least this much of a pack per request.
+const FETCH_UNIT: u64 = 1 << 20;
+/// How far past a read to fetch ahead in the background.
+const READAHEAD: u64 = 4 << 20;
+/// Upper bounds (ms) of the fetch latency histogram buckets; the last bucket is open.
+pub const LATENCY_BUCKETS_MS: [u64; 10] = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000];
+
+/// Counters of one layer since the daemon started. JSON keys are part of
+/// `strata layer stats --json`.
+#[derive(Debug, Default, serde::Serialize, serde::Deserialize, Clone)]
+pub struct LayerStats {
+    pub id: String,
+    pub blob_bytes: u64,
+    pub requested_bytes: u64,
+    pub fetched_bytes: u64,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub fetch_errors: u64,
+    /// Counts per bucket of [`LATENCY_BUCKETS_MS`], plus one for slower fetches.
+    pub fetch_latency_ms: Vec<u64>,
+    pub prefetched_chunks: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    requested: AtomicU64,
+    fetched: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    errors: AtomicU64,
+    latency: [AtomicU64; LATENCY_BUCKETS_MS.len() + 1],
+    prefetched: AtomicU64,
+}
+
+/// How long a read waits for an unreachable store before failing with EIO.
+#[derive(Debug, Clone, Copy)]
+pub struct FetchPolicy {
+    pub timeout: Duration,
+}
+
+impl Default for FetchPolicy {
+    fn default() -> Self {
+        FetchPolicy {
+            timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+pub struct LayerBlob {
+    pub manifest: Arc<LayerManifest>,
+    store: Store,
+    cache: Arc<ChunkCache>,
+    policy: FetchPolicy,
+    counters: Counters,
+    /// Chunk indexes of this layer per pack, sorted by offset in the pack.
+    by_pack: HashMap<u32, Vec<usize>>,
+    /// First-touch order of chunks, recorded for the prefetch list.
+    access: Mutex<(Vec<u32>, Vec<bool>)>,
+    /// On-demand fetches in flight; background prefetch yields to them.
+    pub(crate) foreground: AtomicUsize,
+    rt: tokio::runtime::Handle,
+}
+
+impl LayerBlob {
+    pub fn new(
+        manifest: LayerManifest,
+        store: Store,
+        cache: Arc<ChunkCache>,
+        policy: FetchPolicy,
+        rt: tokio::runtime::Handle,
+    ) -> LayerBlob {
+        let mut by_pack: HashMap<u32, Vec<usize>> = HashMap::new();
+        for (i, c) in manifest.chunks.iter().enumerate() {
+            by_pack.entry(c.pack).or_default().push(i);
+        }
+        for v in by_pack.values_mut() {
+            v.sort_by_key(|&i| manifest.chunks[i].pack_offset);
+        }
+        let n = manifest.chunks.len();
+        LayerBlob {
+            manifest: Arc::new(manifest),
+            store,
+            cache,
+            policy,
+            counters: Counters::default(),
+            by_pack,
+            access: Mutex::new((Vec::new(), vec![false; n])),
+            foreground: AtomicUsize::new(0),
+            rt,
+        }
+    }
+
+    pub fn id(&self) -> Digest {
+        self.manifest.id
+    }
+
+    pub fn size(&self) -> u64 {
+        self.manifest.blob_size
+    }
+
+    /// Reads `len` bytes at `offset` of the blob (short at the end). Blocks; call from a
+    /// thread that may block (FUSE workers).
+    pub fn read(self: &Arc<Self>, offset: u64, len: u32) -> Result<Vec<u8>, LazyError> {
+        let end = (offset + len as u64).min(self.size());
+        if offset >= end {
+            return Ok(Vec::new());
+        }
+        self.counters
+            .requested
+            .fetch_add(end - offset, Ordering::Relaxed);
+        let mut out = vec![0u8; (end - offset) as usize];
+        let chunks = &self.manifest.chunks;
+        let first = self.manifest.chunk_at(offset);
+        let mut i = first;
+        while i < chunks.len() && chunks[i].blob_offset < end {
+            let c = &chunks[i];
+            self.record_access(i);
+            let data = self.chunk(i)?;
+            let c_end = c.blob_offset + c.length as u64;
+            let from = offset.max(c.blob_offset);
+            let to = end.min(c_end);
+            out[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
+                &data[(from - c.blob_offset) as usize..(to - c.blob_offset) as usize],
+            );
+            i += 1;
+        }
+        self.readahead(i, end);
+        Ok(out)
+    }
+
+    fn record_access(&self, i: usize) {
+        if let Ok(mut a) = self.access.lock() {
+            let (order, seen) = &mut *a;
+            if !seen[i] {
+                seen[i] = true;
+                order.push(i as u32);
+            }
+        }
+    }
+
+    /// Chunk indexes in first-touch order so far.
+    pub fn access_order(&self) -> Vec<u32> {
+        self.access.lock().map(|a| a.0.clone()).unwrap_or_default()
+    }
+
+    /// Chunk `i`, from the cache or the store.
+    fn chunk(self: &Arc<Self>, i: usize) -> Result<Bytes, LazyError> {
+        let d = self.manifest.chunks[i].digest;
+        if let Some(b) = self.cache.get(&d) {
+            self.counters.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(b);
+        }
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        self.foreground.fetch_add(1, Ordering::Relaxed);
+        let this = self.clone();
+        let r = self.rt.block_on(async move { this.load(i).await });
+        self.foreground.fetch_sub(1, Ordering::Relaxed);
+        r
+    }
+
+    /// Chunk `i` from the cache or the store, fetched once however many readers want it.
+    pub(crate) async fn load(self: &Arc<Self>, i: usize) -> Result<Bytes, LazyError> {
+        let d = self.manifest.chunks[i].digest;
+        let flight = self.cache.flight(&d);
+        let _guard = flight.lock().await;
+        let r = match self.cache.get(&d) {
+            Some(b) => Ok(b),
+            None => self.fetch(i).await,
+        };
+        drop(_guard);
+        self.cache.land(&d, flight);
+        r
+    }
+
+    /// Fetches chunk `i` and its neighbours in the same pack (≥ 1 MiB in one request),
+    /// caching every chunk that verifies; retries transient failures until the policy's
+    /// timeout, and refetches a corrupt chunk once.
+    async fn fetch(self: &Arc<Self>, i: usize) -> Result<Bytes, LazyError> {
+        let started = Instant::now();
+        let deadline = started + self.policy.timeout;
+        let mut delay = Duration::from_millis(50);
+        let mut corrupt_retry = false;
+        loop {
+            match self.fetch_once(i, corrupt_retry).await {
+                Ok(b) => {
+                    self.observe(started.elapsed());
+                    return Ok(b);
+                }
+                Err(FetchError::Corrupt(msg)) if !corrupt_retry => {
+                    tracing::warn!(layer = %self.id(), "{msg}; fetching it again");
+                    corrupt_retry = true;
+                }
+                Err(FetchError::Corrupt(msg)) => {
+                    self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(layer = %self.id(), "{msg}; failing the read with EIO");
+                    return Err(LazyError::Chunk(msg));
+                }
+                Err(FetchError::Store(e)) => {
+                    if Instant::now() + delay > deadline {
+                        self.counters.errors.fetch_add(1, Ordering::Relaxed);
+                        let c = &self.manifest.chunks[i];
+                        tracing::error!(layer = %self.id(), chunk = %c.digest, error = %e, "store unreachable; failing the read with EIO");
+                        return Err(LazyError::Unavailable(format!(
+                            "chunk {} of layer {}: {e} (gave up after {:?})",
+                            c.digest,
+                            self.id(),
+                            self.policy.timeout
+                        )));
+                    }
+                    tracing::debug!(error = %e, "fetch failed; retrying in {delay:?}");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    fn observe(&self, took: Duration) {
+        let ms = took.as_millis() as u64;
+        let b = LATENCY_BUCKETS_MS
+            .iter()
+            .position(|&u| ms <= u)
+            .unwrap_or(LATENCY_BUCKETS_MS.len());
+        self.counters.latency[b].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// One attempt: a range GET over the pack covering chunk `i` and the chunks of this
+    /// layer that follow it in the pack, up to [`FETCH_UNIT`]. With `only`, just chunk `i`.
+    async fn fetch_once(&self, i: usize, only: bool) -> Result<Bytes, FetchError> {
+        let chunks = &self.manifest.chunks;
+        let c = &chunks[i];
+        let pack = self.manifest.packs[c.pack as usize];
+        let group: Vec<usize> = if only {
+            vec![i]
+        } else {
+            let order = &self.by_pack[&c.pack];
+            let pos = order.iter().position(|&j| j == i).unwrap_or(0);
+            let mut g = Vec::new();
+            for &j in &order[pos..] {
+                let cj = &chunks[j];
+                if !g.is_empty()
+                    && (cj.pack_offset + cj.stored_length as u64 - c.pack_offset
+                        > FETCH_UNIT.max(c.stored_length as u64)
+                        || self.cache.contains(&cj.digest))
+                {
+                    break;
+                }
+                g.push(j);
+            }
+            g
+        };
+        let last = &chunks[*group.last().unwrap_or(&i)];
+        let start = c.pack_offset;
+        let end = last.pack_offset + last.stored_length as u64;
+        let bytes = self
+            .store
+            .read_pack_range(&pack, start, end - start)
+            .await
+            .map_err(|e| match e {
+                StoreError::Corrupt { .. } => FetchError::Corrupt(e.to_string()),
+                e => FetchError::Store(e),
+            })?;
+        self.counters
+            .fetched
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        let mut wanted = None;
+        for j in group {
+            let cj = &chunks[j];
+            let s = (cj.pack_offset - start) as usize;
+            let stored = &bytes[s..s + cj.stored_length as usize];
+            match chunk::decode(stored, cj.length, &cj.digest) {
+                Ok(data) => {
+                    let data = Bytes::from(data);
+                    if let Err(e) = self.cache.put(cj.digest, data.clone()) {
+                        tracing::warn!(error = %e, "could not write to the chunk cache");
+                    }
+                    if j == i {
+                        wanted = Some(data);
+                    }
+                }
+                Err(e) if j == i => {
+                    return Err(FetchError::Corrupt(format!(
+                        "chunk {} (pack {pack}, layer {}) is corrupt: {e}",
+                        cj.digest,
+                        self.id()
+                    )))
+                }
+                Err(e) => {
+                    tracing::warn!(chunk = %cj.digest, error = %e, "neighbouring chunk is corrupt; not cached")
+                }
+            }
+        }
+        wanted.ok_or_else(|| {
+            FetchError::Corrupt(format!("chunk {} missing from its fetch", c.digest))
+        })
+    }
+
+    /// Starts background fetches of the chunks after a read, up to [`READAHEAD`] bytes.
+    fn readahead(self: &Arc<Self>, next: usize, read_end: u64) {
+        let chunks = &self.manifest.chunks;
+        let mut todo = Vec::new();
+        let mut j = next;
+        while j < chunks.len() && chunks[j].blob_offset < read_end + READAHEAD {
+            if !self.cache.contains(&chunks[j].digest) {
+                todo.push(j);
+            }
+            j += 1;
+        }
+        if todo.is_empty() {
+            return;
+        }
+        let this = self.clone();
+        self.rt.spawn(async move {
+            for j in todo {
+                if this.load(j).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    /// Fetches `order` (chunk indexes) in the background at the lowest priority: one at a
+    /// time, pausing while on-demand reads are fetching.
+    pub fn prefetch(self: &Arc<Self>, order: Vec<u32>) {
+        let this = self.clone();
+        self.rt.spawn(async move {
+            for i in order {
+                let i = i as usize;
+                if i >= this.manifest.chunks.len() {
+                    continue;
+                }
+                while this.foreground.load(Ordering::Relaxed) > 0 {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                if this.cache.contains(&this.manifest.chunks[i].digest) {
+                    continue;
+                }
+                match this.load(i).await {
+                    Ok(_) => {
+                        this.counters.prefetched.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => break,
+                }
+            }
+        });
+    }
+
+    pub fn stats(&self) -> LayerStats {
+        let c = &self.counters;
+        LayerStats {
+            id: self.id().to_hex(),
+            blob_bytes: self.size(),
+            requested_bytes: c.requested.load(Ordering::Relaxed),
+            fetched_bytes: c.fetched.load(Ordering::Relaxed),
+            cache_hits: c.hits.load(Ordering::Relaxed),
+            cache_misses: c.misses.load(Ordering::Relaxed),
+            fetch_errors: c.errors.load(Ordering::Relaxed),
+            fetch_latency_ms: c
+                .latency
+                .iter()
+                .map(|a| a.load(Ordering::Relaxed))
+                .collect(),
+            prefetched_chunks: c.prefetched.load(Ordering::Relaxed),
+        }
+    }
+}
+
+enum FetchError {
+    Corrupt(String),
+    Store(StoreError),
+}

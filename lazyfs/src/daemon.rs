@@ -1,0 +1,403 @@
+//! The lazyfs daemon: owns the FUSE mount, the chunk cache, the attached layers and their
+//! shared EROFS mounts, and answers the control socket. On start it reaps what a crashed
+//! predecessor left (dead FUSE mount, EROFS and bind mounts on it) and restores its binds.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use strata_store::{Digest, Store};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::UnixListener;
+
+use crate::blob::{FetchPolicy, LayerBlob};
+use crate::cache::ChunkCache;
+use crate::control::{Attached, Request, Response};
+use crate::fuse::{BlobFs, Layers};
+use crate::{mounts, LazyError, Paths};
+
+/// Daemon settings.
+#[derive(Debug, Clone)]
+pub struct DaemonConfig {
+    pub paths: Paths,
+    pub cache_max_bytes: u64,
+    pub policy: FetchPolicy,
+}
+
+/// Bind mounts made for clients, per layer; persisted so a restarted daemon restores them.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct State {
+    binds: BTreeMap<String, BTreeSet<PathBuf>>,
+}
+
+struct Daemon {
+    cfg: DaemonConfig,
+    store: Store,
+    cache: Arc<ChunkCache>,
+    layers: Arc<Layers>,
+    /// Layers that had no prefetch list when attached: their access order is saved.
+    recording: Mutex<BTreeSet<Digest>>,
+    state: Mutex<State>,
+    /// Serializes attach/detach so two clients do not mount one layer twice.
+    attach_lock: tokio::sync::Mutex<()>,
+    rt: tokio::runtime::Handle,
+}
+
+/// Unmounts everything under the daemon's directories and every bind recorded in `state`,
+/// deepest first, lazily (their FUSE backing may be dead, and a lazy unmount never hangs).
+fn reap_stale(paths: &Paths, state: &State) {
+    let Ok(all) = mounts::mounts() else { return };
+    let recorded: BTreeSet<&PathBuf> = state.binds.values().flatten().collect();
+    let ours = |m: &mounts::MountEntry| {
+        m.mount_point.starts_with(&paths.root)
+            || recorded.contains(&m.mount_point)
+            || (m.fstype == "erofs" && Path::new(&m.source).starts_with(&paths.root))
+    };
+    for m in all.iter().rev().filter(|m| ours(m)) {
+        match mounts::unmount(&m.mount_point, true) {
+            Ok(()) => {
+                tracing::info!(mount = %m.mount_point.display(), fstype = %m.fstype, "reaped a stale mount")
+            }
+            Err(e) => {
+                tracing::warn!(mount = %m.mount_point.display(), error = %e, "could not reap a stale mount")
+            }
+        }
+    }
+}
+
+impl Daemon {
+    fn save_state(&self) {
+        let Ok(st) = self.state.lock() else { return };
+        let path = self.cfg.paths.state_file();
+        let tmp = path.with_extension("tmp");
+        match serde_json::to_vec_pretty(&*st) {
+            Ok(body) => {
+                if std::fs::write(&tmp, body)
+                    .and_then(|_| std::fs::rename(&tmp, &path))
+                    .is_err()
+                {
+                    tracing::warn!(path = %path.display(), "could not save daemon state");
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "could not encode daemon state"),
+        }
+    }
+
+    async fn attach(&self, text: &str) -> Result<Attached, LazyError> {
+        let id = self.store.resolve_layer(text).await?;
+        let _g = self.attach_lock.lock().await;
+        let paths = &self.cfg.paths;
+        let mount = paths.layer_mount(&id);
+        if let Some(b) = self.layers.get(&id) {
+            if mounts::is_mount_point(&mount) {
+                return Ok(self.attached(&b));
+            }
+        }
+        let manifest = self.store.get_layer(&id).await?;
+        // The metadata image is fetched whole, verified, and kept on local disk: the
+        // kernel reads it synchronously in 4 KiB pieces, which must never wait on a store.
+        let meta_path = paths.meta_file(&manifest.metadata.digest);
+        let have =
+            std::fs::read(&meta_path).is_ok_and(|b| Digest::of(&b) == manifest.metadata.digest);
+        if !have {
+            let bytes = self.store.get_metadata(&manifest.metadata).await?;
+            let tmp = meta_path.with_extension("tmp");
+            std::fs::write(&tmp, &bytes).map_err(LazyError::io(&tmp))?;
+            std::fs::rename(&tmp, &meta_path).map_err(LazyError::io(&meta_path))?;
+        }
+        let blob = Arc::new(LayerBlob::new(
+            manifest,
+            self.store.clone(),
+            self.cache.clone(),
+            self.cfg.policy,
+            self.rt.clone(),
+        ));
+        let blob = self.layers.add(blob);
+        match self.store.get_prefetch(&id).await {
+            Ok(Some(order)) => blob.prefetch(order),
+            Ok(None) => {
+                if let Ok(mut r) = self.recording.lock() {
+                    r.insert(id);
+                }
+            }
+            Err(e) => tracing::warn!(layer = %id, error = %e, "could not read the prefetch list"),
+        }
+        std::fs::create_dir_all(&mount).map_err(LazyError::io(&mount))?;
+        if !mounts::is_mount_point(&mount) {
+            let device = (blob.size() > 0).then(|| paths.blob_file(&id));
+            let (m, d, t) = (meta_path.clone(), device.clone(), mount.clone());
+            tokio::task::spawn_blocking(move || mounts::mount_erofs(&m, d.as_deref(), &t))
+                .await
+                .map_err(|e| LazyError::Daemon(format!("mount task: {e}")))?
+                .map_err(|e| {
+                    LazyError::Mount(format!(
+                        "EROFS mount of layer {id} at {}: {e}",
+                        mount.display()
+                    ))
+                })?;
+        }
+        Ok(self.attached(&blob))
+    }
+
+    fn attached(&self, b: &LayerBlob) -> Attached {
+        let id = b.id();
+        let p = &self.cfg.paths;
+        Attached {
+            id: id.to_hex(),
+            meta_path: p.meta_file(&b.manifest.metadata.digest),
+            blob_path: (b.size() > 0).then(|| p.blob_file(&id)),
+            mount: p.layer_mount(&id),
+        }
+    }
+
+    async fn detach(&self, id: &Digest) {
+        let _g = self.attach_lock.lock().await;
+        let mount = self.cfg.paths.layer_mount(id);
+        if let Err(e) = mounts::unmount(&mount, false) {
+            // Busy (a sandbox still uses it): keep serving, try again at the next detach.
+            tracing::info!(layer = %id, error = %e, "layer mount is busy; keeping it");
+            return;
+        }
+        let _ = std::fs::remove_dir(&mount);
+        self.save_prefetch(id).await;
+        self.layers.remove(id);
+    }
+
+    async fn save_prefetch(&self, id: &Digest) {
+        let recording = self
+            .recording
+            .lock()
+            .map(|mut r| r.remove(id))
+            .unwrap_or(false);
+        if !recording {
+            return;
+        }
+        let Some(b) = self.layers.get(id) else { return };
+        let order = b.access_order();
+        if order.is_empty() {
+            return;
+        }
+        match self.store.put_prefetch(id, &order).await {
+            Ok(()) => tracing::info!(layer = %id, chunks = order.len(), "saved prefetch list"),
+            Err(e) => tracing::warn!(layer = %id, error = %e, "could not save prefetch list"),
+        }
+    }
+
+    async fn handle(&self, req: Request) -> Result<Response, LazyError> {
+        match req {
+            Request::Ping => Ok(Response::Pong {
+                pid: std::process::id(),
+                store: self.store.describe(),
+            }),
+            Request::Attach { id } => Ok(Response::Attached(self.attach(&id).await?)),
+            Request::Mount { id, dir } => {
+                let a = self.attach(&id).await?;
+                std::fs::create_dir_all(&dir).map_err(LazyError::io(&dir))?;
+                let dir = std::fs::canonicalize(&dir).map_err(LazyError::io(&dir))?;
+                mounts::bind_readonly(&a.mount, &dir).map_err(|e| {
+                    LazyError::Mount(format!("bind mount at {}: {e}", dir.display()))
+                })?;
+                if let Ok(mut st) = self.state.lock() {
+                    st.binds.entry(a.id.clone()).or_default().insert(dir);
+                }
+                self.save_state();
+                Ok(Response::Attached(a))
+            }
+            Request::Umount { dir } => {
+                let dir = std::fs::canonicalize(&dir).unwrap_or(dir);
+                mounts::unmount(&dir, false)
+                    .map_err(|e| LazyError::Mount(format!("unmounting {}: {e}", dir.display())))?;
+                let emptied = {
+                    let mut st = self
+                        .state
+                        .lock()
+                        .map_err(|_| LazyError::Daemon("state lock poisoned".into()))?;
+                    let mut emptied = None;
+                    for (id, dirs) in st.binds.iter_mut() {
+                        if dirs.remove(&dir) && dirs.is_empty() {
+                            emptied = Some(id.clone());
+                        }
+                    }
+                    if let Some(id) = &emptied {
+                        st.binds.remove(id);
+                    }
+                    emptied
+                };
+                self.save_state();
+                if let Some(id) = emptied.and_then(|i| i.parse::<Digest>().ok()) {
+                    self.detach(&id).await;
+                }
+                Ok(Response::Done)
+            }
+            Request::Stats { id } => {
+                let id = self.store.resolve_layer(&id).await?;
+                let b = self.layers.get(&id).ok_or_else(|| {
+                    LazyError::Daemon(format!("layer {id} is not attached (mount it first)"))
+                })?;
+                Ok(Response::Stats(b.stats()))
+            }
+            Request::CacheStats => Ok(Response::CacheStats(self.cache.stats())),
+            Request::Prune { max_bytes } => {
+                self.cache.prune(max_bytes);
+                Ok(Response::CacheStats(self.cache.stats()))
+            }
+            Request::Shutdown => Ok(Response::Done),
+        }
+    }
+
+    /// Unmounts every bind and layer, saves prefetch lists. FUSE goes last (its session drop).
+    async fn shutdown(&self) {
+        let binds: Vec<PathBuf> = self
+            .state
+            .lock()
+            .map(|st| st.binds.values().flatten().cloned().collect())
+            .unwrap_or_default();
+        for d in binds {
+            if let Err(e) = mounts::unmount(&d, true) {
+                tracing::warn!(dir = %d.display(), error = %e, "could not unmount");
+            }
+        }
+        if let Ok(mut st) = self.state.lock() {
+            st.binds.clear();
+        }
+        self.save_state();
+        for b in self.layers.all() {
+            let id = b.id();
+            let _ = mounts::unmount(&self.cfg.paths.layer_mount(&id), true);
+            let _ = std::fs::remove_dir(self.cfg.paths.layer_mount(&id));
+            self.save_prefetch(&id).await;
+        }
+    }
+}
+
+/// Runs the daemon until it is asked to shut down or gets SIGTERM/SIGINT.
+pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
+    let paths = cfg.paths.clone();
+    for d in [
+        paths.run_dir(),
+        paths.fuse_dir(),
+        paths.mnt_dir(),
+        paths.meta_dir(),
+    ] {
+        std::fs::create_dir_all(&d).map_err(LazyError::io(&d))?;
+    }
+    let lock = paths.run_dir().join("daemon.lock");
+    let lock_file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock)
+        .map_err(LazyError::io(&lock))?;
+    // SAFETY: valid fd; LOCK_NB so a second daemon fails at once.
+    if unsafe {
+        libc::flock(
+            std::os::fd::AsRawFd::as_raw_fd(&lock_file),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    } != 0
+    {
+        return Err(LazyError::Daemon(format!(
+            "another lazyfs daemon holds {}; use it or stop it first",
+            lock.display()
+        )));
+    }
+    let state: State = std::fs::read(paths.state_file())
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    reap_stale(&paths, &state);
+
+    let cache = Arc::new(ChunkCache::open(&paths.cache_dir(), cfg.cache_max_bytes)?);
+    let layers = Arc::new(Layers::default());
+    let mut fuse_cfg = fuser::Config::default();
+    fuse_cfg.mount_options = vec![
+        fuser::MountOption::RO,
+        fuser::MountOption::FSName("strata-lazyfs".into()),
+        fuser::MountOption::Subtype("strata-lazyfs".into()),
+    ];
+    fuse_cfg.n_threads = Some(8);
+    let session = fuser::spawn_mount(BlobFs::new(layers.clone()), paths.fuse_dir(), &fuse_cfg)
+        .map_err(|e| {
+            LazyError::Mount(format!("FUSE mount at {}: {e}", paths.fuse_dir().display()))
+        })?;
+
+    let daemon = Arc::new(Daemon {
+        cfg,
+        store,
+        cache,
+        layers,
+        recording: Mutex::new(BTreeSet::new()),
+        state: Mutex::new(State::default()),
+        attach_lock: tokio::sync::Mutex::new(()),
+        rt: tokio::runtime::Handle::current(),
+    });
+
+    // Restore the binds a crashed daemon had made.
+    for (id, dirs) in state.binds {
+        for dir in dirs {
+            match daemon
+                .handle(Request::Mount {
+                    id: id.clone(),
+                    dir: dir.clone(),
+                })
+                .await
+            {
+                Ok(_) => tracing::info!(layer = %id, dir = %dir.display(), "restored mount"),
+                Err(e) => {
+                    tracing::warn!(layer = %id, dir = %dir.display(), error = %e, "could not restore mount")
+                }
+            }
+        }
+    }
+
+    let socket = paths.socket();
+    let _ = std::fs::remove_file(&socket);
+    let listener = UnixListener::bind(&socket).map_err(LazyError::io(&socket))?;
+    // SAFETY: chmod on a path we just created.
+    let _ = std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600));
+    tracing::info!(socket = %socket.display(), "lazyfs daemon ready");
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| LazyError::Daemon(format!("signal handler: {e}")))?;
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((conn, _)) = accepted else { continue };
+                let daemon = daemon.clone();
+                let stop_tx = stop_tx.clone();
+                tokio::spawn(async move {
+                    let (r, mut w) = conn.into_split();
+                    let mut lines = BufReader::new(r).lines();
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        let (resp, stop) = match serde_json::from_str::<Request>(&line) {
+                            Ok(req) => {
+                                let stop = matches!(req, Request::Shutdown);
+                                let resp = daemon.handle(req).await.unwrap_or_else(|e| Response::Error { message: e.to_string() });
+                                (resp, stop)
+                            }
+                            Err(e) => (Response::Error { message: format!("bad request: {e}") }, false),
+                        };
+                        let mut out = serde_json::to_string(&resp).unwrap_or_else(|_| "{\"kind\":\"error\",\"message\":\"encode\"}".into());
+                        out.push('\n');
+                        if w.write_all(out.as_bytes()).await.is_err() {
+                            break;
+                        }
+                        if stop {
+                            let _ = stop_tx.send(true);
+                        }
+                    }
+                });
+            }
+            _ = stop_rx.changed() => break,
+            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+        }
+    }
+    tracing::info!("lazyfs daemon stopping");
+    daemon.shutdown().await;
+    let _ = std::fs::remove_file(&socket);
+    drop(session);
+    let _ = mounts::unmount(&paths.fuse_dir(), true);
+    Ok(())
+}

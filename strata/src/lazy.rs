@@ -1,0 +1,216 @@
+//! `strata layer mount|umount|stats`, `strata cache ...` and `strata lazyfs serve`: the
+//! client side of the lazyfs daemon, and starting it when nothing answers.
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Subcommand;
+use strata_lazyfs::{connect_or_start, Client, LazyError, Paths, Request, Response};
+use strata_store::{strata_home, Store};
+
+use crate::output::{human_bytes, parse_size, print_json};
+
+pub fn paths() -> Paths {
+    Paths::new(strata_home().join("lazyfs"))
+}
+
+/// Connects to the daemon, starting `strata [--store URL] lazyfs serve` in the background
+/// if none is running.
+pub fn client(store_url: Option<&str>) -> Result<Client> {
+    let paths = paths();
+    let start = || -> Result<(), LazyError> {
+        std::fs::create_dir_all(paths.run_dir()).map_err(|e| LazyError::Daemon(e.to_string()))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(paths.log_file())
+            .map_err(|e| LazyError::Daemon(format!("{}: {e}", paths.log_file().display())))?;
+        let exe = std::env::current_exe().map_err(|e| LazyError::Daemon(e.to_string()))?;
+        let mut cmd = Command::new(exe);
+        if let Some(u) = store_url {
+            cmd.arg("--store").arg(u);
+        }
+        cmd.args(["lazyfs", "serve"])
+            .stdin(Stdio::null())
+            .stdout(
+                log.try_clone()
+                    .map_err(|e| LazyError::Daemon(e.to_string()))?,
+            )
+            .stderr(log)
+            .env(
+                "STRATA_LOG",
+                std::env::var("STRATA_LOG").unwrap_or_else(|_| "info".into()),
+            );
+        // Its own process group: the daemon outlives this command and its terminal.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        cmd.spawn()
+            .map_err(|e| LazyError::Daemon(format!("starting the daemon: {e}")))?;
+        Ok(())
+    };
+    Ok(connect_or_start(&paths, Duration::from_secs(15), start)?)
+}
+
+#[derive(Subcommand)]
+pub enum CacheCommand {
+    /// Size and contents of the local chunk cache.
+    Stats {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Evict least recently used chunks down to a size.
+    Prune {
+        /// Target size, e.g. 2G or 500M (default: empty the cache).
+        #[arg(long, default_value = "0", value_parser = parse_size)]
+        max_size: u64,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum LazyfsCommand {
+    /// Run the lazyfs daemon in the foreground (normally started on demand).
+    Serve {
+        /// Local chunk cache bound.
+        #[arg(long, env = "STRATA_CACHE_MAX", default_value = "10G", value_parser = parse_size)]
+        cache_max: u64,
+        /// How long a read waits for an unreachable store before failing with EIO.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        fetch_timeout: Duration,
+    },
+    /// Stop the daemon, unmounting everything it serves.
+    Stop,
+}
+
+pub async fn serve(store: Store, cache_max: u64, fetch_timeout: Duration) -> Result<i32> {
+    let cfg = strata_lazyfs::daemon::DaemonConfig {
+        paths: paths(),
+        cache_max_bytes: cache_max,
+        policy: strata_lazyfs::FetchPolicy {
+            timeout: fetch_timeout,
+        },
+    };
+    strata_lazyfs::daemon::serve(cfg, store).await?;
+    Ok(0)
+}
+
+/// Runs a blocking client call off the async runtime.
+async fn call(store_url: Option<String>, req: Request) -> Result<Response> {
+    tokio::task::spawn_blocking(move || -> Result<Response> {
+        Ok(client(store_url.as_deref())?.call(&req)?)
+    })
+    .await
+    .context("control call")?
+}
+
+pub async fn mount(store_url: Option<String>, id: String, dir: PathBuf) -> Result<i32> {
+    match call(
+        store_url,
+        Request::Mount {
+            id,
+            dir: dir.clone(),
+        },
+    )
+    .await?
+    {
+        Response::Attached(a) => {
+            eprintln!("layer {} mounted at {}", a.id, dir.display());
+            Ok(0)
+        }
+        other => bail!("unexpected reply {other:?}"),
+    }
+}
+
+pub async fn umount(dir: PathBuf) -> Result<i32> {
+    let paths = paths();
+    let req = Request::Umount { dir };
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        let mut c = Client::connect(&paths.socket()).context("no lazyfs daemon is running")?;
+        c.call(&req)?;
+        Ok(())
+    })
+    .await??;
+    Ok(0)
+}
+
+pub async fn stats(store_url: Option<String>, id: String, json: bool) -> Result<i32> {
+    match call(store_url, Request::Stats { id }).await? {
+        Response::Stats(s) => {
+            if json {
+                print_json(&s)?;
+            } else {
+                println!("layer            {}", s.id);
+                println!(
+                    "blob bytes       {} ({})",
+                    s.blob_bytes,
+                    human_bytes(s.blob_bytes)
+                );
+                println!(
+                    "requested bytes  {} ({})",
+                    s.requested_bytes,
+                    human_bytes(s.requested_bytes)
+                );
+                println!(
+                    "fetched bytes    {} ({})",
+                    s.fetched_bytes,
+                    human_bytes(s.fetched_bytes)
+                );
+                println!("cache hits       {}", s.cache_hits);
+                println!("cache misses     {}", s.cache_misses);
+                println!("fetch errors     {}", s.fetch_errors);
+                println!("prefetched       {} chunks", s.prefetched_chunks);
+            }
+            Ok(0)
+        }
+        other => bail!("unexpected reply {other:?}"),
+    }
+}
+
+pub async fn cache(store_url: Option<String>, cmd: CacheCommand) -> Result<i32> {
+    let (req, json) = match cmd {
+        CacheCommand::Stats { json } => (Request::CacheStats, json),
+        CacheCommand::Prune { max_size } => (
+            Request::Prune {
+                max_bytes: max_size,
+            },
+            false,
+        ),
+    };
+    match call(store_url, req).await? {
+        Response::CacheStats(s) => {
+            if json {
+                print_json(&s)?;
+            } else {
+                println!("cache     {}", s.dir);
+                println!("chunks    {}", s.chunks);
+                println!(
+                    "bytes     {} ({}) of {}",
+                    s.bytes,
+                    human_bytes(s.bytes),
+                    human_bytes(s.max_bytes)
+                );
+                println!("evicted   {} chunks", s.evicted_chunks);
+            }
+            Ok(0)
+        }
+        other => bail!("unexpected reply {other:?}"),
+    }
+}
+
+pub async fn stop() -> Result<i32> {
+    let paths = paths();
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        match Client::connect(&paths.socket()) {
+            Ok(mut c) => {
+                c.call(&Request::Shutdown)?;
+                Ok(())
+            }
+            Err(_) => {
+                eprintln!("no lazyfs daemon is running");
+                Ok(())
+            }
+        }
+    })
+    .await??;
+    Ok(0)
+}

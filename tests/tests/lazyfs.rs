@@ -1,0 +1,295 @@
+//! lazyfs end to end: layers mounted through the FUSE blob server and the kernel's EROFS,
+//! read back exactly, metadata-only walks fetch nothing, a store outage fails reads with
+//! EIO within the bound and heals, a SIGKILLed daemon leaves nothing that hangs, and the
+//! first run's access order becomes a prefetch list.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use strata_builder::{LayerKind, Source};
+use strata_tests::treecmp::{assert_same_tree, Ignore};
+use strata_tests::*;
+
+/// A `strata lazyfs serve` process with its own STRATA_HOME.
+struct Daemon {
+    home: PathBuf,
+    store: String,
+    child: Option<Child>,
+}
+
+impl Daemon {
+    fn start(home: &Path, store: &str, fetch_timeout: &str) -> Daemon {
+        let mut d = Daemon {
+            home: home.to_path_buf(),
+            store: store.to_string(),
+            child: None,
+        };
+        d.spawn(fetch_timeout);
+        d
+    }
+
+    fn spawn(&mut self, fetch_timeout: &str) {
+        let stamp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos();
+        let log = std::fs::File::create(self.home.join(format!("daemon-{stamp}.log"))).unwrap();
+        let child = Command::new(strata_bin())
+            .env("STRATA_HOME", &self.home)
+            .env("STRATA_LOG", "info")
+            .args([
+                "--store",
+                &self.store,
+                "lazyfs",
+                "serve",
+                "--fetch-timeout",
+                fetch_timeout,
+                "--cache-max",
+                "1G",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let sock = self.home.join("lazyfs/run/control.sock");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !(sock.exists() && self.cli(&["cache", "stats"]).status.success()) {
+            assert!(Instant::now() < deadline, "daemon did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn cli(&self, args: &[&str]) -> std::process::Output {
+        Command::new(strata_bin())
+            .env("STRATA_HOME", &self.home)
+            .arg("--store")
+            .arg(&self.store)
+            .args(args)
+            .output()
+            .unwrap()
+    }
+
+    fn stats(&self, id: &str) -> serde_json::Value {
+        let o = self.cli(&["layer", "stats", id, "--json"]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice(&o.stdout).unwrap()
+    }
+
+    fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.child.is_some() {
+            let _ = self.cli(&["lazyfs", "stop"]);
+            if let Some(mut c) = self.child.take() {
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+        }
+    }
+}
+
+fn mounts_under(p: &Path) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| {
+            l.split(' ')
+                .nth(4)
+                .is_some_and(|m| m.starts_with(p.to_str().unwrap()))
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+fn fixture(rt: &tokio::runtime::Runtime, work: &Path) -> (PathBuf, String, String) {
+    let src = work.join("src");
+    fixtures::full_tree(&src, true);
+    fixtures::workspace_tree(&src.join("ws"), 400, 9);
+    let store_dir = work.join("store");
+    let store =
+        strata_store::Store::open(&strata_store::StoreUrl::Local(store_dir.clone())).unwrap();
+    let r = build(rt, &store, Source::Dir(src.clone()), LayerKind::Base).unwrap();
+    (src, store_dir.to_str().unwrap().to_string(), r.id.to_hex())
+}
+
+#[test]
+fn lazily_mounted_layer_reads_exactly_and_walks_fetch_nothing() {
+    if !have_root("lazyfs_reads") || !have_fuse("lazyfs_reads") {
+        return;
+    }
+    let rt = runtime();
+    let work = tempfile::tempdir_in(scratch_root()).unwrap();
+    let (src, store, id) = fixture(&rt, work.path());
+    let home = work.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let daemon = Daemon::start(&home, &store, "5s");
+    let mnt = work.path().join("mnt");
+    let o = daemon.cli(&["layer", "mount", &id, mnt.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+
+    // A metadata-only walk (ls -lR) reads the local metadata image only.
+    sh(&format!("ls -lR '{}' > /dev/null", mnt.display()));
+    let s = daemon.stats(&id);
+    assert_eq!(s["fetched_bytes"], 0, "ls -lR fetched blob data: {s}");
+    assert_eq!(s["requested_bytes"], 0, "{s}");
+
+    // Every byte, through the kernel, equals the source.
+    assert_same_tree(
+        &src,
+        &mnt,
+        Ignore {
+            root_meta: true,
+            ..Default::default()
+        },
+    );
+    let s = daemon.stats(&id);
+    assert!(
+        s["fetched_bytes"].as_u64().unwrap() > 0 && s["cache_misses"].as_u64().unwrap() > 0,
+        "{s}"
+    );
+
+    let o = daemon.cli(&["layer", "umount", mnt.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(mounts_under(&mnt).is_empty());
+
+    // The first run's access order was saved; a second mount prefetches it.
+    assert!(
+        Path::new(&store)
+            .join(format!("layers/{id}.prefetch.json"))
+            .exists(),
+        "no prefetch list saved"
+    );
+    drop(daemon);
+    assert!(
+        mounts_under(&home).is_empty(),
+        "daemon stop left mounts: {:?}",
+        mounts_under(&home)
+    );
+}
+
+#[test]
+fn store_outage_fails_uncached_reads_within_the_bound_and_heals() {
+    if !have_root("lazyfs_outage") || !have_fuse("lazyfs_outage") {
+        return;
+    }
+    let rt = runtime();
+    let work = tempfile::tempdir_in(scratch_root()).unwrap();
+    let (src, store, id) = fixture(&rt, work.path());
+    let home = work.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let daemon = Daemon::start(&home, &store, "3s");
+    let mnt = work.path().join("mnt");
+    assert!(daemon
+        .cli(&["layer", "mount", &id, mnt.to_str().unwrap()])
+        .status
+        .success());
+    // Warm one file.
+    let cached = std::fs::read(mnt.join("ten-k")).unwrap();
+    assert_eq!(cached, std::fs::read(src.join("ten-k")).unwrap());
+
+    // "Stop" the store: its directory disappears.
+    let moved = PathBuf::from(format!("{store}.away"));
+    std::fs::rename(&store, &moved).unwrap();
+    let t = Instant::now();
+    let err = std::fs::read(mnt.join("big/three-mib")).unwrap_err();
+    let took = t.elapsed();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(20),
+        "EIO after {took:?}"
+    );
+    assert_eq!(
+        std::fs::read(mnt.join("ten-k")).unwrap(),
+        cached,
+        "cached data must keep working"
+    );
+
+    // The store comes back: the same read works, without remounting.
+    std::fs::rename(&moved, &store).unwrap();
+    assert_eq!(
+        std::fs::read(mnt.join("big/three-mib")).unwrap(),
+        std::fs::read(src.join("big/three-mib")).unwrap()
+    );
+    assert!(daemon
+        .cli(&["layer", "umount", mnt.to_str().unwrap()])
+        .status
+        .success());
+}
+
+#[test]
+fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
+    if !have_root("lazyfs_sigkill") || !have_fuse("lazyfs_sigkill") {
+        return;
+    }
+    let rt = runtime();
+    let work = tempfile::tempdir_in(scratch_root()).unwrap();
+    let (src, store, id) = fixture(&rt, work.path());
+    let home = work.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let mut daemon = Daemon::start(&home, &store, "3s");
+    let mnt = work.path().join("mnt");
+    assert!(daemon
+        .cli(&["layer", "mount", &id, mnt.to_str().unwrap()])
+        .status
+        .success());
+    assert_eq!(
+        std::fs::read(mnt.join("small.txt")).unwrap(),
+        b"hello, layer\n"
+    );
+
+    daemon.kill9();
+    // Nothing hangs: listing works (metadata is local) and data reads fail fast.
+    let t = Instant::now();
+    let out = Command::new("timeout")
+        .args(["10", "ls", "-lR"])
+        .arg(&mnt)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.code() != Some(124),
+        "ls hung on a dead daemon's mount"
+    );
+    let _ = Command::new("timeout")
+        .args(["10", "cat"])
+        .arg(mnt.join("big/three-mib"))
+        .output()
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(15));
+
+    // A new daemon reaps the dead mounts and restores the layer at the same place.
+    daemon.spawn("3s");
+    assert_same_tree(
+        &src,
+        &mnt,
+        Ignore {
+            root_meta: true,
+            ..Default::default()
+        },
+    );
+    let fuse_mounts: Vec<_> = mounts_under(&home.join("lazyfs/fuse"));
+    assert_eq!(
+        fuse_mounts.len(),
+        1,
+        "one FUSE mount, not a stale one beside it: {fuse_mounts:?}"
+    );
+    assert!(daemon
+        .cli(&["layer", "umount", mnt.to_str().unwrap()])
+        .status
+        .success());
+    drop(daemon);
+    assert!(mounts_under(&home).is_empty() && mounts_under(&mnt).is_empty());
+}
