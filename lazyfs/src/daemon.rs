@@ -273,15 +273,13 @@ impl Daemon {
 
 /// Runs the daemon until it is asked to shut down or gets SIGTERM/SIGINT.
 pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
+    let run_dir = cfg.paths.run_dir();
+    std::fs::create_dir_all(&run_dir).map_err(LazyError::io(&run_dir))?;
+    // Mount points in /proc/self/mountinfo are canonical; so must ours be to find them.
+    let mut cfg = cfg;
+    cfg.paths.root =
+        std::fs::canonicalize(&cfg.paths.root).map_err(LazyError::io(&cfg.paths.root))?;
     let paths = cfg.paths.clone();
-    for d in [
-        paths.run_dir(),
-        paths.fuse_dir(),
-        paths.mnt_dir(),
-        paths.meta_dir(),
-    ] {
-        std::fs::create_dir_all(&d).map_err(LazyError::io(&d))?;
-    }
     let lock = paths.run_dir().join("daemon.lock");
     let lock_file = std::fs::OpenOptions::new()
         .create(true)
@@ -306,7 +304,12 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default();
+    // Reap before touching the other directories: a dead FUSE mount point fails stat
+    // with ENOTCONN.
     reap_stale(&paths, &state);
+    for d in [paths.fuse_dir(), paths.mnt_dir(), paths.meta_dir()] {
+        std::fs::create_dir_all(&d).map_err(LazyError::io(&d))?;
+    }
 
     let cache = Arc::new(ChunkCache::open(&paths.cache_dir(), cfg.cache_max_bytes)?);
     let layers = Arc::new(Layers::default());

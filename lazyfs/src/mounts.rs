@@ -62,7 +62,7 @@ pub fn bind_readonly(src: &Path, dst: &Path) -> io::Result<()> {
             std::ptr::null(),
             d.as_ptr(),
             std::ptr::null(),
-            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY,
+            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
             std::ptr::null(),
         )
     })

@@ -140,7 +140,7 @@ pub fn scratch_root() -> PathBuf {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch")
         });
     std::fs::create_dir_all(&p).expect("scratch dir");
-    p
+    std::fs::canonicalize(&p).expect("scratch dir")
 }
 
 /// A kernel EROFS mount, unmounted on drop.
