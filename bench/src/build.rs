@@ -46,6 +46,7 @@ fn build(
         name: None,
         version: None,
         exclude: vec![],
+        prefix: None,
     };
     Ok(rt.block_on(strata_builder::build(store, &req, None))?)
 }

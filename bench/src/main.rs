@@ -3,6 +3,7 @@
 //! run on the same data, because this machine is shared and noisy.
 
 mod build;
+mod lazy;
 mod machine;
 mod report;
 
@@ -14,7 +15,8 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(name = "strata-bench")]
 struct Args {
-    /// Which suite to run: `build` (layer builder), or `quick` (every suite, small sizes).
+    /// Which suite to run: `build`, `lazyfs`, or `quick` (every suite, small sizes).
+    /// Run from the repository root, as root (mounts, drop_caches).
     #[arg(long, default_value = "quick")]
     suite: String,
     /// Where results and reports go.
@@ -33,9 +35,15 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     let mut sections = Vec::new();
+    let repo = std::env::current_dir()?;
     match args.suite.as_str() {
-        "build" | "quick" => sections.push(build::run(&rt, &args.scratch)?),
-        other => anyhow::bail!("unknown suite `{other}` (build, quick)"),
+        "build" => sections.push(build::run(&rt, &args.scratch)?),
+        "lazyfs" => sections.push(lazy::run(&rt, &args.scratch, &repo)?),
+        "quick" => {
+            sections.push(build::run(&rt, &args.scratch)?);
+            sections.push(lazy::run(&rt, &args.scratch, &repo)?);
+        }
+        other => anyhow::bail!("unknown suite `{other}` (build, lazyfs, quick)"),
     }
     let results = report::Results {
         suite: args.suite.clone(),

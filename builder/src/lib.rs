@@ -95,6 +95,9 @@ pub struct BuildRequest {
     pub name: Option<String>,
     pub version: Option<String>,
     pub exclude: Vec<String>,
+    /// Directory inside the layer that the source's root becomes, e.g. `work` for a
+    /// workspace stacked on a base at `/work`. Empty: the layer root.
+    pub prefix: Option<String>,
 }
 
 impl BuildRequest {
@@ -107,6 +110,7 @@ impl BuildRequest {
             name: def.name.clone(),
             version: def.version.clone(),
             exclude: def.exclude.clone(),
+            prefix: def.prefix.clone(),
         })
     }
 }
@@ -189,6 +193,13 @@ async fn build_leased(
 
     // Where and when the tree was unpacked must not change the layer.
     tree.node_mut(tree::ROOT).meta = tree::Meta::DEFAULT_DIR;
+    if let Some(prefix) = req
+        .prefix
+        .as_deref()
+        .filter(|p| !p.trim_matches('/').is_empty())
+    {
+        tree = tree.rebase(prefix.as_bytes())?;
+    }
     let blob = layout::layout(&tree)?;
     let image = erofs::write_image(&tree, &blob)?;
     let referenced: HashSet<Digest> = blob.chunks.iter().map(|(_, c)| c.digest).collect();

@@ -463,6 +463,31 @@ impl Tree {
         }
     }
 
+    /// Moves the whole tree under `prefix` (created as 0755 root directories); the old
+    /// root's metadata goes to the innermost one.
+    pub fn rebase(mut self, prefix: &[u8]) -> Result<Tree, BuildError> {
+        let parts = split_path(prefix)?;
+        if parts.is_empty() {
+            return Ok(self);
+        }
+        let old_root = std::mem::replace(
+            &mut self.nodes[ROOT],
+            Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new())),
+        );
+        let moved = self.push(old_root);
+        let mut cur = ROOT;
+        for (i, part) in parts.iter().enumerate() {
+            let next = if i + 1 == parts.len() {
+                moved
+            } else {
+                self.push(Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new())))
+            };
+            self.children_mut(cur).insert(part.to_vec(), next);
+            cur = next;
+        }
+        Ok(self)
+    }
+
     /// Number of regular files and their total size (hard links counted once).
     pub fn file_totals(&self) -> (u64, u64) {
         let (mut files, mut bytes) = (0, 0);
@@ -587,6 +612,18 @@ mod tests {
         t.walk(|p, _, _| paths.push(String::from_utf8_lossy(p).into_owned()));
         assert_eq!(paths, vec!["", "a", "z"]);
         assert!(t.link(b"c", b"missing").is_err());
+    }
+
+    #[test]
+    fn rebase_moves_the_tree_under_a_prefix() {
+        let mut t = Tree::new();
+        t.insert(b"src/a.py", file(3)).unwrap();
+        t.node_mut(ROOT).meta.mode = 0o700;
+        let t = t.rebase(b"/work/repo/").unwrap();
+        assert!(t.lookup(b"work/repo/src/a.py").is_some());
+        assert_eq!(t.node(t.lookup(b"work/repo").unwrap()).meta.mode, 0o700);
+        assert_eq!(t.node(ROOT).meta, Meta::DEFAULT_DIR);
+        assert_eq!(t.children(ROOT).unwrap().len(), 1);
     }
 
     #[test]

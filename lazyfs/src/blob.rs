@@ -73,6 +73,8 @@ pub struct LayerBlob {
     access: Mutex<(Vec<u32>, Vec<bool>)>,
     /// On-demand fetches in flight; background prefetch yields to them.
     pub(crate) foreground: AtomicUsize,
+    /// End of the previous read, to recognize sequential reading.
+    last_end: AtomicU64,
     rt: tokio::runtime::Handle,
 }
 
@@ -101,6 +103,7 @@ impl LayerBlob {
             by_pack,
             access: Mutex::new((Vec::new(), vec![false; n])),
             foreground: AtomicUsize::new(0),
+            last_end: AtomicU64::new(u64::MAX),
             rt,
         }
     }
@@ -130,16 +133,28 @@ impl LayerBlob {
         while i < chunks.len() && chunks[i].blob_offset < end {
             let c = &chunks[i];
             self.record_access(i);
-            let data = self.chunk(i)?;
-            let c_end = c.blob_offset + c.length as u64;
             let from = offset.max(c.blob_offset);
-            let to = end.min(c_end);
-            out[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
-                &data[(from - c.blob_offset) as usize..(to - c.blob_offset) as usize],
-            );
+            let to = end.min(c.blob_offset + c.length as u64);
+            let (lo, n) = ((from - c.blob_offset) as usize, (to - from) as usize);
+            let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
+            match self.cache.get_range(&c.digest, lo, n) {
+                Some(part) => {
+                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
+                    dst.copy_from_slice(&part);
+                }
+                None => {
+                    let data = self.chunk(i)?;
+                    dst.copy_from_slice(&data[lo..lo + n]);
+                }
+            }
             i += 1;
         }
-        self.readahead(i, end);
+        // Read ahead only for sequential readers (the kernel reading a large file in
+        // order); scattered small-file reads would drag in data nobody asked for.
+        let sequential = self.last_end.swap(end, Ordering::Relaxed) == offset;
+        if sequential {
+            self.readahead(i, end);
+        }
         Ok(out)
     }
 

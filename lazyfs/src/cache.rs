@@ -177,6 +177,37 @@ impl ChunkCache {
         Some(bytes)
     }
 
+    /// `len` bytes at `offset` of a cached chunk. A chunk this process has verified is read
+    /// in place (no whole-chunk read per kernel request); one not yet verified since the
+    /// last start is read whole and hashed first.
+    pub fn get_range(&self, d: &Digest, offset: usize, len: usize) -> Option<Bytes> {
+        if let Some(b) = self.hot.get(d) {
+            return b.get(offset..offset + len).map(|s| b.slice_ref(s));
+        }
+        let entry = self.disk.get(d)?;
+        if !entry.verified.load(Ordering::Relaxed) {
+            return self
+                .get(d)
+                .and_then(|b| b.get(offset..offset + len).map(|s| b.slice_ref(s)));
+        }
+        let path = chunk_path(&self.dir, d);
+        let file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(_) => {
+                self.disk.invalidate(d);
+                return None;
+            }
+        };
+        let mut buf = vec![0u8; len];
+        match std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf, offset as u64) {
+            Ok(()) => Some(Bytes::from(buf)),
+            Err(_) => {
+                self.disk.invalidate(d);
+                None
+            }
+        }
+    }
+
     /// Whether a chunk is cached (without reading it).
     pub fn contains(&self, d: &Digest) -> bool {
         self.hot.contains_key(d) || self.disk.contains_key(d)

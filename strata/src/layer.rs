@@ -42,6 +42,9 @@ pub enum StoredLayerCommand {
         /// Leave out paths matching this glob (repeatable).
         #[arg(long)]
         exclude: Vec<String>,
+        /// Put the source's root at this directory inside the layer (e.g. /work).
+        #[arg(long)]
+        prefix: Option<String>,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -78,6 +81,7 @@ async fn run_stored(store: &Store, cmd: StoredLayerCommand) -> Result<i32> {
             name,
             version,
             exclude,
+            prefix,
             json,
             source,
         } => {
@@ -86,6 +90,7 @@ async fn run_stored(store: &Store, cmd: StoredLayerCommand) -> Result<i32> {
                 r.exclude.extend(exclude);
                 r.name = name.or(r.name);
                 r.version = version.or(r.version);
+                r.prefix = prefix.or(r.prefix);
                 r
             } else {
                 BuildRequest {
@@ -94,6 +99,7 @@ async fn run_stored(store: &Store, cmd: StoredLayerCommand) -> Result<i32> {
                     name,
                     version,
                     exclude,
+                    prefix,
                 }
             };
             let (bar, progress) = byte_progress(&format!("building {}", req.source));

@@ -219,6 +219,7 @@ pub fn build(
         name: None,
         version: None,
         exclude: vec![],
+        prefix: None,
     };
     rt.block_on(strata_builder::build(store, &req, None))
 }

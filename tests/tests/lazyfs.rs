@@ -293,3 +293,96 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
     drop(daemon);
     assert!(mounts_under(&home).is_empty() && mounts_under(&mnt).is_empty());
 }
+
+#[test]
+fn a_workspace_test_suite_on_lazy_layers_reads_a_small_fraction() {
+    if !have_root("lazyfs_fraction")
+        || !have_fuse("lazyfs_fraction")
+        || !have_tool("lazyfs_fraction", "mmdebstrap")
+    {
+        return;
+    }
+    let rt = runtime();
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let tar = sh(&format!(
+        "bash '{}'",
+        repo.join("datasets/base/make-rootfs.sh").display()
+    ));
+    let work = tempfile::tempdir_in(scratch_root()).unwrap();
+    let store_dir = work.path().join("store");
+    let store =
+        strata_store::Store::open(&strata_store::StoreUrl::Local(store_dir.clone())).unwrap();
+    let base = build(
+        &rt,
+        &store,
+        Source::Tar(PathBuf::from(tar.trim())),
+        LayerKind::Base,
+    )
+    .unwrap();
+    let req =
+        strata_builder::BuildRequest::from_definition(&repo.join("datasets/sample/workspace.toml"))
+            .unwrap();
+    let ws = rt
+        .block_on(strata_builder::build(&store, &req, None))
+        .unwrap();
+
+    let home = work.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let daemon = Daemon::start(&home, store_dir.to_str().unwrap(), "10s");
+    let (base_mnt, ws_mnt) = (work.path().join("base"), work.path().join("ws"));
+    for (id, dir) in [(base.id.to_hex(), &base_mnt), (ws.id.to_hex(), &ws_mnt)] {
+        let o = daemon.cli(&["layer", "mount", &id, dir.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let merged = work.path().join("merged");
+    let (upper, wd) = (work.path().join("upper"), work.path().join("wd"));
+    for d in [&merged, &upper, &wd] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    sh(&format!(
+        "mount -t overlay overlay -o lowerdir='{}:{}',upperdir='{}',workdir='{}' '{}'",
+        ws_mnt.display(),
+        base_mnt.display(),
+        upper.display(),
+        wd.display(),
+        merged.display()
+    ));
+    let out = Command::new("chroot")
+        .arg(&merged)
+        .args([
+            "/bin/sh",
+            "-c",
+            "cd /work && python3 -m unittest discover -s tests 2>&1",
+        ])
+        .output()
+        .unwrap();
+    let _ = Command::new("umount").arg(&merged).status();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("OK"),
+        "workspace tests failed:\n{text}"
+    );
+
+    let (sb, sw) = (
+        daemon.stats(&base.id.to_hex()),
+        daemon.stats(&ws.id.to_hex()),
+    );
+    let fetched = sb["fetched_bytes"].as_u64().unwrap() + sw["fetched_bytes"].as_u64().unwrap();
+    let total = base.blob_bytes + ws.blob_bytes;
+    let fraction = fetched as f64 / total as f64;
+    eprintln!(
+        "workspace test suite fetched {fetched} of {total} data bytes ({:.1}%) of base + workspace",
+        fraction * 100.0
+    );
+    assert!(
+        fraction <= 0.25,
+        "fetched {:.1}% of the layers",
+        fraction * 100.0
+    );
+    for dir in [&base_mnt, &ws_mnt] {
+        assert!(daemon
+            .cli(&["layer", "umount", dir.to_str().unwrap()])
+            .status
+            .success());
+    }
+}

@@ -97,6 +97,8 @@ pub struct LayerDefinition {
     pub source: SourceTable,
     #[serde(default)]
     pub exclude: Vec<String>,
+    /// Where the source's root goes inside the layer (e.g. "work").
+    pub prefix: Option<String>,
 }
 
 /// The `[source]` table: exactly one of its location keys.
