@@ -293,17 +293,27 @@ impl LayerBlob {
         self.counters
             .fetched
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        // Every chunk of the group is verified before it is served or cached (a neighbour
+        // decoded later would let a concurrent reader fetch it again); disk writes happen
+        // off the read path.
         let mut wanted = None;
-        for j in group {
+        for &j in &group {
             let cj = &chunks[j];
             let s = (cj.pack_offset - start) as usize;
-            let stored = &bytes[s..s + cj.stored_length as usize];
-            match chunk::decode(stored, cj.length, &cj.digest) {
+            match chunk::decode(
+                &bytes[s..s + cj.stored_length as usize],
+                cj.length,
+                &cj.digest,
+            ) {
                 Ok(data) => {
                     let data = Bytes::from(data);
-                    if let Err(e) = self.cache.put(cj.digest, data.clone()) {
-                        tracing::warn!(error = %e, "could not write to the chunk cache");
-                    }
+                    self.cache.put_hot(cj.digest, data.clone());
+                    let (cache, d, persist) = (self.cache.clone(), cj.digest, data.clone());
+                    self.rt.spawn_blocking(move || {
+                        if let Err(e) = cache.put(d, persist) {
+                            tracing::warn!(error = %e, "could not write to the chunk cache");
+                        }
+                    });
                     if j == i {
                         wanted = Some(data);
                     }

@@ -234,6 +234,11 @@ impl ChunkCache {
         Ok(())
     }
 
+    /// Makes a verified chunk readable from memory before it reaches the disk.
+    pub fn put_hot(&self, d: Digest, data: Bytes) {
+        self.hot.insert(d, data);
+    }
+
     /// Evicts least recently used chunks until at most `max_bytes` remain.
     pub fn prune(&self, max_bytes: u64) {
         self.disk.run_pending_tasks();
