@@ -9,7 +9,7 @@ PKGS=(
   fuse3 libfuse3-dev erofs-utils attr acl
   ceph-mon ceph-osd radosgw ceph-common
   python3 python3-venv
-  mmdebstrap
+  mmdebstrap docker-registry skopeo
 )
 
 missing=()

@@ -4,8 +4,8 @@
 
 use std::path::Path;
 
-use sha2::Digest as _;
 use strata_builder::{BuildError, LayerKind, Source};
+use strata_tests::fixtures::{header, simple_tar, write_oci_layout};
 use strata_tests::*;
 
 fn tar_of(src: &Path, out: &Path, compress: &str) {
@@ -281,85 +281,6 @@ fn bad_inputs_fail_clearly_and_commit_nothing() {
     assert!(e.contains("digest mismatch"), "{e}");
 
     assert_nothing_committed(&rt, &store);
-}
-
-/// A GNU tar header for a regular file of `size` bytes, owned by root, at time 0.
-fn header(size: u64) -> tar::Header {
-    let mut h = tar::Header::new_gnu();
-    h.set_size(size);
-    h.set_mode(0o644);
-    h.set_uid(0);
-    h.set_gid(0);
-    h.set_mtime(0);
-    h
-}
-
-/// An uncompressed tar with files and whiteout markers.
-fn simple_tar(files: &[(&str, &[u8])], markers: &[&str]) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    for (path, data) in files {
-        let mut h = tar::Header::new_ustar();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_700_000_000);
-        b.append_data(&mut h, path, *data).unwrap();
-    }
-    for m in markers {
-        let mut h = tar::Header::new_ustar();
-        h.set_size(0);
-        h.set_mode(0o644);
-        h.set_uid(0);
-        h.set_gid(0);
-        h.set_mtime(1_700_000_000);
-        b.append_data(&mut h, m, &b""[..]).unwrap();
-    }
-    b.into_inner().unwrap()
-}
-
-fn put_blob(layout: &Path, data: &[u8]) -> (String, usize) {
-    let hex = hex_of(&sha2::Sha256::digest(data));
-    std::fs::write(layout.join("blobs/sha256").join(&hex), data).unwrap();
-    (format!("sha256:{hex}"), data.len())
-}
-
-fn hex_of(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-/// Writes an OCI image layout with one image made of `layers` (bottom first).
-fn write_oci_layout(layout: &Path, layers: &[Vec<u8>]) {
-    std::fs::create_dir_all(layout.join("blobs/sha256")).unwrap();
-    std::fs::write(
-        layout.join("oci-layout"),
-        r#"{"imageLayoutVersion":"1.0.0"}"#,
-    )
-    .unwrap();
-    let (cfg, cfg_size) = put_blob(
-        layout,
-        br#"{"architecture":"amd64","os":"linux","rootfs":{"type":"layers","diff_ids":[]}}"#,
-    );
-    let descs: Vec<_> = layers
-        .iter()
-        .map(|l| {
-            let (d, s) = put_blob(layout, l);
-            serde_json::json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d, "size": s})
-        })
-        .collect();
-    let manifest = serde_json::json!({
-        "schemaVersion": 2,
-        "mediaType": "application/vnd.oci.image.manifest.v1+json",
-        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cfg, "size": cfg_size},
-        "layers": descs,
-    });
-    let (md, ms) = put_blob(layout, manifest.to_string().as_bytes());
-    let index = serde_json::json!({
-        "schemaVersion": 2,
-        "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": md, "size": ms,
-                       "annotations": {"org.opencontainers.image.ref.name": "latest"}}],
-    });
-    std::fs::write(layout.join("index.json"), index.to_string()).unwrap();
 }
 
 #[test]
