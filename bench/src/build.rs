@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use strata_builder::{BuildRequest, LayerKind, Source};
+use strata_builder::{LayerKind, Source};
 use strata_store::{Store, StoreUrl};
 use strata_tests::fixtures;
 
@@ -40,15 +40,12 @@ fn build(
     store: &Store,
     dir: &Path,
 ) -> Result<strata_builder::BuildReport> {
-    let req = BuildRequest {
-        source: Source::Dir(dir.to_path_buf()),
-        kind: LayerKind::Workspace,
-        name: None,
-        version: None,
-        exclude: vec![],
-        prefix: None,
-    };
-    Ok(rt.block_on(strata_builder::build(store, &req, None))?)
+    Ok(strata_tests::build(
+        rt,
+        store,
+        Source::Dir(dir.to_path_buf()),
+        LayerKind::Workspace,
+    )?)
 }
 
 /// Changes 1 % of the files under `root`: edits that insert bytes, additions, deletions.

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
-use strata_builder::{BuildRequest, LayerKind, Source};
+use strata_builder::{LayerKind, Source};
 use strata_store::{Digest, Store, StoreUrl};
 use strata_tests::fixtures;
 
@@ -127,15 +127,7 @@ fn build(
     source: Source,
     kind: LayerKind,
 ) -> Result<Digest> {
-    let req = BuildRequest {
-        source,
-        kind,
-        name: None,
-        version: None,
-        exclude: vec![],
-        prefix: None,
-    };
-    Ok(rt.block_on(strata_builder::build(store, &req, None))?.id)
+    Ok(strata_tests::build(rt, store, source, kind)?.id)
 }
 
 /// Reads every regular file under `root`; returns bytes read.

@@ -126,6 +126,22 @@ fn fixture(rt: &tokio::runtime::Runtime, work: &Path) -> (PathBuf, String, Strin
     (src, store_dir.to_str().unwrap().to_string(), r.id.to_hex())
 }
 
+/// The fixture layer, a daemon for it, and the layer mounted at `<work>/mnt`.
+fn mounted(
+    rt: &tokio::runtime::Runtime,
+    work: &Path,
+    fetch_timeout: &str,
+) -> (PathBuf, String, Daemon, PathBuf) {
+    let (src, store, id) = fixture(rt, work);
+    let home = work.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let daemon = Daemon::start(&home, &store, fetch_timeout);
+    let mnt = work.join("mnt");
+    let o = daemon.cli(&["layer", "mount", &id, mnt.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    (src, id, daemon, mnt)
+}
+
 #[test]
 fn lazily_mounted_layer_reads_exactly_and_walks_fetch_nothing() {
     if !have_root("lazyfs_reads") || !have_fuse("lazyfs_reads") {
@@ -133,13 +149,9 @@ fn lazily_mounted_layer_reads_exactly_and_walks_fetch_nothing() {
     }
     let rt = runtime();
     let work = tempfile::tempdir_in(scratch_root()).unwrap();
-    let (src, store, id) = fixture(&rt, work.path());
+    let (src, id, daemon, mnt) = mounted(&rt, work.path(), "5s");
     let home = work.path().join("home");
-    std::fs::create_dir_all(&home).unwrap();
-    let daemon = Daemon::start(&home, &store, "5s");
-    let mnt = work.path().join("mnt");
-    let o = daemon.cli(&["layer", "mount", &id, mnt.to_str().unwrap()]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let store = daemon.store.clone();
 
     // A metadata-only walk (ls -lR) reads the local metadata image only.
     sh(&format!("ls -lR '{}' > /dev/null", mnt.display()));
@@ -188,15 +200,8 @@ fn store_outage_fails_uncached_reads_within_the_bound_and_heals() {
     }
     let rt = runtime();
     let work = tempfile::tempdir_in(scratch_root()).unwrap();
-    let (src, store, id) = fixture(&rt, work.path());
-    let home = work.path().join("home");
-    std::fs::create_dir_all(&home).unwrap();
-    let daemon = Daemon::start(&home, &store, "3s");
-    let mnt = work.path().join("mnt");
-    assert!(daemon
-        .cli(&["layer", "mount", &id, mnt.to_str().unwrap()])
-        .status
-        .success());
+    let (src, _id, daemon, mnt) = mounted(&rt, work.path(), "3s");
+    let store = daemon.store.clone();
     // Warm one file.
     let cached = std::fs::read(mnt.join("ten-k")).unwrap();
     assert_eq!(cached, std::fs::read(src.join("ten-k")).unwrap());
@@ -237,15 +242,8 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
     }
     let rt = runtime();
     let work = tempfile::tempdir_in(scratch_root()).unwrap();
-    let (src, store, id) = fixture(&rt, work.path());
+    let (src, _id, mut daemon, mnt) = mounted(&rt, work.path(), "3s");
     let home = work.path().join("home");
-    std::fs::create_dir_all(&home).unwrap();
-    let mut daemon = Daemon::start(&home, &store, "3s");
-    let mnt = work.path().join("mnt");
-    assert!(daemon
-        .cli(&["layer", "mount", &id, mnt.to_str().unwrap()])
-        .status
-        .success());
     assert_eq!(
         std::fs::read(mnt.join("small.txt")).unwrap(),
         b"hello, layer\n"
