@@ -193,7 +193,8 @@ impl LayerBlob {
         let d = self.manifest.chunks[i].digest;
         let flight = self.cache.flight(&d);
         let _guard = flight.lock().await;
-        let r = match self.cache.get(&d) {
+        let cached = tokio::task::block_in_place(|| self.cache.get(&d));
+        let r = match cached {
             Some(b) => Ok(b),
             None => self.fetch(i).await,
         };
@@ -335,13 +336,16 @@ impl LayerBlob {
         })
     }
 
-    /// Starts background fetches of the chunks after a read, up to [`READAHEAD`] bytes.
+    /// Starts background loads (from disk or the store) of the chunks after a read, up to
+    /// [`READAHEAD`] bytes.
     fn readahead(self: &Arc<Self>, next: usize, read_end: u64) {
         let chunks = &self.manifest.chunks;
         let mut todo = Vec::new();
         let mut j = next;
         while j < chunks.len() && chunks[j].blob_offset < read_end + READAHEAD {
-            if !self.cache.contains(&chunks[j].digest) {
+            // Also chunks only on disk: loading them into memory ahead of the reader is
+            // the readahead a local block device would get from the kernel.
+            if !self.cache.is_hot(&chunks[j].digest) {
                 todo.push(j);
             }
             j += 1;

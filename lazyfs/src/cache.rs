@@ -80,9 +80,12 @@ impl ChunkCache {
                 }
             })
             .build();
+        // LRU, not moka's default TinyLFU admission: a sequential scan must keep the chunk
+        // it is reading, which a frequency filter would refuse as a newcomer.
         let hot = moka::sync::Cache::builder()
             .max_capacity(HOT_BYTES.min(max_bytes))
             .weigher(|_: &Digest, b: &Bytes| b.len().min(u32::MAX as usize) as u32)
+            .eviction_policy(EvictionPolicy::lru())
             .build();
         let cache = ChunkCache {
             dir: dir.to_path_buf(),
@@ -177,35 +180,17 @@ impl ChunkCache {
         Some(bytes)
     }
 
-    /// `len` bytes at `offset` of a cached chunk. A chunk this process has verified is read
-    /// in place (no whole-chunk read per kernel request); one not yet verified since the
-    /// last start is read whole and hashed first.
+    /// `len` bytes at `offset` of a cached chunk.
     pub fn get_range(&self, d: &Digest, offset: usize, len: usize) -> Option<Bytes> {
-        if let Some(b) = self.hot.get(d) {
-            return b.get(offset..offset + len).map(|s| b.slice_ref(s));
-        }
-        let entry = self.disk.get(d)?;
-        if !entry.verified.load(Ordering::Relaxed) {
-            return self
-                .get(d)
-                .and_then(|b| b.get(offset..offset + len).map(|s| b.slice_ref(s)));
-        }
-        let path = chunk_path(&self.dir, d);
-        let file = match std::fs::File::open(&path) {
-            Ok(f) => f,
-            Err(_) => {
-                self.disk.invalidate(d);
-                return None;
-            }
-        };
-        let mut buf = vec![0u8; len];
-        match std::os::unix::fs::FileExt::read_exact_at(&file, &mut buf, offset as u64) {
-            Ok(()) => Some(Bytes::from(buf)),
-            Err(_) => {
-                self.disk.invalidate(d);
-                None
-            }
-        }
+        // A chunk is read from disk whole, once, into the hot cache: the kernel asks for
+        // it in 128-256 KiB pieces, and one sequential read beats several small ones.
+        let b = self.get(d)?;
+        b.get(offset..offset + len).map(|s| b.slice_ref(s))
+    }
+
+    /// Whether a chunk is in memory.
+    pub fn is_hot(&self, d: &Digest) -> bool {
+        self.hot.contains_key(d)
     }
 
     /// Whether a chunk is cached (without reading it).
