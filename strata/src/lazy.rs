@@ -10,7 +10,9 @@ use clap::Subcommand;
 use strata_lazyfs::{connect_or_start, Client, LazyError, Paths, Request, Response};
 use strata_store::{strata_home, Store};
 
-use crate::output::{human_bytes, parse_size, print_json};
+use strata_catalog::parse_size;
+
+use crate::output::{human_bytes, print_json};
 
 pub fn paths() -> Paths {
     Paths::new(strata_home().join("lazyfs"))

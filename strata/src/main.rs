@@ -1,6 +1,7 @@
 //! The `strata` binary: parses the command line and wires the library crates together.
 //! Nothing here decides how layers or stores work; it only calls into the crates that do.
 
+mod catalog;
 mod layer;
 mod lazy;
 mod output;
@@ -34,6 +35,9 @@ enum Command {
     /// Store statistics, verification and garbage collection.
     #[command(subcommand)]
     Store(store::StoreCommand),
+    /// Catalog entries: environments by ID.
+    #[command(subcommand)]
+    Catalog(catalog::CatalogCommand),
     /// The local chunk cache of the lazyfs daemon.
     #[command(subcommand)]
     Cache(lazy::CacheCommand),
@@ -74,6 +78,7 @@ fn main() {
         match cli.command {
             Command::Layer(c) => layer::run(url, c).await,
             Command::Store(c) => store::run(&open_store(url.as_deref())?, c).await,
+            Command::Catalog(c) => catalog::run(&open_store(url.as_deref())?, c).await,
             Command::Cache(c) => lazy::cache(url, c).await,
             Command::Lazyfs(lazy::LazyfsCommand::Serve {
                 cache_max,

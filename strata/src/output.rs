@@ -37,28 +37,3 @@ pub fn byte_progress(message: &str) -> (ProgressBar, strata_builder::Progress) {
     let cb: strata_builder::Progress = Arc::new(move |n| b.set_position(n));
     (bar, cb)
 }
-
-/// Parses a byte size: a number with an optional K, M, G or T suffix (powers of 1024,
-/// optional trailing `B` or `iB`).
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let t = text.trim();
-    let t = t
-        .strip_suffix("iB")
-        .or_else(|| t.strip_suffix('B'))
-        .unwrap_or(t);
-    let (num, shift) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 10),
-        Some('M' | 'm') => (&t[..t.len() - 1], 20),
-        Some('G' | 'g') => (&t[..t.len() - 1], 30),
-        Some('T' | 't') => (&t[..t.len() - 1], 40),
-        _ => (t, 0),
-    };
-    let n: f64 = num
-        .trim()
-        .parse()
-        .map_err(|_| format!("`{text}` is not a size (examples: 512M, 10G, 4096)"))?;
-    if n < 0.0 {
-        return Err(format!("`{text}` is negative"));
-    }
-    Ok((n * (1u64 << shift) as f64) as u64)
-}

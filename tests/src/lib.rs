@@ -236,3 +236,52 @@ pub fn have_fuse(test: &str) -> bool {
     }
     ok
 }
+
+/// Registers 20 versions of one entry from 20 concurrent `strata catalog register`
+/// processes against `store_url`, and checks that all 20 exist, the history has all 20,
+/// and latest is one of them.
+pub fn concurrent_registrations(store_url: &str, entry_toml: &Path) {
+    let procs: Vec<_> = (0..20)
+        .map(|_| {
+            Command::new(strata_bin())
+                .args(["--store", store_url, "catalog", "register"])
+                .arg(entry_toml)
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .expect("spawn strata")
+        })
+        .collect();
+    let mut versions = Vec::new();
+    for p in procs {
+        let o = p.wait_with_output().expect("wait");
+        assert!(
+            o.status.success(),
+            "register failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        versions.push(String::from_utf8_lossy(&o.stdout).trim().to_string());
+    }
+    versions.sort();
+    versions.dedup();
+    assert_eq!(
+        versions.len(),
+        20,
+        "every concurrent registration got its own version: {versions:?}"
+    );
+    let o = strata(store_url, &["catalog", "history", "conc/entry", "--json"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let h: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        h.as_array().unwrap().len(),
+        20,
+        "no registration lost from the log"
+    );
+    let o = strata(store_url, &["catalog", "show", "conc/entry", "--json"]);
+    let latest: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let latest = format!("conc/entry@{}", latest["version"].as_str().unwrap());
+    assert!(
+        versions.contains(&latest),
+        "latest {latest} is one of the concurrent ones"
+    );
+}

@@ -56,6 +56,16 @@ fn builds_verify_gc_and_export_against_radosgw() {
     let v = rt.block_on(store.verify()).unwrap();
     assert!(v.problems.is_empty() && v.chunks > 0, "{:?}", v.problems);
 
+    // The catalog refuses nothing here: radosgw honours conditional create, and 20
+    // concurrent registrations all land.
+    let conc = work.path().join("conc.toml");
+    std::fs::write(
+        &conc,
+        format!("id = \"conc/entry\"\nbase = \"{}\"\n", first.id),
+    )
+    .unwrap();
+    concurrent_registrations(&server.url, &conc);
+
     // The CLI talks to the same store by URL.
     let o = strata(&server.url, &["store", "stats", "--json"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -1,0 +1,98 @@
+//! `strata catalog ...`: register, show, list and trace catalog entries.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Subcommand;
+use strata_catalog::{Catalog, Entry};
+use strata_store::Store;
+
+use crate::output::print_json;
+
+#[derive(Subcommand)]
+pub enum CatalogCommand {
+    /// Register an entry (TOML). Prints `namespace/name@version` last.
+    Register {
+        entry: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show an entry: `namespace/name` (latest) or `namespace/name@version`.
+    Show {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// List entry IDs, optionally only those starting with PREFIX.
+    Ls {
+        #[arg(default_value = "")]
+        prefix: String,
+    },
+    /// Every registration of an entry, oldest first.
+    History {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+pub async fn run(store: &Store, cmd: CatalogCommand) -> Result<i32> {
+    let catalog = Catalog::open(store).await?;
+    match cmd {
+        CatalogCommand::Register { entry, json } => {
+            let text = std::fs::read_to_string(&entry)
+                .with_context(|| format!("reading {}", entry.display()))?;
+            let e = Entry::from_toml(&text, &entry.display().to_string())?;
+            let r = catalog.register(e).await?;
+            if json {
+                print_json(&r)?;
+            } else {
+                println!("{}", r.reference());
+            }
+        }
+        CatalogCommand::Show { id, json } => {
+            let r = catalog.get(&id).await?;
+            if json {
+                print_json(&*r)?;
+            } else {
+                let e = &r.entry;
+                println!("id          {}", r.reference());
+                println!("registered  {} by {}", r.registered_at, r.registered_by);
+                println!("backend     {:?}", e.backend);
+                println!("base        {}", e.base);
+                for t in &e.toolkits {
+                    println!("toolkit     {t}");
+                }
+                if let Some(w) = &e.workspace {
+                    println!("workspace   {w}");
+                }
+                if let Some(w) = &e.workdir {
+                    println!("workdir     {w}");
+                }
+                println!("budgets     {}", serde_json::to_string(&e.budgets)?);
+                for (k, v) in &e.env {
+                    println!("env         {k}={v}");
+                }
+                for (k, v) in &e.commands {
+                    println!("command     {k}: {v}");
+                }
+            }
+        }
+        CatalogCommand::Ls { prefix } => {
+            for id in catalog.list(&prefix).await? {
+                println!("{id}");
+            }
+        }
+        CatalogCommand::History { id, json } => {
+            let h = catalog.history(&id).await?;
+            if json {
+                print_json(&h)?;
+            } else {
+                for r in h {
+                    println!("{:>6}  {:<12} {}  {}", r.seq, r.version, r.at, r.by);
+                }
+            }
+        }
+    }
+    Ok(0)
+}

@@ -1,0 +1,88 @@
+//! The catalog: register, resolve latest and pinned versions, refuse missing layers and
+//! duplicate versions, and keep every one of 20 concurrent registrations.
+
+use strata_builder::{LayerKind, Source};
+use strata_tests::*;
+
+#[test]
+fn register_show_history_and_concurrent_writers_on_a_local_store() {
+    let rt = runtime();
+    let work = tempfile::tempdir_in(scratch_root()).unwrap();
+    let store_dir = work.path().join("store");
+    let store_url = store_dir.to_str().unwrap();
+    let store =
+        strata_store::Store::open(&strata_store::StoreUrl::Local(store_dir.clone())).unwrap();
+    let src = work.path().join("base");
+    fixtures::workspace_tree(&src, 10, 1);
+    let base = build(&rt, &store, Source::Dir(src), LayerKind::Base)
+        .unwrap()
+        .id
+        .to_hex();
+
+    let entry = work.path().join("entry.toml");
+    std::fs::write(
+        &entry,
+        format!(
+            "id = \"demo/hello\"\nbase = \"{}\"\nworkdir = \"/work\"\n[budgets]\nmemory = \"512M\"\ntimeout = \"60s\"\n[commands]\ntest = \"true\"\n",
+            &base[..12]
+        ),
+    )
+    .unwrap();
+    let o = strata(store_url, &["catalog", "register", entry.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "demo/hello@v1");
+    let o = strata(store_url, &["catalog", "register", entry.to_str().unwrap()]);
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "demo/hello@v2");
+
+    let o = strata(store_url, &["catalog", "show", "demo/hello", "--json"]);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["version"], "v2");
+    assert_eq!(
+        j["entry"]["base"], base,
+        "a layer prefix is stored as the full ID"
+    );
+    let o = strata(store_url, &["catalog", "show", "demo/hello@v1", "--json"]);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["version"], "v1");
+    let o = strata(store_url, &["catalog", "ls", "demo/"]);
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "demo/hello");
+
+    // Pinned versions are immutable; missing layers are named.
+    let pinned = work.path().join("pinned.toml");
+    std::fs::write(
+        &pinned,
+        std::fs::read_to_string(&entry)
+            .unwrap()
+            .replace("workdir", "version = \"v1\"\nworkdir"),
+    )
+    .unwrap();
+    let o = strata(
+        store_url,
+        &["catalog", "register", pinned.to_str().unwrap()],
+    );
+    assert!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("already registered")
+    );
+    let missing = work.path().join("missing.toml");
+    let ghost = "ab".repeat(32);
+    std::fs::write(
+        &missing,
+        format!("id = \"demo/ghost\"\nbase = \"{ghost}\"\n"),
+    )
+    .unwrap();
+    let o = strata(
+        store_url,
+        &["catalog", "register", missing.to_str().unwrap()],
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains(&ghost) && err.contains("not in the store"),
+        "{err}"
+    );
+    let o = strata(store_url, &["catalog", "show", "demo/ghost"]);
+    assert!(!o.status.success());
+
+    let conc = work.path().join("conc.toml");
+    std::fs::write(&conc, format!("id = \"conc/entry\"\nbase = \"{base}\"\n")).unwrap();
+    concurrent_registrations(store_url, &conc);
+}
