@@ -17,6 +17,10 @@ use crate::LazyError;
 const FETCH_UNIT: u64 = 1 << 20;
 /// How far past a read to fetch ahead in the background.
 const READAHEAD: u64 = 4 << 20;
+/// Background prefetch fetches this many chunks at once...
+const PREFETCH_PARALLEL: usize = 4;
+/// ...and waits while this many on-demand fetches are in flight.
+const PREFETCH_YIELD: usize = 2;
 /// Upper bounds (ms) of the fetch latency histogram buckets; the last bucket is open.
 pub const LATENCY_BUCKETS_MS: [u64; 10] = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000];
 
@@ -363,29 +367,37 @@ impl LayerBlob {
         });
     }
 
-    /// Fetches `order` (chunk indexes) in the background at the lowest priority: one at a
-    /// time, pausing while on-demand reads are fetching.
+    /// Fetches `order` (chunk indexes) in the background, a few at a time, in list order
+    /// (the order a first run needed them), holding back while several on-demand fetches
+    /// are in flight so reads a sandbox waits for go first.
     pub fn prefetch(self: &Arc<Self>, order: Vec<u32>) {
         let this = self.clone();
         self.rt.spawn(async move {
-            for i in order {
-                let i = i as usize;
-                if i >= this.manifest.chunks.len() {
-                    continue;
-                }
-                while this.foreground.load(Ordering::Relaxed) > 0 {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                if this.cache.contains(&this.manifest.chunks[i].digest) {
-                    continue;
-                }
-                match this.load(i).await {
-                    Ok(_) => {
+            use futures::StreamExt;
+            let n = this.manifest.chunks.len();
+            futures::stream::iter(
+                order
+                    .into_iter()
+                    .map(|i| i as usize)
+                    .filter(move |&i| i < n),
+            )
+            .map(|i| {
+                let this = this.clone();
+                async move {
+                    while this.foreground.load(Ordering::Relaxed) >= PREFETCH_YIELD {
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    if this.cache.contains(&this.manifest.chunks[i].digest) {
+                        return;
+                    }
+                    if this.load(i).await.is_ok() {
                         this.counters.prefetched.fetch_add(1, Ordering::Relaxed);
                     }
-                    Err(_) => break,
                 }
-            }
+            })
+            .buffer_unordered(PREFETCH_PARALLEL)
+            .collect::<()>()
+            .await;
         });
     }
 

@@ -357,7 +357,7 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
     let socket = paths.socket();
     let _ = std::fs::remove_file(&socket);
     let listener = UnixListener::bind(&socket).map_err(LazyError::io(&socket))?;
-    // SAFETY: chmod on a path we just created.
+    // Only root (the mounting user) may drive mounts.
     let _ = std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600));
     tracing::info!(socket = %socket.display(), "lazyfs daemon ready");
     let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
