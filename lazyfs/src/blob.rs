@@ -147,7 +147,7 @@ impl LayerBlob {
                     dst.copy_from_slice(&part);
                 }
                 None => {
-                    let data = self.chunk(i)?;
+                    let data = self.fetch_for_read(i)?;
                     dst.copy_from_slice(&data[lo..lo + n]);
                 }
             }
@@ -177,13 +177,9 @@ impl LayerBlob {
         self.access.lock().map(|a| a.0.clone()).unwrap_or_default()
     }
 
-    /// Chunk `i`, from the cache or the store.
-    fn chunk(self: &Arc<Self>, i: usize) -> Result<Bytes, LazyError> {
-        let d = self.manifest.chunks[i].digest;
-        if let Some(b) = self.cache.get(&d) {
-            self.counters.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(b);
-        }
+    /// A read missed the cache: fetch chunk `i` (once, however many readers wait for it),
+    /// blocking the calling FUSE thread.
+    fn fetch_for_read(self: &Arc<Self>, i: usize) -> Result<Bytes, LazyError> {
         self.counters.misses.fetch_add(1, Ordering::Relaxed);
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let this = self.clone();

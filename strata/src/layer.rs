@@ -69,7 +69,7 @@ pub async fn run(url: Option<String>, cmd: LayerCommand) -> Result<i32> {
     match cmd {
         LayerCommand::Mount { id, dir } => crate::lazy::mount(url, id, dir).await,
         LayerCommand::Umount { dir } => crate::lazy::umount(dir).await,
-        LayerCommand::Stats { id, json } => crate::lazy::stats(url, id, json).await,
+        LayerCommand::Stats { id, json } => crate::lazy::stats(id, json).await,
         LayerCommand::Stored(c) => run_stored(&crate::open_store(url.as_deref())?, c).await,
     }
 }
@@ -174,11 +174,11 @@ async fn run_stored(store: &Store, cmd: StoredLayerCommand) -> Result<i32> {
         }
         StoredLayerCommand::Ls { json } => {
             let mut rows = Vec::new();
-            for id in store.list_layers().await? {
-                let m = store.get_layer(&id).await?;
-                let p = store.get_provenance(&id).await.unwrap_or_default();
+            for m in store.all_layers().await? {
+                let p = store.get_provenance(&m.id).await.unwrap_or_default();
                 rows.push((m, p));
             }
+            rows.sort_by_key(|(m, _)| m.id);
             if json {
                 let v: Vec<_> = rows
                     .iter()

@@ -96,10 +96,26 @@ pub async fn serve(store: Store, cache_max: u64, fetch_timeout: Duration) -> Res
     Ok(0)
 }
 
+/// Which daemon a call talks to. Only `layer mount` starts one; queries, unmounts and
+/// stop talk to a running daemon or fail, so they never leave a daemon behind.
+enum Reach {
+    StartIfNeeded(Option<String>),
+    Running,
+}
+
+fn running_client() -> Result<Client> {
+    Client::connect(&paths().socket())
+        .context("no lazyfs daemon is running (`strata layer mount` starts one)")
+}
+
 /// Runs a blocking client call off the async runtime.
-async fn call(store_url: Option<String>, req: Request) -> Result<Response> {
+async fn call(reach: Reach, req: Request) -> Result<Response> {
     tokio::task::spawn_blocking(move || -> Result<Response> {
-        Ok(client(store_url.as_deref())?.call(&req)?)
+        let mut c = match reach {
+            Reach::StartIfNeeded(url) => client(url.as_deref())?,
+            Reach::Running => running_client()?,
+        };
+        Ok(c.call(&req)?)
     })
     .await
     .context("control call")?
@@ -107,7 +123,7 @@ async fn call(store_url: Option<String>, req: Request) -> Result<Response> {
 
 pub async fn mount(store_url: Option<String>, id: String, dir: PathBuf) -> Result<i32> {
     match call(
-        store_url,
+        Reach::StartIfNeeded(store_url),
         Request::Mount {
             id,
             dir: dir.clone(),
@@ -124,19 +140,12 @@ pub async fn mount(store_url: Option<String>, id: String, dir: PathBuf) -> Resul
 }
 
 pub async fn umount(dir: PathBuf) -> Result<i32> {
-    let paths = paths();
-    let req = Request::Umount { dir };
-    tokio::task::spawn_blocking(move || -> Result<()> {
-        let mut c = Client::connect(&paths.socket()).context("no lazyfs daemon is running")?;
-        c.call(&req)?;
-        Ok(())
-    })
-    .await??;
+    call(Reach::Running, Request::Umount { dir }).await?;
     Ok(0)
 }
 
-pub async fn stats(store_url: Option<String>, id: String, json: bool) -> Result<i32> {
-    match call(store_url, Request::Stats { id }).await? {
+pub async fn stats(id: String, json: bool) -> Result<i32> {
+    match call(Reach::Running, Request::Stats { id }).await? {
         Response::Stats(s) => {
             if json {
                 print_json(&s)?;
@@ -168,7 +177,7 @@ pub async fn stats(store_url: Option<String>, id: String, json: bool) -> Result<
     }
 }
 
-pub async fn cache(store_url: Option<String>, cmd: CacheCommand) -> Result<i32> {
+pub async fn cache(cmd: CacheCommand) -> Result<i32> {
     let (req, json) = match cmd {
         CacheCommand::Stats { json } => (Request::CacheStats, json),
         CacheCommand::Prune { max_size } => (
@@ -178,7 +187,7 @@ pub async fn cache(store_url: Option<String>, cmd: CacheCommand) -> Result<i32> 
             false,
         ),
     };
-    match call(store_url, req).await? {
+    match call(Reach::Running, req).await? {
         Response::CacheStats(s) => {
             if json {
                 print_json(&s)?;
@@ -200,19 +209,10 @@ pub async fn cache(store_url: Option<String>, cmd: CacheCommand) -> Result<i32> 
 }
 
 pub async fn stop() -> Result<i32> {
-    let paths = paths();
-    tokio::task::spawn_blocking(move || -> Result<()> {
-        match Client::connect(&paths.socket()) {
-            Ok(mut c) => {
-                c.call(&Request::Shutdown)?;
-                Ok(())
-            }
-            Err(_) => {
-                eprintln!("no lazyfs daemon is running");
-                Ok(())
-            }
-        }
-    })
-    .await??;
+    if Client::connect(&paths().socket()).is_err() {
+        eprintln!("no lazyfs daemon is running");
+        return Ok(0);
+    }
+    call(Reach::Running, Request::Shutdown).await?;
     Ok(0)
 }

@@ -79,7 +79,7 @@ fn main() {
             Command::Layer(c) => layer::run(url, c).await,
             Command::Store(c) => store::run(&open_store(url.as_deref())?, c).await,
             Command::Catalog(c) => catalog::run(&open_store(url.as_deref())?, c).await,
-            Command::Cache(c) => lazy::cache(url, c).await,
+            Command::Cache(c) => lazy::cache(c).await,
             Command::Lazyfs(lazy::LazyfsCommand::Serve {
                 cache_max,
                 fetch_timeout,
