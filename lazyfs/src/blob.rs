@@ -269,9 +269,13 @@ impl LayerBlob {
             let mut g = Vec::new();
             for &j in &order[pos..] {
                 let cj = &chunks[j];
+                // Neighbours must also be near in the blob (the same directory, roughly):
+                // pack order follows the source's order, and a pack neighbour from another
+                // part of the tree is bytes nobody asked for.
                 if !g.is_empty()
                     && (cj.pack_offset + cj.stored_length as u64 - c.pack_offset
                         > FETCH_UNIT.max(c.stored_length as u64)
+                        || cj.blob_offset.abs_diff(c.blob_offset) > FETCH_UNIT
                         || self.cache.contains(&cj.digest))
                 {
                     break;
