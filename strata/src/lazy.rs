@@ -18,11 +18,11 @@ pub fn paths() -> Paths {
     Paths::new(strata_home().join("lazyfs"))
 }
 
-/// Connects to the daemon, starting `strata [--store URL] lazyfs serve` in the background
-/// if none is running.
-pub fn client(store_url: Option<&str>) -> Result<Client> {
-    let paths = paths();
-    let start = || -> Result<(), LazyError> {
+/// Starts `strata [--store URL] lazyfs serve` in the background, logging to the daemon's
+/// log file.
+pub fn daemon_starter(store_url: Option<String>) -> strata_runtime::StartDaemon {
+    std::sync::Arc::new(move || -> Result<(), LazyError> {
+        let paths = paths();
         std::fs::create_dir_all(paths.run_dir()).map_err(|e| LazyError::Daemon(e.to_string()))?;
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -31,7 +31,7 @@ pub fn client(store_url: Option<&str>) -> Result<Client> {
             .map_err(|e| LazyError::Daemon(format!("{}: {e}", paths.log_file().display())))?;
         let exe = std::env::current_exe().map_err(|e| LazyError::Daemon(e.to_string()))?;
         let mut cmd = Command::new(exe);
-        if let Some(u) = store_url {
+        if let Some(u) = &store_url {
             cmd.arg("--store").arg(u);
         }
         cmd.args(["lazyfs", "serve"])
@@ -50,8 +50,15 @@ pub fn client(store_url: Option<&str>) -> Result<Client> {
         cmd.spawn()
             .map_err(|e| LazyError::Daemon(format!("starting the daemon: {e}")))?;
         Ok(())
-    };
-    Ok(connect_or_start(&paths, Duration::from_secs(15), start)?)
+    })
+}
+
+/// Connects to the daemon, starting it if none is running.
+pub fn client(store_url: Option<&str>) -> Result<Client> {
+    let start = daemon_starter(store_url.map(str::to_string));
+    Ok(connect_or_start(&paths(), Duration::from_secs(15), move || {
+        start()
+    })?)
 }
 
 #[derive(Subcommand)]

@@ -5,6 +5,7 @@ mod catalog;
 mod layer;
 mod lazy;
 mod output;
+mod sandbox;
 mod store;
 
 use anyhow::Result;
@@ -44,6 +45,11 @@ enum Command {
     /// The lazyfs daemon itself.
     #[command(subcommand)]
     Lazyfs(lazy::LazyfsCommand),
+    /// Run a command in a fresh sandbox of a catalog entry, then destroy it.
+    Run(sandbox::RunArgs),
+    /// Stateful sandboxes: create, exec, cp, ps, ls, rm.
+    #[command(subcommand)]
+    Sandbox(sandbox::SandboxCommand),
 }
 
 pub fn open_store(url: Option<&str>) -> Result<Store> {
@@ -85,6 +91,8 @@ fn main() {
                 fetch_timeout,
             }) => lazy::serve(open_store(url.as_deref())?, cache_max, fetch_timeout).await,
             Command::Lazyfs(lazy::LazyfsCommand::Stop) => lazy::stop().await,
+            Command::Run(a) => sandbox::run(&open_store(url.as_deref())?, url, a).await,
+            Command::Sandbox(c) => sandbox::sandbox(&open_store(url.as_deref())?, url, c).await,
         }
     });
     match result {

@@ -1,0 +1,207 @@
+//! Per-sandbox cgroups on this kind of host: cgroup v1 hierarchies under /sys/fs/cgroup
+//! (hybrid mode, no systemd), one directory `strata/<sandbox>` in each controller. The
+//! container backend lets the OCI runtime create them at the same path; the fncall backend
+//! creates them itself. Both read the budget counters from here.
+
+use std::path::{Path, PathBuf};
+
+use crate::RuntimeError;
+
+const ROOT: &str = "/sys/fs/cgroup";
+/// The controllers a sandbox is limited by.
+pub const CONTROLLERS: [&str; 5] = ["memory", "cpu,cpuacct", "pids", "freezer", "blkio"];
+/// Parent directory of every sandbox's cgroup in each hierarchy.
+pub const PARENT: &str = "strata";
+
+/// Counters that say whether a budget was hit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub oom_kills: u64,
+    pub pids_max_hits: u64,
+    pub memory_peak: u64,
+}
+
+#[derive(Debug, Clone)]
+pub struct Cgroup {
+    name: String,
+}
+
+fn controller_dir(ctrl: &str) -> PathBuf {
+    let direct = Path::new(ROOT).join(ctrl);
+    if direct.exists() {
+        return direct;
+    }
+    // Some hosts mount `cpu,cpuacct` as `cpu` or `cpuacct` links only.
+    let first = ctrl.split(',').next().unwrap_or(ctrl);
+    Path::new(ROOT).join(first)
+}
+
+impl Cgroup {
+    pub fn for_sandbox(id: &str) -> Cgroup {
+        Cgroup {
+            name: format!("{PARENT}/{id}"),
+        }
+    }
+
+    /// The OCI `cgroupsPath` for this cgroup.
+    pub fn oci_path(&self) -> String {
+        format!("/{}", self.name)
+    }
+
+    pub fn dir(&self, ctrl: &str) -> PathBuf {
+        controller_dir(ctrl).join(&self.name)
+    }
+
+    /// Whether this host has the v1 hierarchies we use.
+    pub fn host_supported() -> bool {
+        CONTROLLERS
+            .iter()
+            .all(|c| controller_dir(c).join("cgroup.procs").exists())
+    }
+
+    /// Creates the directories and writes the limits (fncall; crun does this itself).
+    pub fn create(&self, memory: u64, cpus: Option<f64>, pids: u32) -> Result<(), RuntimeError> {
+        for c in CONTROLLERS {
+            let d = self.dir(c);
+            std::fs::create_dir_all(&d).map_err(RuntimeError::io(&d))?;
+        }
+        let mem = self.dir("memory");
+        write(&mem.join("memory.limit_in_bytes"), &memory.to_string())?;
+        // memsw exists only with swap accounting; without it there is no swap to escape to.
+        let memsw = mem.join("memory.memsw.limit_in_bytes");
+        if memsw.exists() {
+            write(&memsw, &memory.to_string())?;
+        }
+        write(&mem.join("memory.swappiness"), "0").ok();
+        if let Some(c) = cpus {
+            let cpu = self.dir("cpu,cpuacct");
+            write(&cpu.join("cpu.cfs_period_us"), "100000")?;
+            write(
+                &cpu.join("cpu.cfs_quota_us"),
+                &((c * 100_000.0).round().max(1000.0) as u64).to_string(),
+            )?;
+        }
+        write(&self.dir("pids").join("pids.max"), &pids.to_string())?;
+        Ok(())
+    }
+
+    /// Moves a process in (costs an RCU grace period per hierarchy on v1).
+    pub fn attach(&self, pid: u32) -> Result<(), RuntimeError> {
+        for c in CONTROLLERS {
+            write(&self.dir(c).join("cgroup.procs"), &pid.to_string())?;
+        }
+        Ok(())
+    }
+
+    pub fn counters(&self) -> Counters {
+        let mem = self.dir("memory");
+        let oom_kills = std::fs::read_to_string(mem.join("memory.oom_control"))
+            .ok()
+            .and_then(|t| field(&t, "oom_kill"))
+            .unwrap_or(0);
+        let pids_max_hits = std::fs::read_to_string(self.dir("pids").join("pids.events"))
+            .ok()
+            .and_then(|t| field(&t, "max"))
+            .unwrap_or(0);
+        let memory_peak = std::fs::read_to_string(mem.join("memory.max_usage_in_bytes"))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0);
+        Counters {
+            oom_kills,
+            pids_max_hits,
+            memory_peak,
+        }
+    }
+
+    pub fn memory_usage(&self) -> u64 {
+        std::fs::read_to_string(self.dir("memory").join("memory.usage_in_bytes"))
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// Every process in the sandbox, by host PID.
+    pub fn pids(&self) -> Vec<u32> {
+        std::fs::read_to_string(self.dir("pids").join("cgroup.procs"))
+            .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
+            .unwrap_or_default()
+    }
+
+    /// Kills everything inside: freeze, SIGKILL all, thaw, so nothing forks away meanwhile.
+    pub fn kill_all(&self) {
+        let freezer = self.dir("freezer");
+        let frozen = write(&freezer.join("freezer.state"), "FROZEN").is_ok();
+        for _ in 0..50 {
+            let pids = self.pids();
+            if pids.is_empty() {
+                break;
+            }
+            for p in pids {
+                // SAFETY: plain kill(2).
+                unsafe { libc::kill(p as i32, libc::SIGKILL) };
+            }
+            if frozen {
+                let _ = write(&freezer.join("freezer.state"), "THAWED");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        if frozen {
+            let _ = write(&freezer.join("freezer.state"), "THAWED");
+        }
+    }
+
+    /// Removes the directories (they must be empty of processes).
+    pub fn remove(&self) -> Result<(), RuntimeError> {
+        let mut last = None;
+        for c in CONTROLLERS {
+            let d = self.dir(c);
+            for _ in 0..100 {
+                match std::fs::remove_dir(&d) {
+                    Ok(()) => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+                    // EBUSY while the last exited task is still being torn down.
+                    Err(e) => {
+                        last = Some(RuntimeError::io(&d)(e));
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                        continue;
+                    }
+                }
+            }
+            if d.exists() {
+                return Err(last.unwrap_or_else(|| {
+                    RuntimeError::Setup(format!("{} stays busy", d.display()))
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// Sandbox IDs that have a cgroup on this host (for reaping).
+    pub fn existing() -> Vec<String> {
+        let mut ids = std::collections::BTreeSet::new();
+        for c in CONTROLLERS {
+            if let Ok(rd) = std::fs::read_dir(controller_dir(c).join(PARENT)) {
+                for e in rd.flatten() {
+                    if e.path().is_dir() {
+                        if let Ok(n) = e.file_name().into_string() {
+                            ids.insert(n);
+                        }
+                    }
+                }
+            }
+        }
+        ids.into_iter().collect()
+    }
+}
+
+fn field(text: &str, key: &str) -> Option<u64> {
+    text.lines().find_map(|l| {
+        let (k, v) = l.split_once(' ')?;
+        (k == key).then(|| v.trim().parse().ok()).flatten()
+    })
+}
+
+fn write(path: &Path, value: &str) -> Result<(), RuntimeError> {
+    std::fs::write(path, value).map_err(RuntimeError::io(path))
+}

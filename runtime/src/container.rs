@@ -1,0 +1,420 @@
+//! The container backend: an OCI bundle (generated with `oci-spec`) over the sandbox's
+//! overlay root, run detached by an OCI runtime binary (crun by default, runc supported).
+//! The container's init is catatonit in pause mode, bound in read-only from the host, so
+//! any base works; commands enter with `<runtime> exec`.
+//!
+//! Debian's crun refuses hybrid cgroup hosts ("cgroups in hybrid mode not supported"). On
+//! such a host every crun call runs in a private mount namespace in which the cgroup2
+//! mount at /sys/fs/cgroup/unified is detached, so crun sees plain v1 and works.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+
+use oci_spec::runtime::{
+    Capability, LinuxBuilder, LinuxCpuBuilder, LinuxMemoryBuilder, LinuxPidsBuilder,
+    LinuxResourcesBuilder, LinuxSeccompAction, LinuxSeccompBuilder, LinuxSyscallBuilder,
+    Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder,
+    Spec, UserBuilder,
+};
+use strata_agent::policy::{DENIED_SYSCALLS, KEPT_CAPS};
+
+use crate::cgroup::Cgroup;
+use crate::exec::{drive, kill_tree, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
+use crate::sandbox::{ExecEnv, SandboxBackend, SandboxRecord, StartContext};
+use crate::RuntimeError;
+
+/// Which OCI runtime binary runs containers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OciRuntime {
+    Crun(PathBuf),
+    Runc(PathBuf),
+}
+
+impl OciRuntime {
+    /// `crun`, `runc`, or a path whose file name says which.
+    pub fn parse(text: &str) -> Result<OciRuntime, RuntimeError> {
+        let name = Path::new(text)
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or(text);
+        let path = PathBuf::from(text);
+        if name.starts_with("crun") {
+            Ok(OciRuntime::Crun(path))
+        } else if name.starts_with("runc") {
+            Ok(OciRuntime::Runc(path))
+        } else {
+            Err(RuntimeError::Invalid(format!(
+                "OCI runtime `{text}`: expected crun or runc (or a path to one)"
+            )))
+        }
+    }
+
+    fn binary(&self) -> &Path {
+        match self {
+            OciRuntime::Crun(p) | OciRuntime::Runc(p) => p,
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            OciRuntime::Crun(_) => "crun",
+            OciRuntime::Runc(_) => "runc",
+        }
+    }
+}
+
+pub struct ContainerBackend {
+    pub runtime: OciRuntime,
+    /// The runtime's own state directory (`--root`).
+    pub state_root: PathBuf,
+    /// A static init binary bound into every container.
+    pub init: PathBuf,
+}
+
+const INIT_PATH: &str = "/.strata/init";
+
+/// Whether /sys/fs/cgroup is a v1 tmpfs with a cgroup2 mount beside it.
+fn hybrid_cgroups() -> bool {
+    let all = strata_lazyfs::mounts::mounts().unwrap_or_default();
+    let is = |p: &str, t: &str| {
+        all.iter()
+            .any(|m| m.mount_point == Path::new(p) && m.fstype == t)
+    };
+    is("/sys/fs/cgroup", "tmpfs") && is("/sys/fs/cgroup/unified", "cgroup2")
+}
+
+impl ContainerBackend {
+    fn command(&self) -> Command {
+        let mut cmd = Command::new(self.runtime.binary());
+        cmd.arg("--root").arg(&self.state_root);
+        if matches!(self.runtime, OciRuntime::Crun(_)) && hybrid_cgroups() {
+            // SAFETY: only async-signal-safe syscalls between fork and exec.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    let root = c"/";
+                    if libc::mount(
+                        std::ptr::null(),
+                        root.as_ptr(),
+                        std::ptr::null(),
+                        libc::MS_REC | libc::MS_PRIVATE,
+                        std::ptr::null(),
+                    ) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    let unified = c"/sys/fs/cgroup/unified";
+                    libc::umount2(unified.as_ptr(), libc::MNT_DETACH);
+                    Ok(())
+                });
+            }
+        }
+        cmd
+    }
+
+    fn run_checked(&self, args: &[&str], what: &str) -> Result<(), RuntimeError> {
+        self.run_logged(args, what, None)
+    }
+
+    /// Runs the OCI runtime. Its stderr goes to a file, not a pipe: a detached container's
+    /// init inherits the runtime's stdio and would hold a pipe open forever.
+    fn run_logged(&self, args: &[&str], what: &str, log: Option<&Path>) -> Result<(), RuntimeError> {
+        let tmp = self.state_root.join(format!("{what}-{}.log", std::process::id()));
+        let log = log.unwrap_or(&tmp);
+        let file = std::fs::File::create(log).map_err(RuntimeError::io(log))?;
+        let status = self
+            .command()
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(file)
+            .status()
+            .map_err(|e| {
+                RuntimeError::Setup(format!(
+                    "cannot run {}: {e} (install it with scripts/setup.sh)",
+                    self.runtime.binary().display()
+                ))
+            })?;
+        let message = std::fs::read_to_string(log).unwrap_or_default();
+        if log == tmp {
+            let _ = std::fs::remove_file(log);
+        }
+        if !status.success() {
+            return Err(RuntimeError::Backend(format!(
+                "{} {what}: {}",
+                self.runtime.name(),
+                message.trim()
+            )));
+        }
+        Ok(())
+    }
+
+    fn spec(&self, ctx: &StartContext) -> Result<Spec, RuntimeError> {
+        let bad = |e: oci_spec::OciSpecError| RuntimeError::Backend(format!("OCI spec: {e}"));
+        let caps: Vec<Capability> = KEPT_CAPS
+            .iter()
+            .filter_map(|(name, _)| serde_json::from_value::<Capability>(serde_json::json!(name)).ok())
+            .collect();
+        let caps: oci_spec::runtime::Capabilities = caps.into_iter().collect();
+        let capabilities = oci_spec::runtime::LinuxCapabilitiesBuilder::default()
+            .bounding(caps.clone())
+            .effective(caps.clone())
+            .permitted(caps)
+            .inheritable(oci_spec::runtime::Capabilities::new())
+            .ambient(oci_spec::runtime::Capabilities::new())
+            .build()
+            .map_err(bad)?;
+        let process = ProcessBuilder::default()
+            .terminal(false)
+            .args(vec![INIT_PATH.to_string(), "-P".to_string()])
+            .env(vec![format!("PATH={}", crate::spec::DEFAULT_PATH)])
+            .cwd("/")
+            .user(UserBuilder::default().uid(0u32).gid(0u32).build().map_err(bad)?)
+            .no_new_privileges(true)
+            .capabilities(capabilities)
+            .rlimits(vec![PosixRlimitBuilder::default()
+                .typ(PosixRlimitType::RlimitCore)
+                .hard(0u64)
+                .soft(0u64)
+                .build()
+                .map_err(bad)?])
+            .build()
+            .map_err(bad)?;
+        let mut mounts: Vec<Mount> = oci_spec::runtime::get_default_mounts()
+            .into_iter()
+            .filter(|m| !m.destination().starts_with("/sys/fs/cgroup"))
+            .collect();
+        mounts.push(
+            MountBuilder::default()
+                .destination(INIT_PATH)
+                .typ("bind")
+                .source(&self.init)
+                .options(vec!["bind".into(), "ro".into(), "nosuid".into(), "nodev".into()])
+                .build()
+                .map_err(bad)?,
+        );
+        let limits = &ctx.spec.limits;
+        let mut cpu = LinuxCpuBuilder::default();
+        if let Some(c) = limits.cpus {
+            cpu = cpu
+                .period(100_000u64)
+                .quota(((c * 100_000.0).round() as i64).max(1000));
+        }
+        let resources = LinuxResourcesBuilder::default()
+            .memory(
+                LinuxMemoryBuilder::default()
+                    .limit(limits.memory_bytes as i64)
+                    .swap(limits.memory_bytes as i64)
+                    .build()
+                    .map_err(bad)?,
+            )
+            .pids(
+                LinuxPidsBuilder::default()
+                    .limit(limits.pids as i64)
+                    .build()
+                    .map_err(bad)?,
+            )
+            .cpu(cpu.build().map_err(bad)?)
+            .build()
+            .map_err(bad)?;
+        let seccomp = LinuxSeccompBuilder::default()
+            .default_action(LinuxSeccompAction::ScmpActAllow)
+            .architectures(vec![oci_spec::runtime::Arch::ScmpArchX86_64])
+            .syscalls(vec![
+                LinuxSyscallBuilder::default()
+                    .names(DENIED_SYSCALLS.iter().map(|(n, _)| n.to_string()).collect::<Vec<_>>())
+                    .action(LinuxSeccompAction::ScmpActErrno)
+                    .errno_ret(libc::EPERM as u32)
+                    .build()
+                    .map_err(bad)?,
+            ])
+            .build()
+            .map_err(bad)?;
+        let linux = LinuxBuilder::default()
+            .namespaces(
+                oci_spec::runtime::get_default_namespaces()
+                    .into_iter()
+                    .filter(|n| n.typ() != oci_spec::runtime::LinuxNamespaceType::Cgroup)
+                    .collect::<Vec<_>>(),
+            )
+            .cgroups_path(PathBuf::from(ctx.cgroup.oci_path()))
+            .resources(resources)
+            .seccomp(seccomp)
+            .masked_paths(oci_spec::runtime::get_default_maskedpaths())
+            .readonly_paths(oci_spec::runtime::get_default_readonly_paths())
+            .build()
+            .map_err(bad)?;
+        let mut spec = Spec::default();
+        spec.set_process(Some(process));
+        spec.set_root(Some(
+            RootBuilder::default()
+                .path(&ctx.rootfs)
+                .readonly(false)
+                .build()
+                .map_err(bad)?,
+        ));
+        spec.set_hostname(Some(ctx.hostname.clone()));
+        spec.set_mounts(Some(mounts));
+        spec.set_linux(Some(linux));
+        Ok(spec)
+    }
+
+    fn exec_process(&self, env: &ExecEnv) -> Result<oci_spec::runtime::Process, RuntimeError> {
+        let bad = |e: oci_spec::OciSpecError| RuntimeError::Backend(format!("OCI spec: {e}"));
+        let caps: oci_spec::runtime::Capabilities = KEPT_CAPS
+            .iter()
+            .filter_map(|(name, _)| serde_json::from_value::<Capability>(serde_json::json!(name)).ok())
+            .collect();
+        ProcessBuilder::default()
+            .terminal(false)
+            .args(env.argv.clone())
+            .env(env.env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>())
+            .cwd(&env.cwd)
+            .user(UserBuilder::default().uid(env.uid).gid(env.gid).build().map_err(bad)?)
+            .no_new_privileges(true)
+            .capabilities(
+                oci_spec::runtime::LinuxCapabilitiesBuilder::default()
+                    .bounding(caps.clone())
+                    .effective(caps.clone())
+                    .permitted(caps)
+                    .inheritable(oci_spec::runtime::Capabilities::new())
+                    .ambient(oci_spec::runtime::Capabilities::new())
+                    .build()
+                    .map_err(bad)?,
+            )
+            .build()
+            .map_err(bad)
+    }
+}
+
+impl SandboxBackend for ContainerBackend {
+    fn start(&self, ctx: &StartContext) -> Result<u32, RuntimeError> {
+        std::fs::create_dir_all(&self.state_root).map_err(RuntimeError::io(&self.state_root))?;
+        let bundle = ctx.dir.join("bundle");
+        std::fs::create_dir_all(&bundle).map_err(RuntimeError::io(&bundle))?;
+        let spec = self.spec(ctx)?;
+        let config = bundle.join("config.json");
+        spec.save(&config)
+            .map_err(|e| RuntimeError::Backend(format!("writing {}: {e}", config.display())))?;
+        let pid_file = ctx.dir.join("init.pid");
+        self.run_logged(
+            &[
+                "run",
+                "--detach",
+                "--bundle",
+                &bundle.display().to_string(),
+                "--pid-file",
+                &pid_file.display().to_string(),
+                &ctx.id,
+            ],
+            "run",
+            Some(&ctx.dir.join("oci.log")),
+        )?;
+        let pid = std::fs::read_to_string(&pid_file)
+            .map_err(RuntimeError::io(&pid_file))?
+            .trim()
+            .parse()
+            .map_err(|_| RuntimeError::Backend(format!("bad pid in {}", pid_file.display())))?;
+        Ok(pid)
+    }
+
+    fn exec(
+        &self,
+        rec: &SandboxRecord,
+        dir: &Path,
+        env: &ExecEnv,
+        req: &ExecRequest,
+        sink: &mut dyn FnMut(Stream, &[u8]),
+    ) -> Result<Collected, RuntimeError> {
+        let n = crate::audit::now_ms();
+        let process_file = dir.join(format!("exec-{n}-{}.json", std::process::id()));
+        let pid_file = process_file.with_extension("pid");
+        let process = self.exec_process(env)?;
+        std::fs::write(
+            &process_file,
+            serde_json::to_vec(&process).map_err(|e| RuntimeError::Backend(e.to_string()))?,
+        )
+        .map_err(RuntimeError::io(&process_file))?;
+        let mut cmd = self.command();
+        cmd.arg("exec")
+            .arg("--process")
+            .arg(&process_file)
+            .arg("--pid-file")
+            .arg(&pid_file)
+            .arg(&rec.id)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd.stdin(match &req.stdin {
+            Stdin::Null => Stdio::null(),
+            Stdin::Bytes(_) => Stdio::piped(),
+            Stdin::Inherit => Stdio::inherit(),
+        });
+        let mut child = cmd.spawn().map_err(|e| {
+            RuntimeError::Setup(format!("cannot run {}: {e}", self.runtime.binary().display()))
+        })?;
+        let (tx, rx) = mpsc::channel();
+        let mut readers = Vec::new();
+        for (src, stream) in [
+            (child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Stream::Stdout),
+            (child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Stream::Stderr),
+        ] {
+            if let Some(src) = src {
+                readers.push(crate::sandbox::pump(src, stream, tx.clone()));
+            }
+        }
+        if let (Stdin::Bytes(data), Some(mut stdin)) = (&req.stdin, child.stdin.take()) {
+            let data = data.clone();
+            std::thread::spawn(move || {
+                let _ = std::io::Write::write_all(&mut stdin, &data);
+            });
+        }
+        let waiter = std::thread::spawn(move || {
+            let status = child.wait();
+            for r in readers {
+                let _ = r.join();
+            }
+            let _ = tx.send(match status {
+                Ok(s) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    Event::Exited(RawExit {
+                        code: s.code(),
+                        signal: s.signal(),
+                    })
+                }
+                Err(e) => Event::Failed(format!("waiting for the exec: {e}")),
+            });
+        });
+        let pid_file_for_kill = pid_file.clone();
+        let result = drive(rx, env.timeout, sink, || {
+            if let Some(pid) = std::fs::read_to_string(&pid_file_for_kill)
+                .ok()
+                .and_then(|t| t.trim().parse::<u32>().ok())
+            {
+                kill_tree(pid);
+            }
+        });
+        let _ = waiter.join();
+        let _ = std::fs::remove_file(&process_file);
+        let _ = std::fs::remove_file(&pid_file);
+        let collected = result.map_err(RuntimeError::Backend)?;
+        // The OCI runtime reports a failure to start the process as its own exit status
+        // with a message on stderr; keep it as the command's result.
+        Ok(collected)
+    }
+
+    fn stop(&self, rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
+        cgroup.kill_all();
+        let _ = self.run_checked(&["kill", &rec.id, "KILL"], "kill");
+        let _ = self.run_checked(&["delete", "--force", &rec.id], "delete");
+        Ok(())
+    }
+
+    fn forget(&self, id: &str) {
+        let _ = self.run_checked(&["delete", "--force", id], "delete");
+        let _ = std::fs::remove_dir_all(self.state_root.join(id));
+    }
+}

@@ -1,0 +1,448 @@
+//! The runtime: turns a catalog entry into a running sandbox and back into nothing.
+//!
+//! A sandbox's root is its layers (attached through lazyfs, one shared EROFS mount per
+//! layer per host) stacked with overlayfs under a writable upper with a disk quota
+//! ([`rootfs`], [`quota`]). A backend isolates the processes ([`fncall`]: our own agent as
+//! pid 1; [`container`]: an OCI runtime); [`sandbox`] is the API every backend shares;
+//! [`cgroup`] holds the budgets; [`audit`] records what happened. All state lives under one
+//! directory, so a restarted runtime finds what a dead one left and reaps it.
+
+pub mod audit;
+pub mod cgroup;
+pub mod container;
+pub mod exec;
+pub mod files;
+pub mod fncall;
+pub mod quota;
+pub mod rootfs;
+pub mod sandbox;
+pub mod spec;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use strata_catalog::Backend;
+use strata_lazyfs::{connect_or_start, Client, LazyError, Paths};
+
+pub use audit::AuditLog;
+pub use container::OciRuntime;
+pub use exec::{Budget, ExecRequest, ExecResult, Stdin, Stream};
+pub use files::FileEntry;
+pub use sandbox::{EndReason, ProcessInfo, Sandbox, SandboxRecord};
+pub use spec::{Limits, NetRule, Overrides, SandboxSpec};
+
+use cgroup::Cgroup;
+use sandbox::{DirLock, SandboxBackend, StartContext};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} (inside the sandbox): {source}")]
+    File {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("invalid: {0}")]
+    Invalid(String),
+    #[error("no sandbox `{0}` on this host (see `strata sandbox ls`)")]
+    NotFound(String),
+    #[error("host setup: {0}")]
+    Setup(String),
+    #[error("disk quota: {0}")]
+    Quota(String),
+    #[error("{0}")]
+    Backend(String),
+    #[error("exec: {0}")]
+    Exec(String),
+    #[error("backend `{0}` is not available in this runtime yet (use fncall or container)")]
+    Unsupported(String),
+    #[error(transparent)]
+    Lazyfs(#[from] LazyError),
+}
+
+impl RuntimeError {
+    pub(crate) fn io(path: &Path) -> impl FnOnce(std::io::Error) -> RuntimeError + '_ {
+        move |source| RuntimeError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
+/// Starts the lazyfs daemon when none answers.
+pub type StartDaemon = Arc<dyn Fn() -> Result<(), LazyError> + Send + Sync>;
+
+/// How the runtime reaches the lazyfs daemon.
+#[derive(Clone)]
+pub struct LazyfsAccess {
+    pub paths: Paths,
+    pub start: StartDaemon,
+}
+
+impl LazyfsAccess {
+    pub fn client(&self) -> Result<Client, RuntimeError> {
+        let start = self.start.clone();
+        Ok(connect_or_start(&self.paths, Duration::from_secs(30), move || start())?)
+    }
+
+    pub fn running_client(&self) -> Option<Client> {
+        let mut c = Client::connect(&self.paths.socket()).ok()?;
+        c.call(&strata_lazyfs::Request::Ping).ok()?;
+        Some(c)
+    }
+}
+
+pub struct RuntimeConfig {
+    /// Where sandboxes, uppers and audit logs live (`$STRATA_HOME/runtime`).
+    pub state_dir: PathBuf,
+    pub lazyfs: LazyfsAccess,
+    pub oci_runtime: OciRuntime,
+    /// The `strata-agent` binary (fncall init).
+    pub agent: PathBuf,
+    /// A static init for containers (catatonit).
+    pub container_init: PathBuf,
+}
+
+impl RuntimeConfig {
+    /// Defaults for this host: crun (or `STRATA_OCI_RUNTIME`), Debian's catatonit.
+    pub fn new(state_dir: PathBuf, lazyfs: LazyfsAccess, agent: PathBuf) -> Result<RuntimeConfig, RuntimeError> {
+        let oci = std::env::var("STRATA_OCI_RUNTIME").unwrap_or_else(|_| "crun".into());
+        Ok(RuntimeConfig {
+            state_dir,
+            lazyfs,
+            oci_runtime: OciRuntime::parse(&oci)?,
+            agent,
+            container_init: PathBuf::from("/usr/bin/catatonit"),
+        })
+    }
+}
+
+struct Inner {
+    cfg: RuntimeConfig,
+    uppers: quota::Uppers,
+    container: container::ContainerBackend,
+    fncall: fncall::FncallBackend,
+}
+
+/// The runtime on this host. Cheap to clone; any number of processes may open it at once.
+#[derive(Clone)]
+pub struct Runtime {
+    inner: Arc<Inner>,
+}
+
+/// What a reap pass removed.
+#[derive(Debug, Default, Clone, serde::Serialize)]
+pub struct ReapReport {
+    pub crashed: Vec<String>,
+    pub expired: Vec<String>,
+    pub orphans: Vec<String>,
+}
+
+impl Runtime {
+    /// Opens the runtime's state, mounting the upper pool if needed, and reaps whatever an
+    /// earlier runtime left behind.
+    pub fn open(cfg: RuntimeConfig) -> Result<Runtime, RuntimeError> {
+        if !nix::unistd::geteuid().is_root() {
+            return Err(RuntimeError::Setup(
+                "the runtime needs root: it mounts overlays, creates namespaces and cgroups".into(),
+            ));
+        }
+        if !Cgroup::host_supported() {
+            return Err(RuntimeError::Setup(
+                "this host has no cgroup v1 memory/cpu/pids/freezer/blkio hierarchies under /sys/fs/cgroup".into(),
+            ));
+        }
+        for d in ["sandboxes", "audit"] {
+            let p = cfg.state_dir.join(d);
+            std::fs::create_dir_all(&p).map_err(RuntimeError::io(&p))?;
+        }
+        let uppers = quota::Uppers::open(
+            &cfg.state_dir.join("upper-images"),
+            &cfg.state_dir.join("uppers"),
+        )?;
+        let container = container::ContainerBackend {
+            runtime: cfg.oci_runtime.clone(),
+            state_root: cfg.state_dir.join(cfg.oci_runtime.name()),
+            init: cfg.container_init.clone(),
+        };
+        let fncall = fncall::FncallBackend {
+            agent: cfg.agent.clone(),
+        };
+        let rt = Runtime {
+            inner: Arc::new(Inner {
+                cfg,
+                uppers,
+                container,
+                fncall,
+            }),
+        };
+        let report = rt.reap()?;
+        if !report.crashed.is_empty() || !report.orphans.is_empty() || !report.expired.is_empty() {
+            tracing::info!(?report, "reaped what an earlier runtime left");
+        }
+        Ok(rt)
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.inner.cfg.state_dir
+    }
+
+    pub(crate) fn uppers(&self) -> &quota::Uppers {
+        &self.inner.uppers
+    }
+
+    pub fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.inner.cfg.state_dir.join("sandboxes").join(id)
+    }
+
+    pub fn audit(&self, id: &str) -> AuditLog {
+        AuditLog::new(self.inner.cfg.state_dir.join("audit").join(format!("{id}.jsonl")))
+    }
+
+    pub(crate) fn backend(&self, b: Backend) -> Result<&dyn SandboxBackend, RuntimeError> {
+        match b {
+            Backend::Container => Ok(&self.inner.container),
+            Backend::Fncall => Ok(&self.inner.fncall),
+            Backend::Microvm => Err(RuntimeError::Unsupported("microvm".into())),
+            Backend::Vm => Err(RuntimeError::Unsupported("vm".into())),
+        }
+    }
+
+    pub(crate) fn touch(&self, id: &str) {
+        let p = self.sandbox_dir(id).join("active");
+        let _ = std::fs::write(p, b"");
+    }
+
+    /// Creates and starts a sandbox.
+    pub fn create(&self, spec: SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        let backend = self.backend(spec.backend)?;
+        if !spec.network.is_empty() {
+            return Err(RuntimeError::Unsupported(format!(
+                "network allowlists ({} destinations) on {:?}: not built yet; sandboxes have no network",
+                spec.network.len(),
+                spec.backend
+            )));
+        }
+        if spec.layers.is_empty() {
+            return Err(RuntimeError::Invalid("a sandbox needs at least a base layer".into()));
+        }
+        let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
+        let dir = self.sandbox_dir(&id);
+        std::fs::create_dir_all(&dir).map_err(RuntimeError::io(&dir))?;
+        let lock = DirLock::take(&dir, true, true)?;
+        let audit = self.audit(&id);
+        audit.record(
+            "created",
+            json!({"identity": spec.identity, "catalog": spec.catalog_ref, "layers": spec.layers,
+                   "backend": spec.backend, "limits": spec.limits, "network": spec.network}),
+        )?;
+        match self.build(&id, &dir, spec, backend) {
+            Ok(record) => {
+                drop(lock);
+                Ok(Sandbox {
+                    rt: self.clone(),
+                    record,
+                })
+            }
+            Err(e) => {
+                drop(lock);
+                let _ = audit.record("create-failed", json!({"error": e.to_string()}));
+                if let Err(t) = self.teardown(&id, None, EndReason::Error) {
+                    tracing::warn!("cleaning up after a failed create of {id}: {t}");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn build(
+        &self,
+        id: &str,
+        dir: &Path,
+        spec: SandboxSpec,
+        backend: &dyn SandboxBackend,
+    ) -> Result<SandboxRecord, RuntimeError> {
+        let upper_dir = self.uppers().create(id, spec.limits.disk_bytes)?;
+        let paths = rootfs::RootfsPaths::new(dir, &upper_dir, spec.layers.len());
+        rootfs::assemble(&self.inner.cfg.lazyfs, &spec.layers, &paths)?;
+        let ctx = StartContext {
+            id: id.to_string(),
+            dir: dir.to_path_buf(),
+            rootfs: paths.merged.clone(),
+            hostname: format!("sandbox-{id}"),
+            spec: &spec,
+            cgroup: Cgroup::for_sandbox(id),
+        };
+        let init_pid = backend.start(&ctx)?;
+        let record = SandboxRecord {
+            id: id.to_string(),
+            created_ms: audit::now_ms(),
+            init_pid,
+            init_start: sandbox::process_start(init_pid).unwrap_or(0),
+            spec,
+        };
+        let path = dir.join("sandbox.json");
+        let tmp = dir.join("sandbox.json.tmp");
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec_pretty(&record).map_err(|e| RuntimeError::Invalid(e.to_string()))?,
+        )
+        .map_err(RuntimeError::io(&tmp))?;
+        std::fs::rename(&tmp, &path).map_err(RuntimeError::io(&path))?;
+        self.touch(id);
+        Ok(record)
+    }
+
+    fn load(&self, id: &str) -> Result<SandboxRecord, RuntimeError> {
+        let path = self.sandbox_dir(id).join("sandbox.json");
+        let text = match std::fs::read(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Err(RuntimeError::NotFound(id.to_string()))
+            }
+            Err(e) => return Err(RuntimeError::io(&path)(e)),
+        };
+        serde_json::from_slice(&text)
+            .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))
+    }
+
+    /// A live sandbox by ID (or unique ID prefix).
+    pub fn get(&self, id: &str) -> Result<Sandbox, RuntimeError> {
+        let ids = self.ids();
+        let matches: Vec<&String> = ids.iter().filter(|i| i.starts_with(id)).collect();
+        let id = match matches.as_slice() {
+            [one] => one.as_str(),
+            [] => return Err(RuntimeError::NotFound(id.to_string())),
+            _ if ids.iter().any(|i| i == id) => id,
+            _ => {
+                return Err(RuntimeError::Invalid(format!(
+                    "sandbox ID prefix `{id}` is ambiguous"
+                )))
+            }
+        };
+        Ok(Sandbox {
+            rt: self.clone(),
+            record: self.load(id)?,
+        })
+    }
+
+    fn ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = std::fs::read_dir(self.inner.cfg.state_dir.join("sandboxes"))
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        ids.sort();
+        ids
+    }
+
+    /// Every live sandbox on this host.
+    pub fn list(&self) -> Vec<SandboxRecord> {
+        self.ids().iter().filter_map(|id| self.load(id).ok()).collect()
+    }
+
+    /// Seconds since a sandbox was last used.
+    pub fn idle_for(&self, id: &str) -> Duration {
+        std::fs::metadata(self.sandbox_dir(id).join("active"))
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .unwrap_or_default()
+    }
+
+    /// Destroys sandboxes whose init died or whose idle TTL passed, and removes cgroups,
+    /// mounts, uppers and OCI state that belong to no sandbox.
+    pub fn reap(&self) -> Result<ReapReport, RuntimeError> {
+        let mut report = ReapReport::default();
+        for id in self.ids() {
+            let dir = self.sandbox_dir(&id);
+            // A sandbox being created or running a command holds its lock: leave it.
+            let Some(lock) = DirLock::take(&dir, true, false)? else {
+                continue;
+            };
+            let record = self.load(&id).ok();
+            let reason = match &record {
+                None => Some(EndReason::Error),
+                Some(r) if sandbox::process_start(r.init_pid) != Some(r.init_start) => {
+                    Some(EndReason::Crashed)
+                }
+                Some(r) if self.idle_for(&id) > r.spec.limits.idle_ttl => Some(EndReason::IdleTtl),
+                Some(_) => None,
+            };
+            drop(lock);
+            if let Some(reason) = reason {
+                self.teardown(&id, record.as_ref(), reason)?;
+                match reason {
+                    EndReason::IdleTtl => report.expired.push(id),
+                    EndReason::Crashed => report.crashed.push(id),
+                    _ => report.orphans.push(id),
+                }
+            }
+        }
+        let live: std::collections::BTreeSet<String> = self.ids().into_iter().collect();
+        for id in Cgroup::existing() {
+            if !live.contains(&id) {
+                let cg = Cgroup::for_sandbox(&id);
+                cg.kill_all();
+                let _ = cg.remove();
+                self.inner.container.forget(&id);
+                report.orphans.push(format!("cgroup {id}"));
+            }
+        }
+        for name in self.uppers().entries() {
+            if !live.contains(&name) {
+                self.uppers().remove(&name)?;
+                report.orphans.push(format!("upper {name}"));
+            }
+        }
+        Ok(report)
+    }
+
+    /// Removes everything of sandbox `id`, whatever state it is in.
+    pub(crate) fn teardown(
+        &self,
+        id: &str,
+        record: Option<&SandboxRecord>,
+        reason: EndReason,
+    ) -> Result<(), RuntimeError> {
+        let dir = self.sandbox_dir(id);
+        let cgroup = Cgroup::for_sandbox(id);
+        // Kill first, so a running exec holding the shared lock ends.
+        match record {
+            Some(r) => {
+                if let Ok(b) = self.backend(r.spec.backend) {
+                    b.stop(r, &cgroup)?;
+                }
+            }
+            None => {
+                cgroup.kill_all();
+                self.inner.container.forget(id);
+            }
+        }
+        let _lock = if dir.exists() {
+            DirLock::take(&dir, true, true)?
+        } else {
+            None
+        };
+        self.inner.container.forget(id);
+        cgroup.remove()?;
+        rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;
+        self.uppers().remove(id)?;
+        let _ = self.audit(id).record("ended", json!({"reason": reason.as_str()}));
+        match std::fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(RuntimeError::io(&dir)(e)),
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! A sandbox's root filesystem: each layer bound read-only from its one shared lazyfs
+//! mount (the binds are the reference count: lazyfs detaches a layer when its last bind
+//! goes), stacked with overlayfs `toolkits:workspace:base` under the sandbox's quota'd upper.
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+
+use strata_lazyfs::{mounts, Request, Response};
+
+use crate::{LazyfsAccess, RuntimeError};
+
+/// Paths of one sandbox's root filesystem.
+#[derive(Debug, Clone)]
+pub struct RootfsPaths {
+    /// One bind per layer, top-most first.
+    pub layers: Vec<PathBuf>,
+    pub upper: PathBuf,
+    pub work: PathBuf,
+    pub merged: PathBuf,
+}
+
+impl RootfsPaths {
+    pub fn new(sandbox_dir: &Path, upper_dir: &Path, layers: usize) -> RootfsPaths {
+        RootfsPaths {
+            layers: (0..layers)
+                .map(|i| sandbox_dir.join("layers").join(i.to_string()))
+                .collect(),
+            upper: upper_dir.join("upper"),
+            work: upper_dir.join("work"),
+            merged: sandbox_dir.join("rootfs"),
+        }
+    }
+}
+
+/// Binds each layer and mounts the overlay at `paths.merged`.
+pub fn assemble(
+    lazyfs: &LazyfsAccess,
+    layer_ids: &[String],
+    paths: &RootfsPaths,
+) -> Result<(), RuntimeError> {
+    let mut client = lazyfs.client()?;
+    for (id, dir) in layer_ids.iter().zip(&paths.layers) {
+        std::fs::create_dir_all(dir).map_err(RuntimeError::io(dir))?;
+        match client.call(&Request::Mount {
+            id: id.clone(),
+            dir: dir.clone(),
+        })? {
+            Response::Attached(_) | Response::Done => {}
+            other => {
+                return Err(RuntimeError::Setup(format!(
+                    "lazyfs answered {other:?} to mounting layer {id}"
+                )))
+            }
+        }
+    }
+    for d in [&paths.upper, &paths.work, &paths.merged] {
+        std::fs::create_dir_all(d).map_err(RuntimeError::io(d))?;
+    }
+    let lower = paths
+        .layers
+        .iter()
+        .map(|p| escape(p))
+        .collect::<Vec<_>>()
+        .join(":");
+    let data = format!(
+        "lowerdir={lower},upperdir={},workdir={}",
+        escape(&paths.upper),
+        escape(&paths.work)
+    );
+    mount_overlay(&paths.merged, &data)
+}
+
+fn escape(p: &Path) -> String {
+    // overlayfs splits options on ',' and lowerdirs on ':'; both are escaped with '\'.
+    p.display()
+        .to_string()
+        .replace('\\', "\\\\")
+        .replace(',', "\\,")
+        .replace(':', "\\:")
+}
+
+fn mount_overlay(target: &Path, data: &str) -> Result<(), RuntimeError> {
+    let c = |s: &str| CString::new(s).map_err(|_| RuntimeError::Invalid(format!("NUL in {s:?}")));
+    let src = c("strata")?;
+    let fstype = c("overlay")?;
+    let dst = c(&target.display().to_string())?;
+    let opts = c(data)?;
+    // SAFETY: valid C strings.
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            opts.as_ptr().cast(),
+        )
+    };
+    if r != 0 {
+        return Err(RuntimeError::Setup(format!(
+            "overlay mount at {}: {} (options {data})",
+            target.display(),
+            std::io::Error::last_os_error()
+        )));
+    }
+    Ok(())
+}
+
+/// Undoes [`assemble`]: unmounts the overlay and releases each layer bind. Tolerates
+/// half-built states (a crash between steps).
+pub fn disassemble(lazyfs: &LazyfsAccess, sandbox_dir: &Path) -> Result<(), RuntimeError> {
+    let merged = sandbox_dir.join("rootfs");
+    unmount_below(&merged)?;
+    let layers = sandbox_dir.join("layers");
+    let binds: Vec<PathBuf> = std::fs::read_dir(&layers)
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    let mounted: Vec<PathBuf> = binds
+        .into_iter()
+        .filter(|b| mounts::is_mount_point(b))
+        .collect();
+    if !mounted.is_empty() {
+        match lazyfs.running_client() {
+            Some(mut client) => {
+                for b in &mounted {
+                    if let Err(e) = client.call(&Request::Umount { dir: b.clone() }) {
+                        tracing::warn!("lazyfs umount {}: {e}; detaching it here", b.display());
+                        let _ = mounts::unmount(b, true);
+                    }
+                }
+            }
+            // No daemon: its binds are dead anyway; a restarted daemon forgets them.
+            None => {
+                for b in &mounted {
+                    let _ = mounts::unmount(b, true);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Unmounts `dir` and anything mounted beneath it, deepest first.
+pub fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
+    let all = mounts::mounts().map_err(RuntimeError::io(Path::new("/proc/self/mountinfo")))?;
+    let mut targets: Vec<PathBuf> = all
+        .into_iter()
+        .map(|m| m.mount_point)
+        .filter(|m| m.starts_with(dir))
+        .collect();
+    targets.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    targets.dedup();
+    for t in targets {
+        if let Err(e) = mounts::unmount(&t, false) {
+            tracing::debug!("unmount {}: {e}; detaching", t.display());
+            mounts::unmount(&t, true).map_err(RuntimeError::io(&t))?;
+        }
+    }
+    Ok(())
+}

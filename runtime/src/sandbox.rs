@@ -1,0 +1,390 @@
+//! One sandbox: its on-disk record, the backend seam, and the API every backend shares
+//! (exec, files, processes, destroy). Budgets are attributed here, from the cgroup counters
+//! and the upper's quota, so every backend reports them the same way.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::Sender;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::cgroup::Cgroup;
+use crate::exec::{Budget, Collected, Event, ExecRequest, ExecResult, Stream};
+use crate::files::{self, FileEntry};
+use crate::spec::SandboxSpec;
+use crate::{Runtime, RuntimeError};
+
+/// What the runtime keeps about a live sandbox (`sandboxes/<id>/sandbox.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub spec: SandboxSpec,
+    pub created_ms: u64,
+    /// Host PID of the sandbox's init, and its start time (guards against PID reuse).
+    pub init_pid: u32,
+    pub init_start: u64,
+}
+
+/// What a backend gets to start a sandbox.
+pub struct StartContext<'a> {
+    pub id: String,
+    pub dir: PathBuf,
+    pub rootfs: PathBuf,
+    pub hostname: String,
+    pub spec: &'a SandboxSpec,
+    pub cgroup: Cgroup,
+}
+
+/// A command, fully resolved against the sandbox's defaults.
+pub struct ExecEnv {
+    pub argv: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub cwd: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub timeout: Duration,
+}
+
+/// The seam between the shared sandbox logic and one way of isolating processes.
+pub trait SandboxBackend: Send + Sync {
+    /// Starts the sandbox's init over the assembled root; returns its host PID.
+    fn start(&self, ctx: &StartContext) -> Result<u32, RuntimeError>;
+    fn exec(
+        &self,
+        rec: &SandboxRecord,
+        dir: &Path,
+        env: &ExecEnv,
+        req: &ExecRequest,
+        sink: &mut dyn FnMut(Stream, &[u8]),
+    ) -> Result<Collected, RuntimeError>;
+    /// Kills every process of the sandbox.
+    fn stop(&self, rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError>;
+    /// Drops whatever state the backend keeps for `id` outside the sandbox directory.
+    fn forget(&self, id: &str);
+}
+
+/// Forwards a pipe to the event channel in chunks.
+pub fn pump(
+    mut src: Box<dyn Read + Send>,
+    stream: Stream,
+    tx: Sender<Event>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match src.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if tx.send(Event::Output(stream, buf[..n].to_vec())).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Start time of a process in clock ticks since boot (field 22 of /proc/PID/stat).
+pub fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    rest.split(' ').nth(19)?.parse().ok()
+}
+
+/// A process inside a sandbox, as `ps` shows it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ProcessInfo {
+    /// PID inside the sandbox.
+    pub pid: u32,
+    pub host_pid: u32,
+    pub state: String,
+    pub rss_bytes: u64,
+    pub cmdline: String,
+}
+
+/// Why a sandbox ended (audit `ended` records).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EndReason {
+    Destroyed,
+    IdleTtl,
+    Crashed,
+    Error,
+}
+
+impl EndReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            EndReason::Destroyed => "destroyed",
+            EndReason::IdleTtl => "idle-ttl",
+            EndReason::Crashed => "crashed",
+            EndReason::Error => "error",
+        }
+    }
+}
+
+/// An advisory lock on a sandbox directory: execs share it, destroy and reap take it
+/// exclusively, so an idle reaper never tears down a sandbox mid-command.
+pub struct DirLock {
+    _file: File,
+}
+
+impl DirLock {
+    pub fn take(dir: &Path, exclusive: bool, wait: bool) -> Result<Option<DirLock>, RuntimeError> {
+        let path = dir.join("lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(RuntimeError::io(&path))?;
+        let mut op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+        if !wait {
+            op |= libc::LOCK_NB;
+        }
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                return Ok(None);
+            }
+            return Err(RuntimeError::io(&path)(e));
+        }
+        Ok(Some(DirLock { _file: file }))
+    }
+}
+
+/// A live sandbox.
+pub struct Sandbox {
+    pub(crate) rt: Runtime,
+    pub(crate) record: SandboxRecord,
+}
+
+impl Sandbox {
+    pub fn id(&self) -> &str {
+        &self.record.id
+    }
+
+    pub fn record(&self) -> &SandboxRecord {
+        &self.record
+    }
+
+    pub fn spec(&self) -> &SandboxSpec {
+        &self.record.spec
+    }
+
+    fn dir(&self) -> PathBuf {
+        self.rt.sandbox_dir(&self.record.id)
+    }
+
+    fn rootfs(&self) -> PathBuf {
+        self.dir().join("rootfs")
+    }
+
+    pub fn cgroup(&self) -> Cgroup {
+        Cgroup::for_sandbox(&self.record.id)
+    }
+
+    /// Runs a command, streaming its output to `sink` as it comes, and returns its result
+    /// with the full output.
+    pub fn exec_streaming(
+        &self,
+        req: &ExecRequest,
+        sink: &mut dyn FnMut(Stream, &[u8]),
+    ) -> Result<ExecResult, RuntimeError> {
+        if req.argv.is_empty() {
+            return Err(RuntimeError::Invalid("empty command".into()));
+        }
+        let dir = self.dir();
+        let _lock = DirLock::take(&dir, false, true)?;
+        if !dir.join("sandbox.json").exists() {
+            return Err(RuntimeError::NotFound(self.record.id.clone()));
+        }
+        self.rt.touch(&self.record.id);
+        let spec = &self.record.spec;
+        let (uid, gid) = self.resolve_user(&spec.user)?;
+        let mut env = spec.env.clone();
+        env.extend(req.env.clone());
+        let exec_env = ExecEnv {
+            argv: req.argv.clone(),
+            env,
+            cwd: req.cwd.clone().unwrap_or_else(|| spec.workdir.clone()),
+            uid,
+            gid,
+            timeout: req.timeout.unwrap_or(spec.limits.timeout),
+        };
+        let cgroup = self.cgroup();
+        let before = cgroup.counters();
+        let started_ms = crate::audit::now_ms();
+        let started = Instant::now();
+        let backend = self.rt.backend(spec.backend)?;
+        let outcome = backend.exec(&self.record, &dir, &exec_env, req, sink);
+        let after = cgroup.counters();
+        let collected = match outcome {
+            Ok(c) => c,
+            Err(e) => {
+                self.rt.audit(&self.record.id).record(
+                    "exec",
+                    json!({"argv": req.argv, "start": started_ms, "end": crate::audit::now_ms(),
+                           "error": e.to_string()}),
+                )?;
+                return Err(e);
+            }
+        };
+        let budget = if collected.timed_out {
+            Some(Budget::Timeout)
+        } else if after.oom_kills > before.oom_kills {
+            Some(Budget::Memory)
+        } else if after.pids_max_hits > before.pids_max_hits {
+            Some(Budget::Pids)
+        } else if self.disk_full() {
+            Some(Budget::Disk)
+        } else {
+            None
+        };
+        let result = ExecResult {
+            exit_code: collected.exit.code,
+            signal: collected.exit.signal,
+            stdout_bytes: collected.stdout.len() as u64,
+            stderr_bytes: collected.stderr.len() as u64,
+            stdout: collected.stdout,
+            stderr: collected.stderr,
+            duration_ms: started.elapsed().as_millis() as u64,
+            budget,
+        };
+        self.rt.touch(&self.record.id);
+        self.rt.audit(&self.record.id).record(
+            "exec",
+            json!({"argv": req.argv, "cwd": exec_env.cwd, "start": started_ms,
+                   "end": crate::audit::now_ms(), "exit_code": result.exit_code,
+                   "signal": result.signal, "stdout_bytes": result.stdout_bytes,
+                   "stderr_bytes": result.stderr_bytes, "budget": result.budget}),
+        )?;
+        Ok(result)
+    }
+
+    /// Runs a command and returns its result with the full output.
+    pub fn exec(&self, req: &ExecRequest) -> Result<ExecResult, RuntimeError> {
+        self.exec_streaming(req, &mut |_, _| {})
+    }
+
+    fn disk_full(&self) -> bool {
+        match self.rt.uppers().usage(&self.record.id) {
+            // Within 256 KiB of the limit counts as full: the write that failed never landed.
+            Ok((used, limit)) => limit > 0 && used + (256 << 10) >= limit,
+            Err(_) => false,
+        }
+    }
+
+    /// Bytes used in the sandbox's writable upper, and its quota.
+    pub fn disk_usage(&self) -> Result<(u64, u64), RuntimeError> {
+        self.rt.uppers().usage(&self.record.id)
+    }
+
+    fn resolve_user(&self, user: &str) -> Result<(u32, u32), RuntimeError> {
+        let (name, group) = match user.split_once(':') {
+            Some((u, g)) => (u, Some(g)),
+            None => (user, None),
+        };
+        let uid_gid = if let Ok(uid) = name.parse::<u32>() {
+            (uid, uid)
+        } else {
+            let passwd = files::read_file(&self.rootfs(), "/etc/passwd").unwrap_or_default();
+            String::from_utf8_lossy(&passwd)
+                .lines()
+                .find_map(|l| {
+                    let f: Vec<&str> = l.split(':').collect();
+                    (f.len() > 3 && f[0] == name)
+                        .then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))
+                        .flatten()
+                })
+                .or_else(|| (name == "root").then_some((0, 0)))
+                .ok_or_else(|| {
+                    RuntimeError::Invalid(format!(
+                        "user `{name}` is not in the sandbox's /etc/passwd; use a numeric uid[:gid]"
+                    ))
+                })?
+        };
+        match group.map(str::parse::<u32>) {
+            None => Ok(uid_gid),
+            Some(Ok(g)) => Ok((uid_gid.0, g)),
+            Some(Err(_)) => Err(RuntimeError::Invalid(format!(
+                "group in user `{user}` must be numeric"
+            ))),
+        }
+    }
+
+    pub fn read_file(&self, path: &str) -> Result<Vec<u8>, RuntimeError> {
+        self.rt.touch(&self.record.id);
+        files::read_file(&self.rootfs(), path)
+    }
+
+    pub fn write_file(&self, path: &str, data: &[u8], mode: u32) -> Result<(), RuntimeError> {
+        self.rt.touch(&self.record.id);
+        let r = files::write_file(&self.rootfs(), path, data, mode);
+        self.rt.audit(&self.record.id).record(
+            "file-write",
+            json!({"path": path, "bytes": data.len(), "ok": r.is_ok()}),
+        )?;
+        r
+    }
+
+    pub fn list_dir(&self, path: &str) -> Result<Vec<FileEntry>, RuntimeError> {
+        self.rt.touch(&self.record.id);
+        files::list_dir(&self.rootfs(), path)
+    }
+
+    /// Every process in the sandbox, read from its cgroup.
+    pub fn processes(&self) -> Vec<ProcessInfo> {
+        let mut out: Vec<ProcessInfo> = self
+            .cgroup()
+            .pids()
+            .into_iter()
+            .filter_map(|host_pid| {
+                let status = std::fs::read_to_string(format!("/proc/{host_pid}/status")).ok()?;
+                let field = |k: &str| {
+                    status
+                        .lines()
+                        .find_map(|l| l.strip_prefix(k).map(|v| v.trim().to_string()))
+                };
+                let pid = field("NSpid:")?
+                    .split_whitespace()
+                    .last()?
+                    .parse()
+                    .ok()?;
+                let state = field("State:").unwrap_or_default();
+                let rss_bytes = field("VmRSS:")
+                    .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+                    .unwrap_or(0)
+                    * 1024;
+                let cmdline = std::fs::read(format!("/proc/{host_pid}/cmdline"))
+                    .map(|b| {
+                        String::from_utf8_lossy(&b)
+                            .trim_end_matches('\0')
+                            .replace('\0', " ")
+                    })
+                    .unwrap_or_default();
+                Some(ProcessInfo {
+                    pid,
+                    host_pid,
+                    state,
+                    rss_bytes,
+                    cmdline,
+                })
+            })
+            .collect();
+        out.sort_by_key(|p| p.pid);
+        out
+    }
+
+    /// Ends the sandbox: kills its processes, unmounts its root, releases its layers,
+    /// cgroups and upper. The audit record stays.
+    pub fn destroy(self) -> Result<(), RuntimeError> {
+        self.rt.teardown(&self.record.id, Some(&self.record), EndReason::Destroyed)
+    }
+}

@@ -1,0 +1,210 @@
+//! What a sandbox is made of once its catalog entry and the caller's overrides are
+//! resolved: layer stack, backend, budgets in numbers, environment and network policy.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use strata_catalog::{Backend, Budgets, Registered};
+
+use crate::RuntimeError;
+
+/// Defaults for budgets an entry leaves open: a sandbox is never unbounded.
+pub const DEFAULT_MEMORY: u64 = 1 << 30;
+pub const DEFAULT_DISK: u64 = 2 << 30;
+pub const DEFAULT_PIDS: u32 = 1024;
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+pub const DEFAULT_IDLE_TTL: Duration = Duration::from_secs(3600);
+
+/// Resolved budgets, in numbers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Limits {
+    pub memory_bytes: u64,
+    /// CPUs' worth of time per period; `None` is unthrottled.
+    pub cpus: Option<f64>,
+    pub disk_bytes: u64,
+    pub pids: u32,
+    /// Default wall-clock limit of one command.
+    #[serde(with = "humantime_serde_secs")]
+    pub timeout: Duration,
+    /// Idle time after which a stateful sandbox is destroyed.
+    #[serde(with = "humantime_serde_secs")]
+    pub idle_ttl: Duration,
+}
+
+mod humantime_serde_secs {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let secs = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(secs).map_err(serde::de::Error::custom)
+    }
+}
+
+impl Limits {
+    pub fn from_budgets(b: &Budgets) -> Result<Limits, RuntimeError> {
+        let bad = |e: strata_catalog::CatalogError| RuntimeError::Invalid(e.to_string());
+        b.validate().map_err(bad)?;
+        let limits = Limits {
+            memory_bytes: b.memory_bytes().map_err(bad)?.unwrap_or(DEFAULT_MEMORY),
+            cpus: b.cpu_count().map_err(bad)?,
+            disk_bytes: b.disk_bytes().map_err(bad)?.unwrap_or(DEFAULT_DISK),
+            pids: b.pids.unwrap_or(DEFAULT_PIDS),
+            timeout: b.timeout().map_err(bad)?.unwrap_or(DEFAULT_TIMEOUT),
+            idle_ttl: b.idle_ttl().map_err(bad)?.unwrap_or(DEFAULT_IDLE_TTL),
+        };
+        if limits.memory_bytes < 8 << 20 {
+            return Err(RuntimeError::Invalid(format!(
+                "memory budget {} bytes is below the 8M a sandbox needs to start",
+                limits.memory_bytes
+            )));
+        }
+        if limits.disk_bytes < 1 << 20 {
+            return Err(RuntimeError::Invalid(
+                "disk budget must be at least 1M".into(),
+            ));
+        }
+        Ok(limits)
+    }
+}
+
+/// What the caller may change per sandbox on top of the entry.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub backend: Option<Backend>,
+    pub budgets: Budgets,
+    pub env: BTreeMap<String, String>,
+    /// Replaces the entry's network allowlist when set.
+    pub network: Option<Vec<String>>,
+    /// Who asked (recorded in the audit log).
+    pub identity: Option<String>,
+}
+
+/// Everything needed to create one sandbox.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxSpec {
+    /// `namespace/name@version`, or empty for an ad-hoc stack.
+    pub catalog_ref: String,
+    /// Layer IDs, top-most first (toolkits, workspace, base).
+    pub layers: Vec<String>,
+    pub backend: Backend,
+    pub limits: Limits,
+    pub env: BTreeMap<String, String>,
+    pub workdir: String,
+    pub user: String,
+    pub network: Vec<NetRule>,
+    pub commands: BTreeMap<String, String>,
+    pub identity: String,
+}
+
+/// One allowed destination: a host name or address (or CIDR) and a port.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetRule {
+    pub host: String,
+    pub port: u16,
+}
+
+impl NetRule {
+    pub fn parse(text: &str) -> Result<NetRule, RuntimeError> {
+        let bad = || {
+            RuntimeError::Invalid(format!(
+                "network destination `{text}` must be HOST:PORT (e.g. pypi.org:443, 10.0.0.0/8:80)"
+            ))
+        };
+        let (host, port) = text.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        if host.is_empty() || port == 0 {
+            return Err(bad());
+        }
+        Ok(NetRule {
+            host: host.trim_matches(['[', ']']).to_string(),
+            port,
+        })
+    }
+}
+
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+impl SandboxSpec {
+    /// The entry with the caller's overrides applied and every budget resolved.
+    pub fn resolve(reg: &Registered, over: &Overrides) -> Result<SandboxSpec, RuntimeError> {
+        let e = &reg.entry;
+        let budgets = e.budgets.overridden_by(&over.budgets);
+        let mut env = BTreeMap::from([
+            ("PATH".to_string(), DEFAULT_PATH.to_string()),
+            ("HOME".to_string(), "/root".to_string()),
+        ]);
+        env.extend(e.env.clone());
+        env.extend(over.env.clone());
+        let network = over
+            .network
+            .as_ref()
+            .unwrap_or(&e.network)
+            .iter()
+            .map(|t| NetRule::parse(t))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(SandboxSpec {
+            catalog_ref: reg.reference(),
+            layers: e.layers().into_iter().map(str::to_string).collect(),
+            backend: over.backend.unwrap_or(e.backend),
+            limits: Limits::from_budgets(&budgets)?,
+            env,
+            workdir: e.workdir.clone().unwrap_or_else(|| "/".into()),
+            user: e.user.clone().unwrap_or_else(|| "root".into()),
+            network,
+            commands: e.commands.clone(),
+            identity: over.identity.clone().unwrap_or_else(local_identity),
+        })
+    }
+}
+
+/// The local user, as `name (uid N)`.
+pub fn local_identity() -> String {
+    let uid = nix::unistd::getuid();
+    let name = nix::unistd::User::from_uid(uid)
+        .ok()
+        .flatten()
+        .map(|u| u.name)
+        .unwrap_or_else(|| "unknown".into());
+    format!("{name} (uid {uid})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn net_rules_parse_and_reject() {
+        assert_eq!(
+            NetRule::parse("pypi.org:443").unwrap(),
+            NetRule {
+                host: "pypi.org".into(),
+                port: 443
+            }
+        );
+        assert_eq!(NetRule::parse("[::1]:80").unwrap().host, "::1");
+        assert!(NetRule::parse("pypi.org").is_err());
+        assert!(NetRule::parse("pypi.org:0").is_err());
+        assert!(NetRule::parse(":80").is_err());
+    }
+
+    #[test]
+    fn budgets_resolve_with_defaults_and_reject_nonsense() {
+        let l = Limits::from_budgets(&Budgets {
+            memory: Some("256M".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(l.memory_bytes, 256 << 20);
+        assert_eq!(l.disk_bytes, DEFAULT_DISK);
+        assert_eq!(l.pids, DEFAULT_PIDS);
+        let tiny = Limits::from_budgets(&Budgets {
+            memory: Some("1M".into()),
+            ..Default::default()
+        });
+        assert!(tiny.unwrap_err().to_string().contains("memory budget"));
+    }
+}

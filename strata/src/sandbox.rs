@@ -1,0 +1,388 @@
+//! `strata run` and `strata sandbox ...`: catalog entries resolved through the catalog,
+//! sandboxes made and used through the runtime.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use strata_catalog::{Backend, Budgets, Catalog};
+use strata_runtime::{
+    ExecRequest, ExecResult, Overrides, Runtime, RuntimeConfig, SandboxSpec, Stdin, Stream,
+};
+use strata_store::{strata_home, Store};
+
+use crate::lazy::daemon_starter;
+use crate::output::{human_bytes, print_json};
+
+/// Per-sandbox overrides of the catalog entry.
+#[derive(Args, Clone, Default)]
+pub struct SandboxOptions {
+    /// fncall | container (default: the entry's backend).
+    #[arg(long)]
+    backend: Option<Backend>,
+    /// Memory budget (512M, 2G).
+    #[arg(long)]
+    memory: Option<String>,
+    /// CPUs (may be fractional).
+    #[arg(long)]
+    cpus: Option<f64>,
+    /// Disk budget of the writable layer.
+    #[arg(long)]
+    disk: Option<String>,
+    /// Process budget.
+    #[arg(long)]
+    pids: Option<u32>,
+    /// Wall-clock limit per command (60s, 5m).
+    #[arg(long)]
+    timeout: Option<String>,
+    /// Idle time after which a sandbox is destroyed.
+    #[arg(long)]
+    idle_ttl: Option<String>,
+    /// Allowed network destinations, HOST:PORT, comma-separated (default: none).
+    #[arg(long, value_delimiter = ',')]
+    net: Option<Vec<String>>,
+    /// Extra environment, KEY=VALUE (repeatable).
+    #[arg(long = "env", short = 'e')]
+    env: Vec<String>,
+}
+
+fn parse_env(pairs: &[String]) -> Result<BTreeMap<String, String>> {
+    pairs
+        .iter()
+        .map(|p| {
+            p.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .with_context(|| format!("--env {p}: expected KEY=VALUE"))
+        })
+        .collect()
+}
+
+impl SandboxOptions {
+    fn overrides(&self) -> Result<Overrides> {
+        Ok(Overrides {
+            backend: self.backend,
+            budgets: Budgets {
+                memory: self.memory.clone(),
+                cpus: self.cpus,
+                disk: self.disk.clone(),
+                pids: self.pids,
+                timeout: self.timeout.clone(),
+                idle_ttl: self.idle_ttl.clone(),
+            },
+            env: parse_env(&self.env)?,
+            network: self.net.clone(),
+            identity: None,
+        })
+    }
+}
+
+#[derive(Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    options: SandboxOptions,
+    /// Run one of the entry's named commands (e.g. `test`) instead of CMD.
+    #[arg(long = "command", short = 'c')]
+    named: Option<String>,
+    /// Catalog ID: namespace/name or namespace/name@version.
+    catalog_id: String,
+    /// The command and its arguments.
+    #[arg(last = true)]
+    cmd: Vec<String>,
+}
+
+#[derive(Subcommand)]
+pub enum SandboxCommand {
+    /// Create a sandbox from a catalog entry; prints its ID as the last line.
+    Create {
+        #[command(flatten)]
+        options: SandboxOptions,
+        catalog_id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a command in a sandbox; exits with the command's status.
+    Exec {
+        id: String,
+        /// Wall-clock limit for this command.
+        #[arg(long)]
+        timeout: Option<String>,
+        /// Working directory inside the sandbox.
+        #[arg(long)]
+        cwd: Option<String>,
+        #[arg(long = "env", short = 'e')]
+        env: Vec<String>,
+        /// Pass this process's stdin to the command.
+        #[arg(long, short = 'i')]
+        interactive: bool,
+        #[arg(last = true, required = true)]
+        cmd: Vec<String>,
+    },
+    /// Copy a file in or out: `cp LOCAL ID:/path` or `cp ID:/path LOCAL` (`-` is stdio).
+    Cp { src: String, dst: String },
+    /// Processes in a sandbox.
+    Ps {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Sandboxes on this host.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Destroy sandboxes.
+    Rm {
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+    /// A sandbox's audit record (JSON lines), also after it is gone.
+    Audit { id: String },
+    /// Destroy sandboxes whose init died or whose idle TTL passed; remove leftovers.
+    Reap {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn agent_path() -> Result<PathBuf> {
+    if let Ok(p) = std::env::var("STRATA_AGENT") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe().context("locating the strata binary")?;
+    Ok(exe.with_file_name("strata-agent"))
+}
+
+pub fn open_runtime(store_url: Option<String>) -> Result<Runtime> {
+    let lazyfs = strata_runtime::LazyfsAccess {
+        paths: crate::lazy::paths(),
+        start: daemon_starter(store_url),
+    };
+    let cfg = RuntimeConfig::new(strata_home().join("runtime"), lazyfs, agent_path()?)?;
+    Ok(Runtime::open(cfg)?)
+}
+
+async fn resolve(store: &Store, catalog_id: &str, options: &SandboxOptions) -> Result<SandboxSpec> {
+    let catalog = Catalog::open(store).await?;
+    let reg = catalog.get(catalog_id).await?;
+    Ok(SandboxSpec::resolve(&reg, &options.overrides()?)?)
+}
+
+/// Streams a command's output to this process's stdout and stderr.
+fn print_sink() -> impl FnMut(Stream, &[u8]) {
+    |s, data| {
+        let _ = match s {
+            Stream::Stdout => {
+                let mut o = std::io::stdout().lock();
+                o.write_all(data).and_then(|_| o.flush())
+            }
+            Stream::Stderr => {
+                let mut e = std::io::stderr().lock();
+                e.write_all(data).and_then(|_| e.flush())
+            }
+        };
+    }
+}
+
+fn report_budget(r: &ExecResult) {
+    if let Some(b) = r.budget {
+        eprintln!(
+            "strata: the command hit the sandbox's {b} budget (exit status {})",
+            r.status_code()
+        );
+    }
+}
+
+fn duration(text: &Option<String>) -> Result<Option<Duration>> {
+    text.as_deref()
+        .map(|t| humantime::parse_duration(t).with_context(|| format!("`{t}` is not a duration (60s, 5m)")))
+        .transpose()
+}
+
+pub async fn run(store: &Store, store_url: Option<String>, args: RunArgs) -> Result<i32> {
+    let spec = resolve(store, &args.catalog_id, &args.options).await?;
+    let argv = match (&args.named, args.cmd.is_empty()) {
+        (Some(name), true) => {
+            let line = spec.commands.get(name).with_context(|| {
+                format!(
+                    "{} has no command `{name}` (it has: {})",
+                    spec.catalog_ref,
+                    spec.commands.keys().cloned().collect::<Vec<_>>().join(", ")
+                )
+            })?;
+            vec!["/bin/sh".to_string(), "-c".to_string(), line.clone()]
+        }
+        (None, false) => args.cmd.clone(),
+        (Some(_), false) => bail!("give either --command NAME or a command after --, not both"),
+        (None, true) => bail!("nothing to run: add `-- CMD...` or `--command NAME`"),
+    };
+    tokio::task::spawn_blocking(move || -> Result<i32> {
+        let rt = open_runtime(store_url)?;
+        let sandbox = rt.create(spec)?;
+        let req = ExecRequest {
+            argv,
+            stdin: Stdin::Null,
+            ..Default::default()
+        };
+        let result = sandbox.exec_streaming(&req, &mut print_sink());
+        let destroyed = sandbox.destroy();
+        let result = result?;
+        destroyed?;
+        report_budget(&result);
+        Ok(result.status_code())
+    })
+    .await?
+}
+
+fn split_remote(arg: &str) -> Option<(&str, &str)> {
+    let (id, path) = arg.split_once(':')?;
+    (path.starts_with('/') && !id.is_empty() && !id.contains('/')).then_some((id, path))
+}
+
+pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxCommand) -> Result<i32> {
+    if let SandboxCommand::Create {
+        options,
+        catalog_id,
+        json,
+    } = &cmd
+    {
+        let spec = resolve(store, catalog_id, options).await?;
+        let json = *json;
+        return tokio::task::spawn_blocking(move || -> Result<i32> {
+            let rt = open_runtime(store_url)?;
+            let sb = rt.create(spec)?;
+            if json {
+                print_json(sb.record())?;
+            }
+            println!("{}", sb.id());
+            Ok(0)
+        })
+        .await?;
+    }
+    tokio::task::spawn_blocking(move || -> Result<i32> {
+        let rt = open_runtime(store_url)?;
+        match cmd {
+            SandboxCommand::Create { .. } => unreachable!("handled above"),
+            SandboxCommand::Exec {
+                id,
+                timeout,
+                cwd,
+                env,
+                interactive,
+                cmd,
+            } => {
+                let sb = rt.get(&id)?;
+                let req = ExecRequest {
+                    argv: cmd,
+                    stdin: if interactive { Stdin::Inherit } else { Stdin::Null },
+                    env: parse_env(&env)?,
+                    cwd,
+                    timeout: duration(&timeout)?,
+                };
+                let r = sb.exec_streaming(&req, &mut print_sink())?;
+                report_budget(&r);
+                Ok(r.status_code())
+            }
+            SandboxCommand::Cp { src, dst } => {
+                match (split_remote(&src), split_remote(&dst)) {
+                    (None, Some((id, path))) => {
+                        let data = if src == "-" {
+                            let mut d = Vec::new();
+                            std::io::Read::read_to_end(&mut std::io::stdin(), &mut d)?;
+                            d
+                        } else {
+                            std::fs::read(&src).with_context(|| format!("reading {src}"))?
+                        };
+                        let mode = std::fs::metadata(&src)
+                            .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777)
+                            .unwrap_or(0o644);
+                        rt.get(id)?.write_file(path, &data, mode)?;
+                    }
+                    (Some((id, path)), None) => {
+                        let data = rt.get(id)?.read_file(path)?;
+                        if dst == "-" {
+                            std::io::stdout().write_all(&data)?;
+                        } else {
+                            std::fs::write(&dst, data).with_context(|| format!("writing {dst}"))?;
+                        }
+                    }
+                    _ => bail!("one side of cp must be ID:/absolute/path and the other a local path or -"),
+                }
+                Ok(0)
+            }
+            SandboxCommand::Ps { id, json } => {
+                let ps = rt.get(&id)?.processes();
+                if json {
+                    print_json(&ps)?;
+                } else {
+                    println!("{:>7} {:>8} {:>10}  COMMAND", "PID", "STATE", "RSS");
+                    for p in ps {
+                        println!(
+                            "{:>7} {:>8} {:>10}  {}",
+                            p.pid,
+                            p.state.split_whitespace().next().unwrap_or(""),
+                            human_bytes(p.rss_bytes),
+                            p.cmdline
+                        );
+                    }
+                }
+                Ok(0)
+            }
+            SandboxCommand::Ls { json } => {
+                let list = rt.list();
+                if json {
+                    print_json(&list)?;
+                } else {
+                    println!("{:<14} {:<10} {:>8}  CATALOG", "ID", "BACKEND", "IDLE");
+                    for r in list {
+                        println!(
+                            "{:<14} {:<10} {:>7}s  {}",
+                            r.id,
+                            format!("{:?}", r.spec.backend).to_lowercase(),
+                            rt.idle_for(&r.id).as_secs(),
+                            r.spec.catalog_ref
+                        );
+                    }
+                }
+                Ok(0)
+            }
+            SandboxCommand::Rm { ids } => {
+                let mut failed = 0;
+                for id in ids {
+                    match rt.get(&id).and_then(|sb| sb.destroy()) {
+                        Ok(()) => println!("{id}"),
+                        Err(e) => {
+                            eprintln!("error: {id}: {e}");
+                            failed += 1;
+                        }
+                    }
+                }
+                Ok(if failed > 0 { 1 } else { 0 })
+            }
+            SandboxCommand::Audit { id } => {
+                let log = rt.audit(&id);
+                let text = std::fs::read_to_string(log.path())
+                    .with_context(|| format!("no audit record for sandbox {id}"))?;
+                print!("{text}");
+                Ok(0)
+            }
+            SandboxCommand::Reap { json } => {
+                let report = rt.reap()?;
+                if json {
+                    print_json(&report)?;
+                } else {
+                    println!(
+                        "crashed {} expired {} orphans {}",
+                        report.crashed.len(),
+                        report.expired.len(),
+                        report.orphans.len()
+                    );
+                }
+                Ok(0)
+            }
+        }
+    })
+    .await?
+}
