@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what Strata needs on a fresh Debian 12 machine: build tools, the kernel-side
-# userspace (FUSE, erofs-utils for fsck), the S3 test server (Ceph radosgw), and the Rust
+# userspace (FUSE, erofs-utils for fsck), the container engines (crun, runc, catatonit as
+# init), the S3 test server (Ceph radosgw), and the Rust
 # toolchain's components. Idempotent: a second run only checks.
 set -euo pipefail
 
@@ -10,6 +11,7 @@ PKGS=(
   ceph-mon ceph-osd radosgw ceph-common
   python3 python3-venv
   mmdebstrap docker-registry skopeo
+  crun runc catatonit e2fsprogs util-linux python3-pip
 )
 
 missing=()

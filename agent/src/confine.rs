@@ -39,11 +39,23 @@ fn ctx<T>(what: &str, r: nix::Result<T>) -> Result<T, String> {
 fn mount_filesystems(root: &Path) -> Result<(), String> {
     ctx(
         "making / private",
-        mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>),
+        mount(
+            None::<&str>,
+            "/",
+            None::<&str>,
+            MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+            None::<&str>,
+        ),
     )?;
     ctx(
         "binding the root filesystem",
-        mount(Some(root), root, None::<&str>, MsFlags::MS_BIND | MsFlags::MS_REC, None::<&str>),
+        mount(
+            Some(root),
+            root,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        ),
     )?;
     let sub = |p: &str| {
         let d = root.join(p);
@@ -51,31 +63,64 @@ fn mount_filesystems(root: &Path) -> Result<(), String> {
         d
     };
     let nosuid = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
-    ctx("mounting /proc", mount(Some("proc"), &sub("proc"), Some("proc"), nosuid, None::<&str>))?;
+    ctx(
+        "mounting /proc",
+        mount(
+            Some("proc"),
+            &sub("proc"),
+            Some("proc"),
+            nosuid,
+            None::<&str>,
+        ),
+    )?;
     let dev = sub("dev");
     ctx(
         "mounting /dev",
-        mount(Some("tmpfs"), &dev, Some("tmpfs"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("mode=755,size=65536k")),
+        mount(
+            Some("tmpfs"),
+            &dev,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+            Some("mode=755,size=65536k"),
+        ),
     )?;
     for node in ["null", "zero", "full", "random", "urandom", "tty"] {
         let target = dev.join(node);
         std::fs::write(&target, b"").map_err(|e| format!("creating /dev/{node}: {e}"))?;
         ctx(
             &format!("binding /dev/{node}"),
-            mount(Some(&Path::new("/dev").join(node)), &target, None::<&str>, MsFlags::MS_BIND, None::<&str>),
+            mount(
+                Some(&Path::new("/dev").join(node)),
+                &target,
+                None::<&str>,
+                MsFlags::MS_BIND,
+                None::<&str>,
+            ),
         )?;
     }
     let pts = dev.join("pts");
     let _ = std::fs::create_dir(&pts);
     ctx(
         "mounting /dev/pts",
-        mount(Some("devpts"), &pts, Some("devpts"), MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, Some("newinstance,ptmxmode=0666,mode=620")),
+        mount(
+            Some("devpts"),
+            &pts,
+            Some("devpts"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+            Some("newinstance,ptmxmode=0666,mode=620"),
+        ),
     )?;
     let shm = dev.join("shm");
     let _ = std::fs::create_dir(&shm);
     ctx(
         "mounting /dev/shm",
-        mount(Some("shm"), &shm, Some("tmpfs"), nosuid, Some("mode=1777,size=65536k")),
+        mount(
+            Some("shm"),
+            &shm,
+            Some("tmpfs"),
+            nosuid,
+            Some("mode=1777,size=65536k"),
+        ),
     )?;
     for (link, to) in [
         ("ptmx", "pts/ptmx"),
@@ -88,7 +133,13 @@ fn mount_filesystems(root: &Path) -> Result<(), String> {
     }
     ctx(
         "mounting /sys",
-        mount(Some("sysfs"), &sub("sys"), Some("sysfs"), nosuid | MsFlags::MS_RDONLY, None::<&str>),
+        mount(
+            Some("sysfs"),
+            &sub("sys"),
+            Some("sysfs"),
+            nosuid | MsFlags::MS_RDONLY,
+            None::<&str>,
+        ),
     )?;
     ctx("entering the root", nix::unistd::chdir(root))?;
     ctx("pivot_root", nix::unistd::pivot_root(".", "."))?;
@@ -150,7 +201,10 @@ fn drop_capabilities() -> Result<(), String> {
         // SAFETY: PR_CAPBSET_DROP takes a capability number; EINVAL for caps this kernel lacks.
         let r = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
         if r != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
-            return Err(format!("dropping capability {cap}: {}", std::io::Error::last_os_error()));
+            return Err(format!(
+                "dropping capability {cap}: {}",
+                std::io::Error::last_os_error()
+            ));
         }
     }
     let mut mask = [0u32; 2];
@@ -267,8 +321,7 @@ fn seccomp_filter() -> Result<(), String> {
     )
     .map_err(|e| format!("seccomp: {e}"))?;
     for f in [clone3_filter, filter] {
-        let prog: seccompiler::BpfProgram =
-            f.try_into().map_err(|e| format!("seccomp: {e:?}"))?;
+        let prog: seccompiler::BpfProgram = f.try_into().map_err(|e| format!("seccomp: {e:?}"))?;
         seccompiler::apply_filter(&prog).map_err(err)?;
     }
     Ok(())

@@ -61,7 +61,9 @@ pub enum HostMsg {
     Ping,
     Exec(ExecSpec),
     /// Signals the running command's process group.
-    Signal { signal: i32 },
+    Signal {
+        signal: i32,
+    },
     Ps,
 }
 
@@ -77,11 +79,23 @@ pub struct ProcessEntry {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "kebab-case")]
 pub enum AgentMsg {
-    Pong { version: u32, pid: u32 },
-    Started { pid: u32 },
-    Exited { code: Option<i32>, signal: Option<i32> },
-    Processes { list: Vec<ProcessEntry> },
-    Error { message: String },
+    Pong {
+        version: u32,
+        pid: u32,
+    },
+    Started {
+        pid: u32,
+    },
+    Exited {
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+    Processes {
+        list: Vec<ProcessEntry>,
+    },
+    Error {
+        message: String,
+    },
 }
 
 pub mod policy {

@@ -129,7 +129,11 @@ fn run(args: Args) -> Result<(), String> {
 
 /// Points stdio at /dev/null so the agent holds no pipe of whoever started it.
 fn close_inherited_stdio() {
-    if let Ok(null) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/null") {
+    if let Ok(null) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+    {
         let fd = OwnedFd::from(null);
         for target in 0..3 {
             // SAFETY: dup2 onto the standard descriptors.

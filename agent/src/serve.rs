@@ -61,7 +61,11 @@ fn reap(shared: Shared) {
         }
         // Poll fast while a command runs (its exit ends an exec), slowly when idle; a new
         // command wakes the reaper through the condvar.
-        let wait = if c.owned.is_empty() && c.spawning == 0 { 50 } else { 1 };
+        let wait = if c.owned.is_empty() && c.spawning == 0 {
+            50
+        } else {
+            1
+        };
         c = cv
             .wait_timeout(c, Duration::from_millis(wait))
             .unwrap_or_else(|p| p.into_inner())
@@ -145,8 +149,20 @@ fn exec(
     send(&AgentMsg::Started { pid: pid as u32 })?;
 
     let pumps: Vec<_> = [
-        (child.stdout.take().map(|s| Box::new(s) as Box<dyn Read + Send>), FrameKind::Stdout),
-        (child.stderr.take().map(|s| Box::new(s) as Box<dyn Read + Send>), FrameKind::Stderr),
+        (
+            child
+                .stdout
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+            FrameKind::Stdout,
+        ),
+        (
+            child
+                .stderr
+                .take()
+                .map(|s| Box::new(s) as Box<dyn Read + Send>),
+            FrameKind::Stderr,
+        ),
     ]
     .into_iter()
     .filter_map(|(src, kind)| src.map(|s| (s, kind)))

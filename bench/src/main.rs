@@ -6,6 +6,7 @@ mod build;
 mod lazy;
 mod machine;
 mod report;
+mod runtime;
 
 use std::path::PathBuf;
 
@@ -15,7 +16,8 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(name = "strata-bench")]
 struct Args {
-    /// Which suite to run: `build`, `lazyfs`, or `quick` (every suite, small sizes).
+    /// Which suite to run: `build`, `lazyfs`, `runtime`, or `quick` (every suite, small
+    /// sizes).
     /// Run from the repository root, as root (mounts, drop_caches).
     #[arg(long, default_value = "quick")]
     suite: String,
@@ -39,11 +41,13 @@ fn main() -> Result<()> {
     match args.suite.as_str() {
         "build" => sections.push(build::run(&rt, &args.scratch)?),
         "lazyfs" => sections.push(lazy::run(&rt, &args.scratch, &repo)?),
+        "runtime" => sections.push(runtime::run(&rt, &args.scratch, &repo, false)?),
         "quick" => {
             sections.push(build::run(&rt, &args.scratch)?);
             sections.push(lazy::run(&rt, &args.scratch, &repo)?);
+            sections.push(runtime::run(&rt, &args.scratch, &repo, true)?);
         }
-        other => anyhow::bail!("unknown suite `{other}` (build, lazyfs, quick)"),
+        other => anyhow::bail!("unknown suite `{other}` (build, lazyfs, runtime, quick)"),
     }
     let results = report::Results {
         suite: args.suite.clone(),

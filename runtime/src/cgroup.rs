@@ -10,8 +10,18 @@ use crate::RuntimeError;
 const ROOT: &str = "/sys/fs/cgroup";
 /// The controllers a sandbox is limited by.
 pub const CONTROLLERS: [&str; 5] = ["memory", "cpu,cpuacct", "pids", "freezer", "blkio"];
-/// Parent directory of every sandbox's cgroup in each hierarchy.
-pub const PARENT: &str = "strata";
+/// Parent directory of one runtime's sandbox cgroups in each hierarchy: `strata-<hash of
+/// the runtime's state directory>`, so two runtimes on one host (a test's and the
+/// default one) never reap each other's sandboxes.
+pub fn parent_for(state_dir: &Path) -> String {
+    // FNV-1a: stable across builds and platforms, unlike std's hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in state_dir.as_os_str().as_encoded_bytes() {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x100_0000_01b3);
+    }
+    format!("strata-{:08x}", h as u32)
+}
 
 /// Counters that say whether a budget was hit.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -37,9 +47,9 @@ fn controller_dir(ctrl: &str) -> PathBuf {
 }
 
 impl Cgroup {
-    pub fn for_sandbox(id: &str) -> Cgroup {
+    pub fn for_sandbox(parent: &str, id: &str) -> Cgroup {
         Cgroup {
-            name: format!("{PARENT}/{id}"),
+            name: format!("{parent}/{id}"),
         }
     }
 
@@ -151,19 +161,47 @@ impl Cgroup {
         }
     }
 
+    /// Kills every process in the cgroup that is not in `keep` (a command's whole tree,
+    /// including children re-parented away from it), with the cgroup frozen so nothing
+    /// forks away meanwhile.
+    pub fn kill_except(&self, keep: &std::collections::HashSet<u32>) {
+        let state = self.dir("freezer").join("freezer.state");
+        for _ in 0..20 {
+            let frozen = write(&state, "FROZEN").is_ok();
+            let victims: Vec<u32> = self
+                .pids()
+                .into_iter()
+                .filter(|p| !keep.contains(p))
+                .collect();
+            for p in &victims {
+                // SAFETY: plain kill(2).
+                unsafe { libc::kill(*p as i32, libc::SIGKILL) };
+            }
+            if frozen {
+                let _ = write(&state, "THAWED");
+            }
+            if victims.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
     /// Removes the directories (they must be empty of processes).
     pub fn remove(&self) -> Result<(), RuntimeError> {
         let mut last = None;
         for c in CONTROLLERS {
             let d = self.dir(c);
-            for _ in 0..100 {
+            // Up to 10 s: a killed init stays a zombie until the host's init reaps it, and
+            // a zombie keeps a v1 cgroup busy (some inits reap only every second or two).
+            for _ in 0..500 {
                 match std::fs::remove_dir(&d) {
                     Ok(()) => break,
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
                     // EBUSY while the last exited task is still being torn down.
                     Err(e) => {
                         last = Some(RuntimeError::io(&d)(e));
-                        std::thread::sleep(std::time::Duration::from_millis(10));
+                        std::thread::sleep(std::time::Duration::from_millis(20));
                         continue;
                     }
                 }
@@ -178,10 +216,10 @@ impl Cgroup {
     }
 
     /// Sandbox IDs that have a cgroup on this host (for reaping).
-    pub fn existing() -> Vec<String> {
+    pub fn existing(parent: &str) -> Vec<String> {
         let mut ids = std::collections::BTreeSet::new();
         for c in CONTROLLERS {
-            if let Ok(rd) = std::fs::read_dir(controller_dir(c).join(PARENT)) {
+            if let Ok(rd) = std::fs::read_dir(controller_dir(c).join(parent)) {
                 for e in rd.flatten() {
                     if e.path().is_dir() {
                         if let Ok(n) = e.file_name().into_string() {

@@ -14,14 +14,14 @@ use std::sync::mpsc;
 
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCpuBuilder, LinuxMemoryBuilder, LinuxPidsBuilder,
-    LinuxResourcesBuilder, LinuxSeccompAction, LinuxSeccompBuilder, LinuxSyscallBuilder,
-    Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder,
-    Spec, UserBuilder,
+    LinuxResourcesBuilder, LinuxSeccompAction, LinuxSeccompBuilder, LinuxSyscallBuilder, Mount,
+    MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec,
+    UserBuilder,
 };
 use strata_agent::policy::{DENIED_SYSCALLS, KEPT_CAPS};
 
 use crate::cgroup::Cgroup;
-use crate::exec::{drive, kill_tree, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
+use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
 use crate::sandbox::{ExecEnv, SandboxBackend, SandboxRecord, StartContext};
 use crate::RuntimeError;
 
@@ -122,8 +122,15 @@ impl ContainerBackend {
 
     /// Runs the OCI runtime. Its stderr goes to a file, not a pipe: a detached container's
     /// init inherits the runtime's stdio and would hold a pipe open forever.
-    fn run_logged(&self, args: &[&str], what: &str, log: Option<&Path>) -> Result<(), RuntimeError> {
-        let tmp = self.state_root.join(format!("{what}-{}.log", std::process::id()));
+    fn run_logged(
+        &self,
+        args: &[&str],
+        what: &str,
+        log: Option<&Path>,
+    ) -> Result<(), RuntimeError> {
+        let tmp = self
+            .state_root
+            .join(format!("{what}-{}.log", std::process::id()));
         let log = log.unwrap_or(&tmp);
         let file = std::fs::File::create(log).map_err(RuntimeError::io(log))?;
         let status = self
@@ -157,7 +164,9 @@ impl ContainerBackend {
         let bad = |e: oci_spec::OciSpecError| RuntimeError::Backend(format!("OCI spec: {e}"));
         let caps: Vec<Capability> = KEPT_CAPS
             .iter()
-            .filter_map(|(name, _)| serde_json::from_value::<Capability>(serde_json::json!(name)).ok())
+            .filter_map(|(name, _)| {
+                serde_json::from_value::<Capability>(serde_json::json!(name)).ok()
+            })
             .collect();
         let caps: oci_spec::runtime::Capabilities = caps.into_iter().collect();
         let capabilities = oci_spec::runtime::LinuxCapabilitiesBuilder::default()
@@ -173,7 +182,13 @@ impl ContainerBackend {
             .args(vec![INIT_PATH.to_string(), "-P".to_string()])
             .env(vec![format!("PATH={}", crate::spec::DEFAULT_PATH)])
             .cwd("/")
-            .user(UserBuilder::default().uid(0u32).gid(0u32).build().map_err(bad)?)
+            .user(
+                UserBuilder::default()
+                    .uid(0u32)
+                    .gid(0u32)
+                    .build()
+                    .map_err(bad)?,
+            )
             .no_new_privileges(true)
             .capabilities(capabilities)
             .rlimits(vec![PosixRlimitBuilder::default()
@@ -193,7 +208,12 @@ impl ContainerBackend {
                 .destination(INIT_PATH)
                 .typ("bind")
                 .source(&self.init)
-                .options(vec!["bind".into(), "ro".into(), "nosuid".into(), "nodev".into()])
+                .options(vec![
+                    "bind".into(),
+                    "ro".into(),
+                    "nosuid".into(),
+                    "nodev".into(),
+                ])
                 .build()
                 .map_err(bad)?,
         );
@@ -224,14 +244,17 @@ impl ContainerBackend {
         let seccomp = LinuxSeccompBuilder::default()
             .default_action(LinuxSeccompAction::ScmpActAllow)
             .architectures(vec![oci_spec::runtime::Arch::ScmpArchX86_64])
-            .syscalls(vec![
-                LinuxSyscallBuilder::default()
-                    .names(DENIED_SYSCALLS.iter().map(|(n, _)| n.to_string()).collect::<Vec<_>>())
-                    .action(LinuxSeccompAction::ScmpActErrno)
-                    .errno_ret(libc::EPERM as u32)
-                    .build()
-                    .map_err(bad)?,
-            ])
+            .syscalls(vec![LinuxSyscallBuilder::default()
+                .names(
+                    DENIED_SYSCALLS
+                        .iter()
+                        .map(|(n, _)| n.to_string())
+                        .collect::<Vec<_>>(),
+                )
+                .action(LinuxSeccompAction::ScmpActErrno)
+                .errno_ret(libc::EPERM as u32)
+                .build()
+                .map_err(bad)?])
             .build()
             .map_err(bad)?;
         let linux = LinuxBuilder::default()
@@ -267,14 +290,27 @@ impl ContainerBackend {
         let bad = |e: oci_spec::OciSpecError| RuntimeError::Backend(format!("OCI spec: {e}"));
         let caps: oci_spec::runtime::Capabilities = KEPT_CAPS
             .iter()
-            .filter_map(|(name, _)| serde_json::from_value::<Capability>(serde_json::json!(name)).ok())
+            .filter_map(|(name, _)| {
+                serde_json::from_value::<Capability>(serde_json::json!(name)).ok()
+            })
             .collect();
         ProcessBuilder::default()
             .terminal(false)
             .args(env.argv.clone())
-            .env(env.env.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>())
+            .env(
+                env.env
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>(),
+            )
             .cwd(&env.cwd)
-            .user(UserBuilder::default().uid(env.uid).gid(env.gid).build().map_err(bad)?)
+            .user(
+                UserBuilder::default()
+                    .uid(env.uid)
+                    .gid(env.gid)
+                    .build()
+                    .map_err(bad)?,
+            )
             .no_new_privileges(true)
             .capabilities(
                 oci_spec::runtime::LinuxCapabilitiesBuilder::default()
@@ -326,6 +362,7 @@ impl SandboxBackend for ContainerBackend {
         &self,
         rec: &SandboxRecord,
         dir: &Path,
+        cgroup: &Cgroup,
         env: &ExecEnv,
         req: &ExecRequest,
         sink: &mut dyn FnMut(Stream, &[u8]),
@@ -353,14 +390,30 @@ impl SandboxBackend for ContainerBackend {
             Stdin::Bytes(_) => Stdio::piped(),
             Stdin::Inherit => Stdio::inherit(),
         });
+        let before: std::collections::HashSet<u32> = cgroup.pids().into_iter().collect();
         let mut child = cmd.spawn().map_err(|e| {
-            RuntimeError::Setup(format!("cannot run {}: {e}", self.runtime.binary().display()))
+            RuntimeError::Setup(format!(
+                "cannot run {}: {e}",
+                self.runtime.binary().display()
+            ))
         })?;
         let (tx, rx) = mpsc::channel();
         let mut readers = Vec::new();
         for (src, stream) in [
-            (child.stdout.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Stream::Stdout),
-            (child.stderr.take().map(|s| Box::new(s) as Box<dyn std::io::Read + Send>), Stream::Stderr),
+            (
+                child
+                    .stdout
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+                Stream::Stdout,
+            ),
+            (
+                child
+                    .stderr
+                    .take()
+                    .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+                Stream::Stderr,
+            ),
         ] {
             if let Some(src) = src {
                 readers.push(crate::sandbox::pump(src, stream, tx.clone()));
@@ -374,8 +427,13 @@ impl SandboxBackend for ContainerBackend {
         }
         let waiter = std::thread::spawn(move || {
             let status = child.wait();
+            // Buffered output is delivered; a background process that keeps the pipe open
+            // does not hold the exec open beyond a short grace.
+            let grace = std::time::Instant::now() + std::time::Duration::from_millis(200);
             for r in readers {
-                let _ = r.join();
+                while !r.is_finished() && std::time::Instant::now() < grace {
+                    std::thread::sleep(std::time::Duration::from_millis(2));
+                }
             }
             let _ = tx.send(match status {
                 Ok(s) => {
@@ -388,15 +446,9 @@ impl SandboxBackend for ContainerBackend {
                 Err(e) => Event::Failed(format!("waiting for the exec: {e}")),
             });
         });
-        let pid_file_for_kill = pid_file.clone();
-        let result = drive(rx, env.timeout, sink, || {
-            if let Some(pid) = std::fs::read_to_string(&pid_file_for_kill)
-                .ok()
-                .and_then(|t| t.trim().parse::<u32>().ok())
-            {
-                kill_tree(pid);
-            }
-        });
+        // On timeout, everything this command started dies, wherever it was re-parented;
+        // what earlier commands left running stays.
+        let result = drive(rx, env.timeout, sink, || cgroup.kill_except(&before));
         let _ = waiter.join();
         let _ = std::fs::remove_file(&process_file);
         let _ = std::fs::remove_file(&pid_file);

@@ -82,8 +82,11 @@ pub struct ExecResult {
     pub stdout_bytes: u64,
     pub stderr_bytes: u64,
     pub duration_ms: u64,
-    /// Set when a budget was exhausted while the command ran.
+    /// The budget that ended the command, when one did.
     pub budget: Option<Budget>,
+    /// Every budget exhausted while the command ran (a fork bomb hits `pids` and then,
+    /// spinning, `timeout`).
+    pub budgets: Vec<Budget>,
 }
 
 impl ExecResult {
@@ -177,37 +180,4 @@ pub fn drive(
             }
         }
     }
-}
-
-/// SIGKILLs `pid` and every descendant (host PIDs), children first found, then parents.
-pub fn kill_tree(pid: u32) {
-    let mut children: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
-    if let Ok(rd) = std::fs::read_dir("/proc") {
-        for e in rd.flatten() {
-            let Some(p) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-                continue;
-            };
-            if let Some(pp) = parent_of(p) {
-                children.entry(pp).or_default().push(p);
-            }
-        }
-    }
-    let mut stack = vec![pid];
-    let mut all = Vec::new();
-    while let Some(p) = stack.pop() {
-        all.push(p);
-        if let Some(c) = children.get(&p) {
-            stack.extend(c);
-        }
-    }
-    for p in all {
-        // SAFETY: plain kill(2).
-        unsafe { libc::kill(p as i32, libc::SIGKILL) };
-    }
-}
-
-fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split(' ').nth(1)?.parse().ok()
 }

@@ -35,7 +35,8 @@ pub struct FileEntry {
 fn open_in(root: &File, path: &str, flags: i32, mode: u32) -> Result<OwnedFd, RuntimeError> {
     let rel = path.trim_start_matches('/');
     let rel = if rel.is_empty() { "." } else { rel };
-    let c = CString::new(rel).map_err(|_| RuntimeError::Invalid(format!("path {path:?} has a NUL byte")))?;
+    let c = CString::new(rel)
+        .map_err(|_| RuntimeError::Invalid(format!("path {path:?} has a NUL byte")))?;
     let how = OpenHow {
         flags: (flags | libc::O_CLOEXEC) as u64,
         mode: mode as u64,
@@ -70,21 +71,29 @@ pub fn read_file(root: &Path, path: &str) -> Result<Vec<u8>, RuntimeError> {
     let fd = open_in(&root_dir(root)?, path, libc::O_RDONLY, 0)?;
     let mut f = File::from(fd);
     let mut data = Vec::new();
-    f.read_to_end(&mut data).map_err(|source| RuntimeError::File {
-        path: path.to_string(),
-        source,
-    })?;
+    f.read_to_end(&mut data)
+        .map_err(|source| RuntimeError::File {
+            path: path.to_string(),
+            source,
+        })?;
     Ok(data)
 }
 
 /// Writes `data` to `path` (created or truncated), making missing parent directories.
 pub fn write_file(root: &Path, path: &str, data: &[u8], mode: u32) -> Result<(), RuntimeError> {
     let r = root_dir(root)?;
-    let parent = Path::new(path).parent().map(|p| p.to_string_lossy().into_owned());
+    let parent = Path::new(path)
+        .parent()
+        .map(|p| p.to_string_lossy().into_owned());
     if let Some(parent) = parent {
         mkdir_all(&r, &parent)?;
     }
-    let fd = open_in(&r, path, libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC, mode)?;
+    let fd = open_in(
+        &r,
+        path,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC,
+        mode,
+    )?;
     let mut f = File::from(fd);
     let err = |source| RuntimeError::File {
         path: path.to_string(),
@@ -99,10 +108,17 @@ pub fn write_file(root: &Path, path: &str, data: &[u8], mode: u32) -> Result<(),
 fn mkdir_all(root: &File, dir: &str) -> Result<(), RuntimeError> {
     let mut current = String::new();
     for part in dir.split('/').filter(|p| !p.is_empty()) {
-        let parent = open_in(root, if current.is_empty() { "/" } else { &current }, libc::O_PATH | libc::O_DIRECTORY, 0)?;
+        let parent = open_in(
+            root,
+            if current.is_empty() { "/" } else { &current },
+            libc::O_PATH | libc::O_DIRECTORY,
+            0,
+        )?;
         let c = CString::new(part).map_err(|_| RuntimeError::Invalid(format!("NUL in {dir:?}")))?;
         if part == ".." || part == "." {
-            return Err(RuntimeError::Invalid(format!("path {dir:?} must not contain . or ..")));
+            return Err(RuntimeError::Invalid(format!(
+                "path {dir:?} must not contain . or .."
+            )));
         }
         // SAFETY: mkdirat relative to a directory descriptor we own.
         let r = unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o755) };
@@ -121,7 +137,12 @@ fn mkdir_all(root: &File, dir: &str) -> Result<(), RuntimeError> {
 }
 
 pub fn list_dir(root: &Path, path: &str) -> Result<Vec<FileEntry>, RuntimeError> {
-    let fd = open_in(&root_dir(root)?, path, libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
+    let fd = open_in(
+        &root_dir(root)?,
+        path,
+        libc::O_RDONLY | libc::O_DIRECTORY,
+        0,
+    )?;
     // Read the directory through /proc/self/fd so the descriptor's resolution is kept.
     let dir = std::path::PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
     let rd = std::fs::read_dir(&dir).map_err(|source| RuntimeError::File {
@@ -164,15 +185,23 @@ mod tests {
         std::fs::create_dir(root.path().join("etc")).unwrap();
         std::fs::write(root.path().join("etc/secret"), b"sandbox file").unwrap();
         std::os::unix::fs::symlink(outside.path().join("secret"), root.path().join("abs")).unwrap();
-        std::os::unix::fs::symlink("../../../../../../etc/secret", root.path().join("rel")).unwrap();
+        std::os::unix::fs::symlink("../../../../../../etc/secret", root.path().join("rel"))
+            .unwrap();
         // The absolute link names a host path: inside the root it does not exist.
         assert!(read_file(root.path(), "/abs").is_err());
         // `..` stops at the sandbox's root.
         assert_eq!(read_file(root.path(), "/rel").unwrap(), b"sandbox file");
         write_file(root.path(), "/a/b/c.txt", b"hi", 0o600).unwrap();
         assert_eq!(std::fs::read(root.path().join("a/b/c.txt")).unwrap(), b"hi");
-        let names: Vec<_> = list_dir(root.path(), "/").unwrap().into_iter().map(|e| e.name).collect();
+        let names: Vec<_> = list_dir(root.path(), "/")
+            .unwrap()
+            .into_iter()
+            .map(|e| e.name)
+            .collect();
         assert_eq!(names, ["a", "abs", "etc", "rel"]);
-        assert_eq!(std::fs::read(outside.path().join("secret")).unwrap(), b"host secret");
+        assert_eq!(
+            std::fs::read(outside.path().join("secret")).unwrap(),
+            b"host secret"
+        );
     }
 }

@@ -38,8 +38,14 @@ impl SandboxBackend for FncallBackend {
         let procs: Vec<CString> = CONTROLLERS
             .iter()
             .map(|c| {
-                CString::new(ctx.cgroup.dir(c).join("cgroup.procs").as_os_str().as_encoded_bytes())
-                    .map_err(|_| RuntimeError::Invalid("cgroup path has a NUL".into()))
+                CString::new(
+                    ctx.cgroup
+                        .dir(c)
+                        .join("cgroup.procs")
+                        .as_os_str()
+                        .as_encoded_bytes(),
+                )
+                .map_err(|_| RuntimeError::Invalid("cgroup path has a NUL".into()))
             })
             .collect::<Result<_, _>>()?;
         let mut cmd = Command::new(&self.agent);
@@ -92,13 +98,18 @@ impl SandboxBackend for FncallBackend {
         &self,
         _rec: &SandboxRecord,
         dir: &Path,
+        cgroup: &Cgroup,
         env: &ExecEnv,
         req: &ExecRequest,
         sink: &mut dyn FnMut(Stream, &[u8]),
     ) -> Result<Collected, RuntimeError> {
         let sock = socket_path(dir);
+        let before: std::collections::HashSet<u32> = cgroup.pids().into_iter().collect();
         let conn = UnixStream::connect(&sock).map_err(|e| {
-            RuntimeError::Backend(format!("connecting to the sandbox agent at {}: {e}", sock.display()))
+            RuntimeError::Backend(format!(
+                "connecting to the sandbox agent at {}: {e}",
+                sock.display()
+            ))
         })?;
         let io_err = |e: std::io::Error| RuntimeError::Backend(format!("sandbox agent: {e}"));
         let mut writer = conn.try_clone().map_err(io_err)?;
@@ -107,7 +118,11 @@ impl SandboxBackend for FncallBackend {
             &mut writer,
             &HostMsg::Exec(ExecSpec {
                 argv: env.argv.clone(),
-                env: env.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+                env: env
+                    .env
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect(),
                 cwd: env.cwd.clone(),
                 uid: env.uid,
                 gid: env.gid,
@@ -178,7 +193,14 @@ impl SandboxBackend for FncallBackend {
             }
         }
         drive(rx, env.timeout, sink, || {
-            let _ = write_control(&mut writer, &HostMsg::Signal { signal: libc::SIGKILL });
+            let _ = write_control(
+                &mut writer,
+                &HostMsg::Signal {
+                    signal: libc::SIGKILL,
+                },
+            );
+            // Also what left the process group (setsid, daemons) since the command began.
+            cgroup.kill_except(&before);
         })
         .map_err(RuntimeError::Backend)
     }
@@ -198,7 +220,9 @@ pub fn ping(dir: &Path, timeout: Duration) -> Result<u32, RuntimeError> {
     let conn = UnixStream::connect(&sock)
         .map_err(|e| RuntimeError::Backend(format!("agent at {}: {e}", sock.display())))?;
     conn.set_read_timeout(Some(timeout)).ok();
-    let mut w = conn.try_clone().map_err(|e| RuntimeError::Backend(e.to_string()))?;
+    let mut w = conn
+        .try_clone()
+        .map_err(|e| RuntimeError::Backend(e.to_string()))?;
     let mut r = conn;
     write_control(&mut w, &HostMsg::Ping).map_err(|e| RuntimeError::Backend(e.to_string()))?;
     match read_frame::<AgentMsg>(&mut r).map_err(|e| RuntimeError::Backend(e.to_string()))? {

@@ -77,6 +77,14 @@ impl RuntimeError {
     }
 }
 
+fn age(path: &Path) -> Duration {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .unwrap_or_default()
+}
+
 /// Starts the lazyfs daemon when none answers.
 pub type StartDaemon = Arc<dyn Fn() -> Result<(), LazyError> + Send + Sync>;
 
@@ -90,7 +98,11 @@ pub struct LazyfsAccess {
 impl LazyfsAccess {
     pub fn client(&self) -> Result<Client, RuntimeError> {
         let start = self.start.clone();
-        Ok(connect_or_start(&self.paths, Duration::from_secs(30), move || start())?)
+        Ok(connect_or_start(
+            &self.paths,
+            Duration::from_secs(30),
+            move || start(),
+        )?)
     }
 
     pub fn running_client(&self) -> Option<Client> {
@@ -113,7 +125,11 @@ pub struct RuntimeConfig {
 
 impl RuntimeConfig {
     /// Defaults for this host: crun (or `STRATA_OCI_RUNTIME`), Debian's catatonit.
-    pub fn new(state_dir: PathBuf, lazyfs: LazyfsAccess, agent: PathBuf) -> Result<RuntimeConfig, RuntimeError> {
+    pub fn new(
+        state_dir: PathBuf,
+        lazyfs: LazyfsAccess,
+        agent: PathBuf,
+    ) -> Result<RuntimeConfig, RuntimeError> {
         let oci = std::env::var("STRATA_OCI_RUNTIME").unwrap_or_else(|_| "crun".into());
         Ok(RuntimeConfig {
             state_dir,
@@ -128,8 +144,11 @@ impl RuntimeConfig {
 struct Inner {
     cfg: RuntimeConfig,
     uppers: quota::Uppers,
+    cgroup_parent: String,
     container: container::ContainerBackend,
     fncall: fncall::FncallBackend,
+    /// What the reap at open removed, until someone asks.
+    opened_with: std::sync::Mutex<ReapReport>,
 }
 
 /// The runtime on this host. Cheap to clone; any number of processes may open it at once.
@@ -146,10 +165,22 @@ pub struct ReapReport {
     pub orphans: Vec<String>,
 }
 
+impl ReapReport {
+    pub fn is_empty(&self) -> bool {
+        self.crashed.is_empty() && self.expired.is_empty() && self.orphans.is_empty()
+    }
+
+    fn merge(&mut self, other: ReapReport) {
+        self.crashed.extend(other.crashed);
+        self.expired.extend(other.expired);
+        self.orphans.extend(other.orphans);
+    }
+}
+
 impl Runtime {
     /// Opens the runtime's state, mounting the upper pool if needed, and reaps whatever an
     /// earlier runtime left behind.
-    pub fn open(cfg: RuntimeConfig) -> Result<Runtime, RuntimeError> {
+    pub fn open(mut cfg: RuntimeConfig) -> Result<Runtime, RuntimeError> {
         if !nix::unistd::geteuid().is_root() {
             return Err(RuntimeError::Setup(
                 "the runtime needs root: it mounts overlays, creates namespaces and cgroups".into(),
@@ -164,6 +195,8 @@ impl Runtime {
             let p = cfg.state_dir.join(d);
             std::fs::create_dir_all(&p).map_err(RuntimeError::io(&p))?;
         }
+        cfg.state_dir =
+            std::fs::canonicalize(&cfg.state_dir).map_err(RuntimeError::io(&cfg.state_dir))?;
         let uppers = quota::Uppers::open(
             &cfg.state_dir.join("upper-images"),
             &cfg.state_dir.join("uppers"),
@@ -178,21 +211,31 @@ impl Runtime {
         };
         let rt = Runtime {
             inner: Arc::new(Inner {
+                cgroup_parent: cgroup::parent_for(&cfg.state_dir),
                 cfg,
                 uppers,
                 container,
                 fncall,
+                opened_with: Default::default(),
             }),
         };
         let report = rt.reap()?;
-        if !report.crashed.is_empty() || !report.orphans.is_empty() || !report.expired.is_empty() {
+        if !report.is_empty() {
             tracing::info!(?report, "reaped what an earlier runtime left");
         }
+        *rt.inner
+            .opened_with
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = report;
         Ok(rt)
     }
 
     pub fn state_dir(&self) -> &Path {
         &self.inner.cfg.state_dir
+    }
+
+    pub fn cgroup(&self, id: &str) -> Cgroup {
+        Cgroup::for_sandbox(&self.inner.cgroup_parent, id)
     }
 
     pub(crate) fn uppers(&self) -> &quota::Uppers {
@@ -204,7 +247,13 @@ impl Runtime {
     }
 
     pub fn audit(&self, id: &str) -> AuditLog {
-        AuditLog::new(self.inner.cfg.state_dir.join("audit").join(format!("{id}.jsonl")))
+        AuditLog::new(
+            self.inner
+                .cfg
+                .state_dir
+                .join("audit")
+                .join(format!("{id}.jsonl")),
+        )
     }
 
     pub(crate) fn backend(&self, b: Backend) -> Result<&dyn SandboxBackend, RuntimeError> {
@@ -221,8 +270,24 @@ impl Runtime {
         let _ = std::fs::write(p, b"");
     }
 
-    /// Creates and starts a sandbox.
+    /// Creates and starts a sandbox that lives until destroyed or idle past its TTL.
     pub fn create(&self, spec: SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        self.create_inner(spec, None)
+    }
+
+    /// Creates a sandbox owned by this process: if the process dies without destroying
+    /// it, the next reap on this host does.
+    pub fn create_owned(&self, spec: SandboxSpec) -> Result<Sandbox, RuntimeError> {
+        let me = std::process::id();
+        let owner = sandbox::process_start(me).map(|start| (me, start));
+        self.create_inner(spec, owner)
+    }
+
+    fn create_inner(
+        &self,
+        spec: SandboxSpec,
+        owner: Option<(u32, u64)>,
+    ) -> Result<Sandbox, RuntimeError> {
         let backend = self.backend(spec.backend)?;
         if !spec.network.is_empty() {
             return Err(RuntimeError::Unsupported(format!(
@@ -232,7 +297,9 @@ impl Runtime {
             )));
         }
         if spec.layers.is_empty() {
-            return Err(RuntimeError::Invalid("a sandbox needs at least a base layer".into()));
+            return Err(RuntimeError::Invalid(
+                "a sandbox needs at least a base layer".into(),
+            ));
         }
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
         let dir = self.sandbox_dir(&id);
@@ -244,7 +311,7 @@ impl Runtime {
             json!({"identity": spec.identity, "catalog": spec.catalog_ref, "layers": spec.layers,
                    "backend": spec.backend, "limits": spec.limits, "network": spec.network}),
         )?;
-        match self.build(&id, &dir, spec, backend) {
+        match self.build(&id, &dir, spec, backend, owner) {
             Ok(record) => {
                 drop(lock);
                 Ok(Sandbox {
@@ -269,6 +336,7 @@ impl Runtime {
         dir: &Path,
         spec: SandboxSpec,
         backend: &dyn SandboxBackend,
+        owner: Option<(u32, u64)>,
     ) -> Result<SandboxRecord, RuntimeError> {
         let upper_dir = self.uppers().create(id, spec.limits.disk_bytes)?;
         let paths = rootfs::RootfsPaths::new(dir, &upper_dir, spec.layers.len());
@@ -279,7 +347,7 @@ impl Runtime {
             rootfs: paths.merged.clone(),
             hostname: format!("sandbox-{id}"),
             spec: &spec,
-            cgroup: Cgroup::for_sandbox(id),
+            cgroup: self.cgroup(id),
         };
         let init_pid = backend.start(&ctx)?;
         let record = SandboxRecord {
@@ -287,6 +355,7 @@ impl Runtime {
             created_ms: audit::now_ms(),
             init_pid,
             init_start: sandbox::process_start(init_pid).unwrap_or(0),
+            owner,
             spec,
         };
         let path = dir.join("sandbox.json");
@@ -348,7 +417,10 @@ impl Runtime {
 
     /// Every live sandbox on this host.
     pub fn list(&self) -> Vec<SandboxRecord> {
-        self.ids().iter().filter_map(|id| self.load(id).ok()).collect()
+        self.ids()
+            .iter()
+            .filter_map(|id| self.load(id).ok())
+            .collect()
     }
 
     /// Seconds since a sandbox was last used.
@@ -358,6 +430,20 @@ impl Runtime {
             .ok()
             .and_then(|t| t.elapsed().ok())
             .unwrap_or_default()
+    }
+
+    /// Reaps now; the report also holds what the reap at [`Runtime::open`] removed, the
+    /// first time it is asked for.
+    pub fn reap_report(&self) -> Result<ReapReport, RuntimeError> {
+        let mut report = std::mem::take(
+            &mut *self
+                .inner
+                .opened_with
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()),
+        );
+        report.merge(self.reap()?);
+        Ok(report)
     }
 
     /// Destroys sandboxes whose init died or whose idle TTL passed, and removes cgroups,
@@ -372,27 +458,40 @@ impl Runtime {
             };
             let record = self.load(&id).ok();
             let reason = match &record {
+                // No record yet: being created (the lock is taken just after the directory
+                // appears), unless it has been like that for a minute.
+                None if age(&dir) < Duration::from_secs(60) => None,
                 None => Some(EndReason::Error),
                 Some(r) if sandbox::process_start(r.init_pid) != Some(r.init_start) => {
                     Some(EndReason::Crashed)
                 }
                 Some(r) if self.idle_for(&id) > r.spec.limits.idle_ttl => Some(EndReason::IdleTtl),
+                Some(SandboxRecord {
+                    owner: Some((pid, start)),
+                    ..
+                }) if sandbox::process_start(*pid) != Some(*start) => Some(EndReason::OwnerGone),
                 Some(_) => None,
             };
             drop(lock);
             if let Some(reason) = reason {
-                self.teardown(&id, record.as_ref(), reason)?;
+                // One stubborn sandbox must not stop the reaping of the others.
+                if let Err(e) = self.teardown(&id, record.as_ref(), reason) {
+                    tracing::warn!("reaping sandbox {id}: {e}");
+                    continue;
+                }
                 match reason {
                     EndReason::IdleTtl => report.expired.push(id),
-                    EndReason::Crashed => report.crashed.push(id),
+                    EndReason::Crashed | EndReason::OwnerGone => report.crashed.push(id),
                     _ => report.orphans.push(id),
                 }
             }
         }
-        let live: std::collections::BTreeSet<String> = self.ids().into_iter().collect();
-        for id in Cgroup::existing() {
-            if !live.contains(&id) {
-                let cg = Cgroup::for_sandbox(&id);
+        // A sandbox directory is made before anything else of a sandbox, so what has no
+        // directory *now* belongs to no sandbox, even while others are being created.
+        let live = |id: &str| self.sandbox_dir(id).exists();
+        for id in Cgroup::existing(&self.inner.cgroup_parent) {
+            if !live(&id) {
+                let cg = self.cgroup(&id);
                 cg.kill_all();
                 let _ = cg.remove();
                 self.inner.container.forget(&id);
@@ -400,9 +499,11 @@ impl Runtime {
             }
         }
         for name in self.uppers().entries() {
-            if !live.contains(&name) {
-                self.uppers().remove(&name)?;
-                report.orphans.push(format!("upper {name}"));
+            if !live(&name) {
+                match self.uppers().remove(&name) {
+                    Ok(()) => report.orphans.push(format!("upper {name}")),
+                    Err(e) => tracing::warn!("removing the upper of {name}: {e}"),
+                }
             }
         }
         Ok(report)
@@ -416,7 +517,7 @@ impl Runtime {
         reason: EndReason,
     ) -> Result<(), RuntimeError> {
         let dir = self.sandbox_dir(id);
-        let cgroup = Cgroup::for_sandbox(id);
+        let cgroup = self.cgroup(id);
         // Kill first, so a running exec holding the shared lock ends.
         match record {
             Some(r) => {
@@ -438,7 +539,9 @@ impl Runtime {
         cgroup.remove()?;
         rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;
         self.uppers().remove(id)?;
-        let _ = self.audit(id).record("ended", json!({"reason": reason.as_str()}));
+        let _ = self
+            .audit(id)
+            .record("ended", json!({"reason": reason.as_str()}));
         match std::fs::remove_dir_all(&dir) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

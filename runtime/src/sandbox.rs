@@ -28,6 +28,10 @@ pub struct SandboxRecord {
     /// Host PID of the sandbox's init, and its start time (guards against PID reuse).
     pub init_pid: u32,
     pub init_start: u64,
+    /// For a one-shot sandbox (`strata run`): the process that owns it. When that process
+    /// dies without destroying it, the next reap does.
+    #[serde(default)]
+    pub owner: Option<(u32, u64)>,
 }
 
 /// What a backend gets to start a sandbox.
@@ -58,6 +62,7 @@ pub trait SandboxBackend: Send + Sync {
         &self,
         rec: &SandboxRecord,
         dir: &Path,
+        cgroup: &Cgroup,
         env: &ExecEnv,
         req: &ExecRequest,
         sink: &mut dyn FnMut(Stream, &[u8]),
@@ -89,11 +94,16 @@ pub fn pump(
     })
 }
 
-/// Start time of a process in clock ticks since boot (field 22 of /proc/PID/stat).
+/// Start time of a live process in clock ticks since boot (field 22 of /proc/PID/stat);
+/// `None` for a process that is gone or a zombie.
 pub fn process_start(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split(' ').nth(19)?.parse().ok()
+    let mut fields = rest.split(' ');
+    if matches!(fields.next(), Some("Z" | "X")) {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 /// A process inside a sandbox, as `ps` shows it.
@@ -114,6 +124,8 @@ pub enum EndReason {
     Destroyed,
     IdleTtl,
     Crashed,
+    /// The process that owned a one-shot sandbox died.
+    OwnerGone,
     Error,
 }
 
@@ -123,6 +135,7 @@ impl EndReason {
             EndReason::Destroyed => "destroyed",
             EndReason::IdleTtl => "idle-ttl",
             EndReason::Crashed => "crashed",
+            EndReason::OwnerGone => "owner-gone",
             EndReason::Error => "error",
         }
     }
@@ -143,7 +156,11 @@ impl DirLock {
             .write(true)
             .open(&path)
             .map_err(RuntimeError::io(&path))?;
-        let mut op = if exclusive { libc::LOCK_EX } else { libc::LOCK_SH };
+        let mut op = if exclusive {
+            libc::LOCK_EX
+        } else {
+            libc::LOCK_SH
+        };
         if !wait {
             op |= libc::LOCK_NB;
         }
@@ -187,7 +204,7 @@ impl Sandbox {
     }
 
     pub fn cgroup(&self) -> Cgroup {
-        Cgroup::for_sandbox(&self.record.id)
+        self.rt.cgroup(&self.record.id)
     }
 
     /// Runs a command, streaming its output to `sink` as it comes, and returns its result
@@ -223,7 +240,7 @@ impl Sandbox {
         let started_ms = crate::audit::now_ms();
         let started = Instant::now();
         let backend = self.rt.backend(spec.backend)?;
-        let outcome = backend.exec(&self.record, &dir, &exec_env, req, sink);
+        let outcome = backend.exec(&self.record, &dir, &cgroup, &exec_env, req, sink);
         let after = cgroup.counters();
         let collected = match outcome {
             Ok(c) => c,
@@ -236,16 +253,25 @@ impl Sandbox {
                 return Err(e);
             }
         };
+        let mut budgets = Vec::new();
+        if after.oom_kills > before.oom_kills {
+            budgets.push(Budget::Memory);
+        }
+        if after.pids_max_hits > before.pids_max_hits {
+            budgets.push(Budget::Pids);
+        }
+        if self.disk_full() {
+            budgets.push(Budget::Disk);
+        }
+        if collected.timed_out {
+            budgets.push(Budget::Timeout);
+        }
+        // The wall clock ends a command outright; otherwise the first budget hit is the
+        // likeliest cause of its end.
         let budget = if collected.timed_out {
             Some(Budget::Timeout)
-        } else if after.oom_kills > before.oom_kills {
-            Some(Budget::Memory)
-        } else if after.pids_max_hits > before.pids_max_hits {
-            Some(Budget::Pids)
-        } else if self.disk_full() {
-            Some(Budget::Disk)
         } else {
-            None
+            budgets.first().copied()
         };
         let result = ExecResult {
             exit_code: collected.exit.code,
@@ -256,6 +282,7 @@ impl Sandbox {
             stderr: collected.stderr,
             duration_ms: started.elapsed().as_millis() as u64,
             budget,
+            budgets,
         };
         self.rt.touch(&self.record.id);
         self.rt.audit(&self.record.id).record(
@@ -263,7 +290,8 @@ impl Sandbox {
             json!({"argv": req.argv, "cwd": exec_env.cwd, "start": started_ms,
                    "end": crate::audit::now_ms(), "exit_code": result.exit_code,
                    "signal": result.signal, "stdout_bytes": result.stdout_bytes,
-                   "stderr_bytes": result.stderr_bytes, "budget": result.budget}),
+                   "stderr_bytes": result.stderr_bytes, "budget": result.budget,
+                   "budgets_hit": result.budgets}),
         )?;
         Ok(result)
     }
@@ -352,11 +380,7 @@ impl Sandbox {
                         .lines()
                         .find_map(|l| l.strip_prefix(k).map(|v| v.trim().to_string()))
                 };
-                let pid = field("NSpid:")?
-                    .split_whitespace()
-                    .last()?
-                    .parse()
-                    .ok()?;
+                let pid = field("NSpid:")?.split_whitespace().last()?.parse().ok()?;
                 let state = field("State:").unwrap_or_default();
                 let rss_bytes = field("VmRSS:")
                     .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
@@ -385,6 +409,7 @@ impl Sandbox {
     /// Ends the sandbox: kills its processes, unmounts its root, releases its layers,
     /// cgroups and upper. The audit record stays.
     pub fn destroy(self) -> Result<(), RuntimeError> {
-        self.rt.teardown(&self.record.id, Some(&self.record), EndReason::Destroyed)
+        self.rt
+            .teardown(&self.record.id, Some(&self.record), EndReason::Destroyed)
     }
 }

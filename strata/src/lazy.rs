@@ -56,9 +56,11 @@ pub fn daemon_starter(store_url: Option<String>) -> strata_runtime::StartDaemon 
 /// Connects to the daemon, starting it if none is running.
 pub fn client(store_url: Option<&str>) -> Result<Client> {
     let start = daemon_starter(store_url.map(str::to_string));
-    Ok(connect_or_start(&paths(), Duration::from_secs(15), move || {
-        start()
-    })?)
+    Ok(connect_or_start(
+        &paths(),
+        Duration::from_secs(15),
+        move || start(),
+    )?)
 }
 
 #[derive(Subcommand)]

@@ -144,6 +144,9 @@ pub enum SandboxCommand {
     Reap {
         #[arg(long)]
         json: bool,
+        /// Keep reaping at this interval (30s, 1m) instead of once: the host's TTL keeper.
+        #[arg(long)]
+        every: Option<String>,
     },
 }
 
@@ -187,9 +190,11 @@ fn print_sink() -> impl FnMut(Stream, &[u8]) {
 }
 
 fn report_budget(r: &ExecResult) {
-    if let Some(b) = r.budget {
+    if !r.budgets.is_empty() {
+        let hit: Vec<String> = r.budgets.iter().map(|b| b.to_string()).collect();
         eprintln!(
-            "strata: the command hit the sandbox's {b} budget (exit status {})",
+            "strata: budget exceeded: {} (exit status {})",
+            hit.join(", "),
             r.status_code()
         );
     }
@@ -197,7 +202,10 @@ fn report_budget(r: &ExecResult) {
 
 fn duration(text: &Option<String>) -> Result<Option<Duration>> {
     text.as_deref()
-        .map(|t| humantime::parse_duration(t).with_context(|| format!("`{t}` is not a duration (60s, 5m)")))
+        .map(|t| {
+            humantime::parse_duration(t)
+                .with_context(|| format!("`{t}` is not a duration (60s, 5m)"))
+        })
         .transpose()
 }
 
@@ -220,7 +228,7 @@ pub async fn run(store: &Store, store_url: Option<String>, args: RunArgs) -> Res
     };
     tokio::task::spawn_blocking(move || -> Result<i32> {
         let rt = open_runtime(store_url)?;
-        let sandbox = rt.create(spec)?;
+        let sandbox = rt.create_owned(spec)?;
         let req = ExecRequest {
             argv,
             stdin: Stdin::Null,
@@ -276,7 +284,11 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
                 let sb = rt.get(&id)?;
                 let req = ExecRequest {
                     argv: cmd,
-                    stdin: if interactive { Stdin::Inherit } else { Stdin::Null },
+                    stdin: if interactive {
+                        Stdin::Inherit
+                    } else {
+                        Stdin::Null
+                    },
                     env: parse_env(&env)?,
                     cwd,
                     timeout: duration(&timeout)?,
@@ -296,7 +308,9 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
                             std::fs::read(&src).with_context(|| format!("reading {src}"))?
                         };
                         let mode = std::fs::metadata(&src)
-                            .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777)
+                            .map(|m| {
+                                std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777
+                            })
                             .unwrap_or(0o644);
                         rt.get(id)?.write_file(path, &data, mode)?;
                     }
@@ -308,7 +322,9 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
                             std::fs::write(&dst, data).with_context(|| format!("writing {dst}"))?;
                         }
                     }
-                    _ => bail!("one side of cp must be ID:/absolute/path and the other a local path or -"),
+                    _ => bail!(
+                        "one side of cp must be ID:/absolute/path and the other a local path or -"
+                    ),
                 }
                 Ok(0)
             }
@@ -368,19 +384,25 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
                 print!("{text}");
                 Ok(0)
             }
-            SandboxCommand::Reap { json } => {
-                let report = rt.reap()?;
-                if json {
-                    print_json(&report)?;
-                } else {
-                    println!(
-                        "crashed {} expired {} orphans {}",
-                        report.crashed.len(),
-                        report.expired.len(),
-                        report.orphans.len()
-                    );
+            SandboxCommand::Reap { json, every } => {
+                let every = duration(&every)?;
+                loop {
+                    let report = rt.reap_report()?;
+                    if json {
+                        print_json(&report)?;
+                    } else {
+                        println!(
+                            "crashed {} expired {} orphans {}",
+                            report.crashed.len(),
+                            report.expired.len(),
+                            report.orphans.len()
+                        );
+                    }
+                    match every {
+                        Some(d) => std::thread::sleep(d),
+                        None => return Ok(0),
+                    }
                 }
-                Ok(0)
             }
         }
     })

@@ -285,3 +285,14 @@ pub fn concurrent_registrations(store_url: &str, entry_toml: &Path) {
         "latest {latest} is one of the concurrent ones"
     );
 }
+
+/// Mount points at or below `p`, as lines of /proc/self/mountinfo.
+pub fn mounts_under(p: &Path) -> Vec<String> {
+    let prefix = p.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.split(' ').nth(4).is_some_and(|m| m.starts_with(&prefix)))
+        .map(str::to_string)
+        .collect()
+}

@@ -102,19 +102,6 @@ impl Drop for Daemon {
     }
 }
 
-fn mounts_under(p: &Path) -> Vec<String> {
-    std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .filter(|l| {
-            l.split(' ')
-                .nth(4)
-                .is_some_and(|m| m.starts_with(p.to_str().unwrap()))
-        })
-        .map(str::to_string)
-        .collect()
-}
-
 fn fixture(rt: &tokio::runtime::Runtime, work: &Path) -> (PathBuf, String, String) {
     let src = work.join("src");
     fixtures::full_tree(&src, true);

@@ -1,0 +1,535 @@
+//! The runtime end to end through the CLI: the sample environment (Debian base, pytest
+//! toolkit, wordfreq workspace; datasets/sample/register.sh) built into a fresh store and
+//! registered, then run by catalog ID in both backends; budgets; stateful sandboxes; and
+//! cleanup after a killed runtime or a crashed sandbox.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use strata_tests::{have_fuse, have_root, have_tool, mounts_under, scratch_root, strata_bin};
+
+const BACKENDS: [&str; 2] = ["fncall", "container"];
+
+struct Env {
+    home: PathBuf,
+    store: PathBuf,
+    reference: String,
+}
+
+static ENV: OnceLock<Option<Env>> = OnceLock::new();
+static HOME_FOR_EXIT: OnceLock<PathBuf> = OnceLock::new();
+
+/// Stops the environment's lazyfs daemon (unmounting its layers) and deletes the
+/// environment's store and home when the test process exits.
+extern "C" fn stop_daemon_at_exit() {
+    if let Some(home) = HOME_FOR_EXIT.get() {
+        let _ = Command::new(strata_bin())
+            .args(["lazyfs", "stop"])
+            .env("STRATA_HOME", home)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if mounts_under(home).is_empty() {
+            if let Some(root) = home.parent() {
+                let _ = std::fs::remove_dir_all(root);
+            }
+        }
+    }
+}
+
+fn capable(test: &str) -> bool {
+    have_root(test)
+        && have_fuse(test)
+        && have_tool(test, "crun")
+        && have_tool(test, "catatonit")
+        && have_tool(test, "mmdebstrap")
+        && have_tool(test, "mkfs.ext4")
+}
+
+/// The shared environment: one store, one STRATA_HOME, the sample registered once.
+fn env(test: &str) -> Option<&'static Env> {
+    if !capable(test) {
+        return None;
+    }
+    ENV.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("runtime-")
+            .tempdir_in(scratch_root())
+            .expect("tempdir")
+            .keep();
+        let home = dir.join("home");
+        let store = dir.join("store");
+        std::fs::create_dir_all(&home).unwrap();
+        let _ = HOME_FOR_EXIT.set(home.clone());
+        // SAFETY: registering a plain extern "C" function.
+        unsafe { libc::atexit(stop_daemon_at_exit) };
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let out = Command::new("bash")
+            .arg(repo.join("datasets/sample/register.sh"))
+            .arg(strata_bin())
+            .env("STRATA_HOME", &home)
+            .env("STRATA_STORE", &store)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "register.sh: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let reference = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .unwrap()
+            .trim()
+            .to_string();
+        assert!(reference.starts_with("datasets/sample@"), "{reference}");
+        Some(Env {
+            home,
+            store,
+            reference,
+        })
+    })
+    .as_ref()
+}
+
+impl Env {
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(strata_bin());
+        c.args(args)
+            .env("STRATA_HOME", &self.home)
+            .env("STRATA_STORE", &self.store);
+        c
+    }
+
+    fn cli(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().unwrap()
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let o = self.cli(args);
+        assert!(
+            o.status.success(),
+            "strata {args:?}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    fn runtime_dir(&self) -> PathBuf {
+        self.home.join("runtime")
+    }
+
+    fn sandboxes(&self) -> Vec<serde_json::Value> {
+        serde_json::from_str(&self.ok(&["sandbox", "ls", "--json"])).unwrap()
+    }
+
+    fn create(&self, extra: &[&str]) -> String {
+        let mut args = vec!["sandbox", "create"];
+        args.extend_from_slice(extra);
+        args.push(&self.reference);
+        self.ok(&args).lines().last().unwrap().trim().to_string()
+    }
+
+    /// Nothing of sandbox `id` is left on the host.
+    fn assert_gone(&self, id: &str, host_pids: &[u32]) {
+        let rt = self.runtime_dir();
+        assert!(
+            !rt.join("sandboxes").join(id).exists(),
+            "sandbox dir of {id} left"
+        );
+        assert!(
+            !rt.join("upper-images").join(format!("{id}.img")).exists(),
+            "upper image of {id} left"
+        );
+        let mounts: Vec<String> = mounts_under(&rt)
+            .into_iter()
+            .filter(|m| m.contains(id))
+            .collect();
+        assert!(mounts.is_empty(), "mounts of {id} left: {mounts:?}");
+        for ctrl in ["memory", "pids", "freezer"] {
+            let leftover = std::fs::read_dir(Path::new("/sys/fs/cgroup").join(ctrl))
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("strata-"))
+                .any(|e| e.path().join(id).exists());
+            assert!(!leftover, "{ctrl} cgroup of {id} left");
+        }
+        for pid in host_pids {
+            assert!(
+                !Path::new(&format!("/proc/{pid}")).exists()
+                    || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                        .is_ok_and(|s| s.contains(") Z ")),
+                "process {pid} of {id} still runs"
+            );
+        }
+        assert!(
+            !rt.join("crun").join(id).exists(),
+            "crun state of {id} left"
+        );
+    }
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_sample_test_suite_passes_in_both_backends() {
+    let Some(env) = env("runtime_sample_suite") else {
+        return;
+    };
+    for backend in BACKENDS {
+        let o = env.cli(&[
+            "run",
+            "--backend",
+            backend,
+            &env.reference,
+            "--command",
+            "test",
+        ]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{backend}: {out}{err}");
+        assert!(out.contains("4 passed"), "{backend}: {out}");
+        // The pytest that ran is the toolkit layer's, stacked above the base.
+        let o = env.cli(&[
+            "run",
+            "--backend",
+            backend,
+            &env.reference,
+            "--",
+            "python3",
+            "-c",
+            "import pytest, os; print(pytest.__file__); print(os.getcwd())",
+        ]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{err}");
+        assert!(
+            out.contains("/opt/strata-toolkit/site-packages/pytest"),
+            "{out}"
+        );
+        assert!(out.contains("/work"), "{out}");
+        // A command's exit status comes back as the CLI's.
+        let o = env.cli(&[
+            "run",
+            "--backend",
+            backend,
+            &env.reference,
+            "--",
+            "sh",
+            "-c",
+            "exit 7",
+        ]);
+        assert_eq!(o.status.code(), Some(7), "{backend}");
+    }
+}
+
+#[test]
+fn budgets_hold_and_say_which_one_ended_the_command() {
+    let Some(env) = env("runtime_budgets") else {
+        return;
+    };
+    for backend in BACKENDS {
+        let run = |budget: &[&str], cmd: &[&str]| {
+            let mut args = vec!["run", "--backend", backend];
+            args.extend_from_slice(budget);
+            args.push(&env.reference);
+            args.push("--");
+            args.extend_from_slice(cmd);
+            let start = Instant::now();
+            let o = env.cli(&args);
+            (o.status.code(), text(&o), start.elapsed())
+        };
+        // Memory: the allocation is OOM-killed.
+        let (code, (out, err), _) = run(
+            &["--memory", "64M"],
+            &[
+                "python3",
+                "-c",
+                "x = bytearray(300 << 20); print('survived')",
+            ],
+        );
+        assert_eq!(code, Some(137), "{backend} memory: {out}{err}");
+        assert!(!out.contains("survived"));
+        assert!(err.contains("budget exceeded: memory"), "{backend}: {err}");
+
+        // Processes: a fork bomb is contained; the wall clock then ends it.
+        let (_, (out, err), _) = run(
+            &["--pids", "64", "--timeout", "3s"],
+            &["bash", "-c", "bomb() { bomb | bomb & }; bomb; wait"],
+        );
+        assert!(
+            err.contains("budget exceeded: pids"),
+            "{backend} pids: {out}{err}"
+        );
+
+        // Disk: `yes` fills the upper and gets ENOSPC; the host's disk is untouched.
+        let (code, (out, err), _) = run(
+            &["--disk", "32M"],
+            &["sh", "-c", "yes > /tmp/fill; du -m /tmp/fill"],
+        );
+        assert!(
+            err.contains("No space left on device"),
+            "{backend} disk: {out}{err}"
+        );
+        assert!(err.contains("budget exceeded: disk"), "{backend}: {err}");
+        assert_eq!(code, Some(0));
+        let mb: u64 = out.split_whitespace().next().unwrap().parse().unwrap();
+        assert!(mb <= 32, "{backend}: the file grew to {mb} MiB");
+
+        // Wall clock.
+        let (code, (_, err), took) = run(&["--timeout", "2s"], &["sleep", "60"]);
+        assert_eq!(code, Some(137), "{backend} timeout: {err}");
+        assert!(err.contains("budget exceeded: timeout"), "{backend}: {err}");
+        assert!(took < Duration::from_secs(30), "{took:?}");
+
+        // Network: only loopback, nothing routes out.
+        let (code, (out, err), _) = run(
+            &[],
+            &[
+                "python3",
+                "-c",
+                "import socket\n\
+                 print(open('/proc/net/dev').read())\n\
+                 try:\n    socket.create_connection(('1.1.1.1', 80), timeout=3); print('REACHED')\n\
+                 except OSError as e: print('blocked', e.errno)",
+            ],
+        );
+        assert_eq!(code, Some(0), "{err}");
+        assert!(
+            out.contains("blocked") && !out.contains("REACHED"),
+            "{backend}: {out}"
+        );
+        let ifaces: Vec<&str> = out
+            .lines()
+            .filter_map(|l| l.split_once(':').map(|(n, _)| n.trim()))
+            .filter(|n| !n.contains('|'))
+            .collect();
+        assert_eq!(ifaces, ["lo"], "{backend}: {out}");
+    }
+}
+
+#[test]
+fn a_stateful_sandbox_keeps_processes_and_files_until_removed() {
+    let Some(env) = env("runtime_stateful") else {
+        return;
+    };
+    let scratch = tempfile::tempdir_in(scratch_root()).unwrap();
+    for backend in BACKENDS {
+        let id = env.create(&["--backend", backend, "--memory", "256M"]);
+        env.ok(&[
+            "sandbox",
+            "exec",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "nohup sleep 300 >/dev/null 2>&1 & echo kept > /tmp/state",
+        ]);
+        // A later exec sees the earlier one's file and background process.
+        assert_eq!(
+            env.ok(&["sandbox", "exec", &id, "--", "cat", "/tmp/state"]),
+            "kept\n"
+        );
+        let ps: Vec<serde_json::Value> =
+            serde_json::from_str(&env.ok(&["sandbox", "ps", &id, "--json"])).unwrap();
+        let sleeper = ps
+            .iter()
+            .find(|p| p["cmdline"] == "sleep 300")
+            .unwrap_or_else(|| panic!("{backend}: no sleep in {ps:?}"));
+        let host_pids: Vec<u32> = ps
+            .iter()
+            .map(|p| p["host_pid"].as_u64().unwrap() as u32)
+            .collect();
+        assert_ne!(
+            sleeper["pid"], sleeper["host_pid"],
+            "ps shows in-sandbox PIDs"
+        );
+        // Files in and out.
+        let local = scratch.path().join(format!("{backend}.in"));
+        std::fs::write(&local, b"from the host\n").unwrap();
+        env.ok(&[
+            "sandbox",
+            "cp",
+            local.to_str().unwrap(),
+            &format!("{id}:/work/in/file.txt"),
+        ]);
+        assert_eq!(
+            env.ok(&["sandbox", "exec", &id, "--", "cat", "/work/in/file.txt"]),
+            "from the host\n"
+        );
+        let back = scratch.path().join(format!("{backend}.out"));
+        env.ok(&[
+            "sandbox",
+            "cp",
+            &format!("{id}:/tmp/state"),
+            back.to_str().unwrap(),
+        ]);
+        assert_eq!(std::fs::read(&back).unwrap(), b"kept\n");
+        // A symlink the sandbox plants resolves inside it, never on the host.
+        let secret = scratch.path().join("host-secret");
+        std::fs::write(&secret, b"host only").unwrap();
+        env.ok(&[
+            "sandbox",
+            "exec",
+            &id,
+            "--",
+            "ln",
+            "-s",
+            secret.to_str().unwrap(),
+            "/tmp/escape",
+        ]);
+        let o = env.cli(&["sandbox", "cp", &format!("{id}:/tmp/escape"), "-"]);
+        assert!(!o.status.success() && !String::from_utf8_lossy(&o.stdout).contains("host only"));
+        let _ = env.cli(&[
+            "sandbox",
+            "cp",
+            local.to_str().unwrap(),
+            &format!("{id}:/tmp/escape"),
+        ]);
+        assert_eq!(std::fs::read(&secret).unwrap(), b"host only");
+        // stdin and environment reach the command.
+        let mut child = env
+            .cmd(&[
+                "sandbox",
+                "exec",
+                "-i",
+                "-e",
+                "GREETING=hi",
+                &id,
+                "--",
+                "sh",
+                "-c",
+                "read x; echo $GREETING $x",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(b"there\n").unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "hi there\n");
+
+        assert!(env.sandboxes().iter().any(|s| s["id"] == id.as_str()));
+        env.ok(&["sandbox", "rm", &id]);
+        assert!(!env.sandboxes().iter().any(|s| s["id"] == id.as_str()));
+        env.assert_gone(&id, &host_pids);
+        // The audit record outlives the sandbox.
+        let audit = env.ok(&["sandbox", "audit", &id]);
+        let events: Vec<serde_json::Value> = audit
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let kinds: Vec<&str> = events
+            .iter()
+            .map(|e| e["event"].as_str().unwrap())
+            .collect();
+        assert_eq!(kinds.first(), Some(&"created"));
+        assert_eq!(kinds.last(), Some(&"ended"));
+        assert!(
+            kinds.contains(&"file-write") && kinds.iter().filter(|k| **k == "exec").count() >= 4
+        );
+        assert_eq!(events[0]["catalog"], env.reference.as_str());
+        assert_eq!(events.last().unwrap()["reason"], "destroyed");
+    }
+}
+
+#[test]
+fn a_killed_runtime_and_a_crashed_sandbox_leave_nothing_behind() {
+    let Some(env) = env("runtime_reap") else {
+        return;
+    };
+    for backend in BACKENDS {
+        // `strata run` killed mid-command: its sandbox is reaped by the next runtime.
+        let mark = format!("MARK=reap-{backend}-{}", std::process::id());
+        let mut child = env
+            .cmd(&[
+                "run",
+                "--backend",
+                backend,
+                "-e",
+                &mark,
+                &env.reference,
+                "--",
+                "sleep",
+                "300",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let id = loop {
+            let marked = |s: &serde_json::Value| {
+                s["spec"]["env"]["MARK"].as_str() == mark.strip_prefix("MARK=")
+            };
+            if let Some(s) = env.sandboxes().into_iter().find(marked) {
+                break s["id"].as_str().unwrap().to_string();
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                let mut err = String::new();
+                std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+                panic!("{backend}: strata run ended early ({status}): {err}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{backend}: the sandbox never appeared"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        // Wait until the command runs, then kill the CLI without letting it clean up.
+        std::thread::sleep(Duration::from_millis(500));
+        let ps: Vec<serde_json::Value> =
+            serde_json::from_str(&env.ok(&["sandbox", "ps", &id, "--json"])).unwrap();
+        let host_pids: Vec<u32> = ps
+            .iter()
+            .map(|p| p["host_pid"].as_u64().unwrap() as u32)
+            .collect();
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // Any runtime command reaps (tests run in parallel, so it may be another's).
+        env.ok(&["sandbox", "reap"]);
+        env.assert_gone(&id, &host_pids);
+        let audit = env.ok(&["sandbox", "audit", &id]);
+        assert!(audit.contains("\"reason\":\"owner-gone\""), "{audit}");
+
+        // A sandbox whose init dies: the next command on the host reaps it.
+        let id = env.create(&["--backend", backend]);
+        let rec = env
+            .sandboxes()
+            .into_iter()
+            .find(|s| s["id"] == id.as_str())
+            .unwrap();
+        let init = rec["init_pid"].as_u64().unwrap() as i32;
+        // SAFETY: plain kill(2) of the sandbox's init.
+        unsafe { libc::kill(init, libc::SIGKILL) };
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(!env.sandboxes().iter().any(|s| s["id"] == id.as_str()));
+        env.assert_gone(&id, &[init as u32]);
+        let audit = env.ok(&["sandbox", "audit", &id]);
+        assert!(audit.contains("\"reason\":\"crashed\""), "{audit}");
+    }
+}
+
+#[test]
+fn an_idle_sandbox_expires_after_its_ttl() {
+    let Some(env) = env("runtime_idle_ttl") else {
+        return;
+    };
+    let id = env.create(&["--backend", "fncall", "--idle-ttl", "1s"]);
+    let busy = env.create(&["--backend", "fncall"]);
+    std::thread::sleep(Duration::from_millis(1500));
+    env.ok(&["sandbox", "reap"]);
+    env.assert_gone(&id, &[]);
+    let audit = env.ok(&["sandbox", "audit", &id]);
+    assert!(audit.contains("\"reason\":\"idle-ttl\""), "{audit}");
+    assert!(env.sandboxes().iter().any(|s| s["id"] == busy.as_str()));
+    env.ok(&["sandbox", "rm", &busy]);
+}
