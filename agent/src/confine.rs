@@ -21,7 +21,7 @@ const NAMESPACE_FLAGS: [u64; 8] = [
     0x80, // CLONE_NEWTIME
 ];
 
-pub fn enter(rootfs: &Path, hostname: &str, _allow_ports: &[u16]) -> Result<(), String> {
+pub fn enter(rootfs: &Path, hostname: &str) -> Result<(), String> {
     mount_filesystems(rootfs)?;
     nix::unistd::sethostname(hostname).map_err(|e| format!("sethostname: {e}"))?;
     loopback_up()?;

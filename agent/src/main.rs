@@ -1,4 +1,4 @@
-//! `strata-agent sandbox --rootfs DIR --socket PATH --hostname NAME [--allow-port N]...`
+//! `strata-agent sandbox --rootfs DIR --socket PATH --hostname NAME [--netns PATH]`
 //!
 //! Becomes pid 1 of a function-call sandbox: enters fresh mount, pid, network, IPC and UTS
 //! namespaces, pivots into the assembled root filesystem, locks itself down (capabilities,
@@ -24,7 +24,8 @@ struct Args {
     rootfs: PathBuf,
     socket: PathBuf,
     hostname: String,
-    allow_ports: Vec<u16>,
+    /// A network namespace to join instead of a fresh, empty one.
+    netns: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -35,20 +36,19 @@ fn parse_args() -> Result<Args, String> {
             println!("strata-agent {}", env!("CARGO_PKG_VERSION"));
             std::process::exit(0);
         }
-        _ => return Err("usage: strata-agent sandbox --rootfs DIR --socket PATH --hostname NAME [--allow-port N]...".into()),
+        _ => return Err(
+            "usage: strata-agent sandbox --rootfs DIR --socket PATH --hostname NAME [--netns PATH]"
+                .into(),
+        ),
     }
-    let (mut rootfs, mut socket, mut hostname, mut allow_ports) = (None, None, None, Vec::new());
+    let (mut rootfs, mut socket, mut hostname, mut netns) = (None, None, None, None);
     while let Some(flag) = it.next() {
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--rootfs" => rootfs = Some(PathBuf::from(value)),
             "--socket" => socket = Some(PathBuf::from(value)),
             "--hostname" => hostname = Some(value),
-            "--allow-port" => allow_ports.push(
-                value
-                    .parse()
-                    .map_err(|_| format!("--allow-port {value}: not a port"))?,
-            ),
+            "--netns" => netns = Some(PathBuf::from(value)),
             other => return Err(format!("unknown option {other}")),
         }
     }
@@ -56,7 +56,7 @@ fn parse_args() -> Result<Args, String> {
         rootfs: rootfs.ok_or("--rootfs is required")?,
         socket: socket.ok_or("--socket is required")?,
         hostname: hostname.unwrap_or_else(|| "sandbox".into()),
-        allow_ports,
+        netns,
     })
 }
 
@@ -79,14 +79,20 @@ fn run(args: Args) -> Result<(), String> {
     let _ = std::fs::remove_file(&args.socket);
     let listener = UnixListener::bind(&args.socket)
         .map_err(|e| format!("listening on {}: {e}", args.socket.display()))?;
-    nix::sched::unshare(
-        CloneFlags::CLONE_NEWNS
-            | CloneFlags::CLONE_NEWPID
-            | CloneFlags::CLONE_NEWNET
-            | CloneFlags::CLONE_NEWIPC
-            | CloneFlags::CLONE_NEWUTS,
-    )
-    .map_err(|e| format!("unshare: {e}"))?;
+    let mut flags = CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWUTS;
+    match &args.netns {
+        Some(path) => {
+            let ns = std::fs::File::open(path)
+                .map_err(|e| format!("network namespace {}: {e}", path.display()))?;
+            nix::sched::setns(ns, CloneFlags::CLONE_NEWNET)
+                .map_err(|e| format!("joining {}: {e}", path.display()))?;
+        }
+        None => flags |= CloneFlags::CLONE_NEWNET,
+    }
+    nix::sched::unshare(flags).map_err(|e| format!("unshare: {e}"))?;
     let (ready_r, ready_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
     // SAFETY: the process is single-threaded here; the child only continues this program.
     match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
@@ -110,7 +116,7 @@ fn run(args: Args) -> Result<(), String> {
         ForkResult::Child => {
             drop(ready_r);
             let mut ready = std::fs::File::from(ready_w);
-            match confine::enter(&args.rootfs, &args.hostname, &args.allow_ports) {
+            match confine::enter(&args.rootfs, &args.hostname) {
                 Ok(()) => {
                     let _ = ready.write_all(b"ok");
                     drop(ready);

@@ -262,6 +262,12 @@ impl ContainerBackend {
                 oci_spec::runtime::get_default_namespaces()
                     .into_iter()
                     .filter(|n| n.typ() != oci_spec::runtime::LinuxNamespaceType::Cgroup)
+                    .map(|mut n| {
+                        if n.typ() == oci_spec::runtime::LinuxNamespaceType::Network {
+                            n.set_path(ctx.netns.clone());
+                        }
+                        n
+                    })
                     .collect::<Vec<_>>(),
             )
             .cgroups_path(PathBuf::from(ctx.cgroup.oci_path()))

@@ -56,6 +56,11 @@ impl SandboxBackend for FncallBackend {
             .arg(socket_path(&ctx.dir))
             .arg("--hostname")
             .arg(&ctx.hostname)
+            .args(
+                ctx.netns
+                    .iter()
+                    .flat_map(|n| [std::ffi::OsStr::new("--netns"), n.as_os_str()]),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());

@@ -13,6 +13,7 @@ pub mod container;
 pub mod exec;
 pub mod files;
 pub mod fncall;
+pub mod network;
 pub mod quota;
 pub mod rootfs;
 pub mod sandbox;
@@ -289,13 +290,6 @@ impl Runtime {
         owner: Option<(u32, u64)>,
     ) -> Result<Sandbox, RuntimeError> {
         let backend = self.backend(spec.backend)?;
-        if !spec.network.is_empty() {
-            return Err(RuntimeError::Unsupported(format!(
-                "network allowlists ({} destinations) on {:?}: not built yet; sandboxes have no network",
-                spec.network.len(),
-                spec.backend
-            )));
-        }
         if spec.layers.is_empty() {
             return Err(RuntimeError::Invalid(
                 "a sandbox needs at least a base layer".into(),
@@ -341,7 +335,21 @@ impl Runtime {
         let upper_dir = self.uppers().create(id, spec.limits.disk_bytes)?;
         let paths = rootfs::RootfsPaths::new(dir, &upper_dir, spec.layers.len());
         rootfs::assemble(&self.inner.cfg.lazyfs, &spec.layers, &paths)?;
+        let netns = if spec.network.is_empty() {
+            None
+        } else {
+            let net = network::setup(&self.inner.cfg.state_dir, id, &spec.network)?;
+            if !net.hosts.is_empty() {
+                let mut hosts = files::read_file(&paths.merged, "/etc/hosts").unwrap_or_default();
+                for (addr, name) in &net.hosts {
+                    hosts.extend_from_slice(format!("{addr}\t{name}\n").as_bytes());
+                }
+                files::write_file(&paths.merged, "/etc/hosts", &hosts, 0o644)?;
+            }
+            Some(net.netns)
+        };
         let ctx = StartContext {
+            netns,
             id: id.to_string(),
             dir: dir.to_path_buf(),
             rootfs: paths.merged.clone(),
@@ -489,6 +497,12 @@ impl Runtime {
         // A sandbox directory is made before anything else of a sandbox, so what has no
         // directory *now* belongs to no sandbox, even while others are being created.
         let live = |id: &str| self.sandbox_dir(id).exists();
+        for id in network::existing(&self.inner.cfg.state_dir) {
+            if !live(&id) {
+                network::teardown(&self.inner.cfg.state_dir, &id);
+                report.orphans.push(format!("network {id}"));
+            }
+        }
         for id in Cgroup::existing(&self.inner.cgroup_parent) {
             if !live(&id) {
                 let cg = self.cgroup(&id);
@@ -536,6 +550,16 @@ impl Runtime {
             None
         };
         self.inner.container.forget(id);
+        let networked = record.is_none_or(|r| !r.spec.network.is_empty());
+        if networked && (network::netns_path(id).exists() || record.is_some()) {
+            let refused = network::refused(id);
+            if !refused.is_empty() {
+                let _ = self
+                    .audit(id)
+                    .record("network-refused", json!({"destinations": refused}));
+            }
+            network::teardown(&self.inner.cfg.state_dir, id);
+        }
         cgroup.remove()?;
         rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;
         self.uppers().remove(id)?;

@@ -42,6 +42,9 @@ pub struct StartContext<'a> {
     pub hostname: String,
     pub spec: &'a SandboxSpec,
     pub cgroup: Cgroup,
+    /// A prepared network namespace to join (allowlisted network); none means a fresh,
+    /// empty one.
+    pub netns: Option<PathBuf>,
 }
 
 /// A command, fully resolved against the sandbox's defaults.

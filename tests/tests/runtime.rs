@@ -533,3 +533,101 @@ fn an_idle_sandbox_expires_after_its_ttl() {
     assert!(env.sandboxes().iter().any(|s| s["id"] == busy.as_str()));
     env.ok(&["sandbox", "rm", &busy]);
 }
+
+/// A TCP listener on the host that accepts and closes connections until dropped.
+struct HostServer {
+    port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl HostServer {
+    fn start() -> HostServer {
+        let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        std::thread::spawn(move || {
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        use std::io::Write;
+                        let _ = s.write_all(b"hello from the host\n");
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        });
+        HostServer { port, stop }
+    }
+}
+
+impl Drop for HostServer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn an_allowlist_opens_exactly_its_destinations() {
+    if !have_tool("runtime_allowlist", "nft") {
+        return;
+    }
+    let Some(env) = env("runtime_allowlist") else {
+        return;
+    };
+    let host_ip = strata_tests::sh(
+        "ip -4 -o addr show scope global | awk '{print $4}' | cut -d/ -f1 | head -1",
+    );
+    let host_ip = host_ip.trim();
+    assert!(!host_ip.is_empty(), "the host has no global IPv4 address");
+    let (allowed, other) = (HostServer::start(), HostServer::start());
+    let probe = format!(
+        "import socket\n\
+         for host, port in [('{host_ip}', {a}), ('{host_ip}', {b}), ('1.1.1.1', 80), ('10.231.255.253', {a})]:\n\
+         \x20   try:\n\
+         \x20       s = socket.create_connection((host, port), timeout=2)\n\
+         \x20       print(host, port, 'open', s.recv(64).decode().strip())\n\
+         \x20   except OSError as e:\n\
+         \x20       print(host, port, 'blocked')\n",
+        a = allowed.port,
+        b = other.port
+    );
+    for backend in BACKENDS {
+        let net = format!("{host_ip}:{}", allowed.port);
+        let id = env.create(&["--backend", backend, "--net", &net]);
+        let out = env.ok(&["sandbox", "exec", &id, "--", "python3", "-c", &probe]);
+        assert!(
+            out.contains(&format!(
+                "{host_ip} {} open hello from the host",
+                allowed.port
+            )),
+            "{backend}: {out}"
+        );
+        assert!(
+            out.contains(&format!("{host_ip} {} blocked", other.port)),
+            "{backend}: {out}"
+        );
+        assert!(out.contains("1.1.1.1 80 blocked"), "{backend}: {out}");
+        let veth = format!("sv{id}");
+        assert!(strata_tests::sh("ip -br link").contains(&veth));
+        env.ok(&["sandbox", "rm", &id]);
+        env.assert_gone(&id, &[]);
+        assert!(
+            !strata_tests::sh("ip -br link").contains(&veth),
+            "{backend}: veth left"
+        );
+        assert!(!Path::new(&format!("/run/netns/strata-{id}")).exists());
+        assert!(
+            !strata_tests::sh("nft list table inet strata").contains(&id),
+            "{backend}: rules left"
+        );
+        let audit = env.ok(&["sandbox", "audit", &id]);
+        assert!(audit.contains("network-refused"), "{backend}: {audit}");
+        assert!(
+            audit.contains(&format!("{host_ip}:{}", other.port)),
+            "{backend}: {audit}"
+        );
+        assert!(audit.contains("1.1.1.1:80"), "{backend}: {audit}");
+    }
+}
