@@ -48,7 +48,8 @@ struct Setup {
 }
 
 fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Setup> {
-    let dir = scratch.join("runtime");
+    std::fs::create_dir_all(scratch)?;
+    let dir = std::fs::canonicalize(scratch)?.join("runtime");
     let home = dir.join("home");
     let store_dir = dir.join("store");
     std::fs::create_dir_all(&home)?;
@@ -245,10 +246,15 @@ pub fn run(
     quick: bool,
 ) -> Result<Section> {
     let s = Arc::new(setup(rt, scratch, repo)?);
+    let base = s
+        .rootfs
+        .parent()
+        .context("the rootfs has a parent")?
+        .to_path_buf();
     let samples = if quick { 20 } else { 100 };
     let mut rows = Vec::new();
-    let bundle = bare_bundle(&scratch.join("runtime"), &s.rootfs)?;
-    let crun_state = scratch.join("runtime/bare-crun");
+    let bundle = bare_bundle(&base.clone(), &s.rootfs)?;
+    let crun_state = base.join("bare-crun");
     std::fs::create_dir_all(&crun_state)?;
 
     // Warm the layer mounts and caches once.
@@ -261,13 +267,13 @@ pub fn run(
     let mut eager = Vec::new();
     let strata = bin("strata")?;
     for i in 0..3 {
-        let into = scratch.join(format!("runtime/eager-{i}"));
+        let into = base.join(format!("eager-{i}"));
         let _ = std::fs::remove_dir_all(&into);
         let t = Instant::now();
         for layer in s.spec.layers.iter().rev() {
             export(&strata, &s.home, &s.store_url, layer, &into)?;
         }
-        let b = bare_bundle(&scratch.join(format!("runtime/eager-bundle-{i}")), &into)?;
+        let b = bare_bundle(&base.join(format!("eager-bundle-{i}")), &into)?;
         bare_crun(&b, &crun_state, &format!("eager-{i}"))?;
         eager.push(t.elapsed().as_secs_f64() * 1000.0);
         std::fs::remove_dir_all(&into)?;
@@ -362,7 +368,7 @@ pub fn run(
     let mut bare_mem = 0u64;
     {
         // Bare crun idle containers (catatonit -P) over the same rootfs, in their own cgroups.
-        let b = bare_idle_bundle(&scratch.join("runtime"), &s.rootfs)?;
+        let b = bare_idle_bundle(&base.clone(), &s.rootfs)?;
         let ids: Vec<String> = (0..n).map(|i| format!("idle-{i}")).collect();
         for id in &ids {
             crun_detached(&b, &crun_state, id)?;

@@ -85,8 +85,14 @@ impl Daemon {
     }
 
     async fn attach(&self, text: &str) -> Result<Attached, LazyError> {
-        let id = self.store.resolve_layer(text).await?;
         let _g = self.attach_lock.lock().await;
+        self.attach_locked(text).await
+    }
+
+    /// Attaches with `attach_lock` held by the caller: attach, bind and detach of one layer
+    /// must not interleave, or a detach could pull the mount from under a new bind.
+    async fn attach_locked(&self, text: &str) -> Result<Attached, LazyError> {
+        let id = self.store.resolve_layer(text).await?;
         let paths = &self.cfg.paths;
         let mount = paths.layer_mount(&id);
         if let Some(b) = self.layers.get(&id) {
@@ -151,8 +157,16 @@ impl Daemon {
         }
     }
 
-    async fn detach(&self, id: &Digest) {
-        let _g = self.attach_lock.lock().await;
+    /// Detaches a layer no bind uses any more; the caller holds `attach_lock`.
+    async fn detach_locked(&self, id: &Digest) {
+        let still_bound = self
+            .state
+            .lock()
+            .map(|st| st.binds.get(&id.to_hex()).is_some_and(|d| !d.is_empty()))
+            .unwrap_or(true);
+        if still_bound {
+            return;
+        }
         let mount = self.cfg.paths.layer_mount(id);
         if let Err(e) = mounts::unmount(&mount, false) {
             // Busy (a sandbox still uses it): keep serving, try again at the next detach.
@@ -192,7 +206,8 @@ impl Daemon {
             }),
             Request::Attach { id } => Ok(Response::Attached(self.attach(&id).await?)),
             Request::Mount { id, dir } => {
-                let a = self.attach(&id).await?;
+                let _g = self.attach_lock.lock().await;
+                let a = self.attach_locked(&id).await?;
                 std::fs::create_dir_all(&dir).map_err(LazyError::io(&dir))?;
                 let dir = std::fs::canonicalize(&dir).map_err(LazyError::io(&dir))?;
                 mounts::bind_readonly(&a.mount, &dir).map_err(|e| {
@@ -205,6 +220,7 @@ impl Daemon {
                 Ok(Response::Attached(a))
             }
             Request::Umount { dir } => {
+                let _g = self.attach_lock.lock().await;
                 let dir = std::fs::canonicalize(&dir).unwrap_or(dir);
                 mounts::unmount(&dir, false)
                     .map_err(|e| LazyError::Mount(format!("unmounting {}: {e}", dir.display())))?;
@@ -226,7 +242,7 @@ impl Daemon {
                 };
                 self.save_state();
                 if let Some(id) = emptied.and_then(|i| i.parse::<Digest>().ok()) {
-                    self.detach(&id).await;
+                    self.detach_locked(&id).await;
                 }
                 Ok(Response::Done)
             }

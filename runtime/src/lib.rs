@@ -332,9 +332,12 @@ impl Runtime {
         backend: &dyn SandboxBackend,
         owner: Option<(u32, u64)>,
     ) -> Result<SandboxRecord, RuntimeError> {
+        let t = std::time::Instant::now();
         let upper_dir = self.uppers().create(id, spec.limits.disk_bytes)?;
+        let t_upper = t.elapsed();
         let paths = rootfs::RootfsPaths::new(dir, &upper_dir, spec.layers.len());
         rootfs::assemble(&self.inner.cfg.lazyfs, &spec.layers, &paths)?;
+        let t_root = t.elapsed();
         let netns = if spec.network.is_empty() {
             None
         } else {
@@ -358,6 +361,13 @@ impl Runtime {
             cgroup: self.cgroup(id),
         };
         let init_pid = backend.start(&ctx)?;
+        tracing::debug!(
+            sandbox = id,
+            upper_ms = t_upper.as_secs_f64() * 1e3,
+            rootfs_ms = (t_root - t_upper).as_secs_f64() * 1e3,
+            start_ms = (t.elapsed() - t_root).as_secs_f64() * 1e3,
+            "created"
+        );
         let record = SandboxRecord {
             id: id.to_string(),
             created_ms: audit::now_ms(),
