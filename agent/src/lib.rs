@@ -59,6 +59,14 @@ pub struct ExecSpec {
 #[serde(tag = "op", rename_all = "kebab-case")]
 pub enum HostMsg {
     Ping,
+    /// To a pooled agent (started with `--pooled`, waiting in its cgroups): enter this root
+    /// and start serving. Answered with `Ready`.
+    Setup {
+        rootfs: String,
+        hostname: String,
+        /// A network namespace to join; none means a fresh, empty one.
+        netns: Option<String>,
+    },
     Exec(ExecSpec),
     /// Signals the running command's process group.
     Signal {
@@ -83,6 +91,7 @@ pub enum AgentMsg {
         version: u32,
         pid: u32,
     },
+    Ready,
     Started {
         pid: u32,
     },

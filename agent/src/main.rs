@@ -8,6 +8,11 @@
 //! cgroup attach.
 //!
 //! The first process prints the agent's host PID on stdout once it serves, then exits.
+//!
+//! `strata-agent sandbox --pooled --socket PATH` starts the same init ahead of time, in its
+//! cgroups and fresh pid/IPC/UTS namespaces but still in the host's mount namespace, and
+//! waits for one `Setup` message naming the root: a pool of these makes a sandbox start
+//! without the ~10 ms-per-hierarchy cgroup attach and the process start.
 
 mod confine;
 mod serve;
@@ -21,7 +26,9 @@ use nix::sched::CloneFlags;
 use nix::unistd::{fork, ForkResult};
 
 struct Args {
+    /// Empty when pooled (the root comes with `Setup`).
     rootfs: PathBuf,
+    pooled: bool,
     socket: PathBuf,
     hostname: String,
     /// A network namespace to join instead of a fresh, empty one.
@@ -42,7 +49,12 @@ fn parse_args() -> Result<Args, String> {
         ),
     }
     let (mut rootfs, mut socket, mut hostname, mut netns) = (None, None, None, None);
+    let mut pooled = false;
     while let Some(flag) = it.next() {
+        if flag == "--pooled" {
+            pooled = true;
+            continue;
+        }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
         match flag.as_str() {
             "--rootfs" => rootfs = Some(PathBuf::from(value)),
@@ -52,8 +64,12 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown option {other}")),
         }
     }
+    if rootfs.is_none() && !pooled {
+        return Err("--rootfs is required (or --pooled)".into());
+    }
     Ok(Args {
-        rootfs: rootfs.ok_or("--rootfs is required")?,
+        rootfs: rootfs.unwrap_or_default(),
+        pooled,
         socket: socket.ok_or("--socket is required")?,
         hostname: hostname.unwrap_or_else(|| "sandbox".into()),
         netns,
@@ -79,20 +95,14 @@ fn run(args: Args) -> Result<(), String> {
     let _ = std::fs::remove_file(&args.socket);
     let listener = UnixListener::bind(&args.socket)
         .map_err(|e| format!("listening on {}: {e}", args.socket.display()))?;
-    let mut flags = CloneFlags::CLONE_NEWNS
-        | CloneFlags::CLONE_NEWPID
-        | CloneFlags::CLONE_NEWIPC
-        | CloneFlags::CLONE_NEWUTS;
-    match &args.netns {
-        Some(path) => {
-            let ns = std::fs::File::open(path)
-                .map_err(|e| format!("network namespace {}: {e}", path.display()))?;
-            nix::sched::setns(ns, CloneFlags::CLONE_NEWNET)
-                .map_err(|e| format!("joining {}: {e}", path.display()))?;
-        }
-        None => flags |= CloneFlags::CLONE_NEWNET,
+    let flags = CloneFlags::CLONE_NEWPID | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS;
+    if args.pooled {
+        nix::sched::unshare(flags).map_err(|e| format!("unshare: {e}"))?;
+    } else {
+        enter_network(args.netns.as_deref())?;
+        nix::sched::unshare(flags | CloneFlags::CLONE_NEWNS)
+            .map_err(|e| format!("unshare: {e}"))?;
     }
-    nix::sched::unshare(flags).map_err(|e| format!("unshare: {e}"))?;
     let (ready_r, ready_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
     // SAFETY: the process is single-threaded here; the child only continues this program.
     match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
@@ -113,6 +123,17 @@ fn run(args: Args) -> Result<(), String> {
                 })
             }
         }
+        ForkResult::Child if args.pooled => {
+            drop(ready_r);
+            let mut ready = std::fs::File::from(ready_w);
+            let _ = ready.write_all(b"ok");
+            drop(ready);
+            close_inherited_stdio();
+            if await_setup(&listener).is_ok() {
+                serve::serve(listener);
+            }
+            std::process::exit(1);
+        }
         ForkResult::Child => {
             drop(ready_r);
             let mut ready = std::fs::File::from(ready_w);
@@ -130,6 +151,56 @@ fn run(args: Args) -> Result<(), String> {
                 }
             }
         }
+    }
+}
+
+/// Joins `netns`, or enters a fresh, empty network namespace.
+fn enter_network(netns: Option<&std::path::Path>) -> Result<(), String> {
+    match netns {
+        Some(path) => {
+            let ns = std::fs::File::open(path)
+                .map_err(|e| format!("network namespace {}: {e}", path.display()))?;
+            nix::sched::setns(ns, CloneFlags::CLONE_NEWNET)
+                .map_err(|e| format!("joining {}: {e}", path.display()))
+        }
+        None => nix::sched::unshare(CloneFlags::CLONE_NEWNET).map_err(|e| format!("unshare: {e}")),
+    }
+}
+
+/// A pooled agent's wait: the first connection must bring `Setup`; the agent then enters
+/// the root (still single-threaded, as setns and unshare require) and answers `Ready`.
+fn await_setup(listener: &UnixListener) -> Result<(), String> {
+    use strata_agent::{read_frame, write_control, AgentMsg, Frame, HostMsg};
+    loop {
+        let (mut conn, _) = listener.accept().map_err(|e| e.to_string())?;
+        let Ok(Some(Frame::Control(msg))) = read_frame::<HostMsg>(&mut conn) else {
+            continue;
+        };
+        let HostMsg::Setup {
+            rootfs,
+            hostname,
+            netns,
+        } = msg
+        else {
+            let _ = write_control(
+                &mut conn,
+                &AgentMsg::Error {
+                    message: "this agent waits for Setup".into(),
+                },
+            );
+            continue;
+        };
+        let entered = enter_network(netns.as_deref().map(std::path::Path::new))
+            .and_then(|()| {
+                nix::sched::unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare: {e}"))
+            })
+            .and_then(|()| confine::enter(std::path::Path::new(&rootfs), &hostname));
+        let reply = match &entered {
+            Ok(()) => AgentMsg::Ready,
+            Err(e) => AgentMsg::Error { message: e.clone() },
+        };
+        let _ = write_control(&mut conn, &reply);
+        return entered;
     }
 }
 

@@ -9,7 +9,7 @@ use crate::RuntimeError;
 
 const ROOT: &str = "/sys/fs/cgroup";
 /// The controllers a sandbox is limited by.
-pub const CONTROLLERS: [&str; 5] = ["memory", "cpu,cpuacct", "pids", "freezer", "blkio"];
+pub const CONTROLLERS: [&str; 4] = ["memory", "cpu", "pids", "freezer"];
 /// Parent directory of one runtime's sandbox cgroups in each hierarchy: `strata-<hash of
 /// the runtime's state directory>`, so two runtimes on one host (a test's and the
 /// default one) never reap each other's sandboxes.
@@ -37,13 +37,7 @@ pub struct Cgroup {
 }
 
 fn controller_dir(ctrl: &str) -> PathBuf {
-    let direct = Path::new(ROOT).join(ctrl);
-    if direct.exists() {
-        return direct;
-    }
-    // Some hosts mount `cpu,cpuacct` as `cpu` or `cpuacct` links only.
-    let first = ctrl.split(',').next().unwrap_or(ctrl);
-    Path::new(ROOT).join(first)
+    Path::new(ROOT).join(ctrl)
 }
 
 impl Cgroup {
@@ -75,6 +69,26 @@ impl Cgroup {
             let d = self.dir(c);
             std::fs::create_dir_all(&d).map_err(RuntimeError::io(&d))?;
         }
+        self.set_limits(memory, cpus, pids)
+    }
+
+    /// Renames the cgroup in every hierarchy (v1 allows it within one parent); processes
+    /// inside stay inside, which is what makes a pooled init cheap to hand out.
+    pub fn rename(&self, to: &Cgroup) -> Result<(), RuntimeError> {
+        for c in CONTROLLERS {
+            let (from, dest) = (self.dir(c), to.dir(c));
+            std::fs::rename(&from, &dest).map_err(RuntimeError::io(&from))?;
+        }
+        Ok(())
+    }
+
+    /// Writes the memory, CPU and process limits.
+    pub fn set_limits(
+        &self,
+        memory: u64,
+        cpus: Option<f64>,
+        pids: u32,
+    ) -> Result<(), RuntimeError> {
         let mem = self.dir("memory");
         write(&mem.join("memory.limit_in_bytes"), &memory.to_string())?;
         // memsw exists only with swap accounting; without it there is no swap to escape to.
@@ -83,14 +97,13 @@ impl Cgroup {
             write(&memsw, &memory.to_string())?;
         }
         write(&mem.join("memory.swappiness"), "0").ok();
-        if let Some(c) = cpus {
-            let cpu = self.dir("cpu,cpuacct");
-            write(&cpu.join("cpu.cfs_period_us"), "100000")?;
-            write(
-                &cpu.join("cpu.cfs_quota_us"),
-                &((c * 100_000.0).round().max(1000.0) as u64).to_string(),
-            )?;
-        }
+        let cpu = self.dir("cpu");
+        write(&cpu.join("cpu.cfs_period_us"), "100000")?;
+        let quota = match cpus {
+            Some(c) => ((c * 100_000.0).round().max(1000.0) as i64).to_string(),
+            None => "-1".to_string(),
+        };
+        write(&cpu.join("cpu.cfs_quota_us"), &quota)?;
         write(&self.dir("pids").join("pids.max"), &pids.to_string())?;
         Ok(())
     }

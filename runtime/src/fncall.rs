@@ -18,28 +18,38 @@ use strata_agent::{
 
 use crate::cgroup::{Cgroup, CONTROLLERS};
 use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
-use crate::sandbox::{ExecEnv, SandboxBackend, SandboxRecord, StartContext};
+use crate::sandbox::{process_start, ExecEnv, SandboxBackend, SandboxRecord, StartContext};
+use crate::spec::{DEFAULT_MEMORY, DEFAULT_PIDS};
 use crate::RuntimeError;
 
 pub struct FncallBackend {
     pub agent: PathBuf,
+    /// Pooled agents: `ready/<slot>/` (socket + pid), `filling/`, `claimed/<sandbox>/`.
+    pub pool: PathBuf,
+    pub cgroup_parent: String,
 }
 
 pub fn socket_path(dir: &Path) -> PathBuf {
     dir.join("agent.sock")
 }
 
-impl SandboxBackend for FncallBackend {
-    fn start(&self, ctx: &StartContext) -> Result<u32, RuntimeError> {
-        let l = &ctx.spec.limits;
-        ctx.cgroup.create(l.memory_bytes, l.cpus, l.pids)?;
-        // The agent joins the cgroups between fork and exec, so everything it starts is
-        // inside from the first instruction.
+impl FncallBackend {
+    fn pool_dir(&self, state: &str) -> PathBuf {
+        self.pool.join(state)
+    }
+
+    fn pool_cgroup(&self, slot: &str) -> Cgroup {
+        Cgroup::for_sandbox(&self.cgroup_parent, &format!("pool-{slot}"))
+    }
+
+    /// Starts the agent inside `cgroup` (joined between fork and exec, so everything it
+    /// starts is inside from its first instruction); returns its host PID.
+    fn spawn_agent(&self, cgroup: &Cgroup, args: &[&std::ffi::OsStr]) -> Result<u32, RuntimeError> {
         let procs: Vec<CString> = CONTROLLERS
             .iter()
             .map(|c| {
                 CString::new(
-                    ctx.cgroup
+                    cgroup
                         .dir(c)
                         .join("cgroup.procs")
                         .as_os_str()
@@ -50,17 +60,7 @@ impl SandboxBackend for FncallBackend {
             .collect::<Result<_, _>>()?;
         let mut cmd = Command::new(&self.agent);
         cmd.arg("sandbox")
-            .arg("--rootfs")
-            .arg(&ctx.rootfs)
-            .arg("--socket")
-            .arg(socket_path(&ctx.dir))
-            .arg("--hostname")
-            .arg(&ctx.hostname)
-            .args(
-                ctx.netns
-                    .iter()
-                    .flat_map(|n| [std::ffi::OsStr::new("--netns"), n.as_os_str()]),
-            )
+            .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
@@ -97,6 +97,193 @@ impl SandboxBackend for FncallBackend {
             .trim()
             .parse()
             .map_err(|_| RuntimeError::Backend("the sandbox agent printed no PID".into()))
+    }
+
+    /// Ready pooled agents.
+    pub fn pooled(&self) -> Vec<String> {
+        std::fs::read_dir(self.pool_dir("ready"))
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| e.file_name().into_string().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Starts pooled agents until `target` wait; returns how many it started.
+    pub fn fill(&self, target: usize) -> Result<usize, RuntimeError> {
+        for d in ["ready", "filling", "claimed"] {
+            let p = self.pool_dir(d);
+            std::fs::create_dir_all(&p).map_err(RuntimeError::io(&p))?;
+        }
+        let mut started = 0;
+        while self.pooled().len() < target {
+            let slot = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
+            let dir = self.pool_dir("filling").join(&slot);
+            std::fs::create_dir_all(&dir).map_err(RuntimeError::io(&dir))?;
+            let cgroup = self.pool_cgroup(&slot);
+            let made = cgroup
+                .create(DEFAULT_MEMORY, None, DEFAULT_PIDS)
+                .and_then(|()| {
+                    let sock = socket_path(&dir);
+                    self.spawn_agent(
+                        &cgroup,
+                        &["--pooled".as_ref(), "--socket".as_ref(), sock.as_os_str()],
+                    )
+                })
+                .and_then(|pid| {
+                    let start = process_start(pid).unwrap_or(0);
+                    let f = dir.join("pid");
+                    std::fs::write(&f, format!("{pid} {start}")).map_err(RuntimeError::io(&f))?;
+                    let ready = self.pool_dir("ready").join(&slot);
+                    std::fs::rename(&dir, &ready).map_err(RuntimeError::io(&ready))
+                });
+            if let Err(e) = made {
+                cgroup.kill_all();
+                let _ = cgroup.remove();
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(e);
+            }
+            started += 1;
+        }
+        Ok(started)
+    }
+
+    /// Kills every pooled agent and removes its slot and cgroup; also slots whose agent
+    /// died.
+    pub fn drain(&self, only_dead: bool) -> usize {
+        let mut n = 0;
+        for state in ["ready", "filling", "claimed"] {
+            let Ok(rd) = std::fs::read_dir(self.pool_dir(state)) else {
+                continue;
+            };
+            for e in rd.flatten() {
+                let slot = e.file_name().to_string_lossy().into_owned();
+                let alive = read_pid(&e.path())
+                    .is_some_and(|(pid, start)| process_start(pid) == Some(start));
+                // Filling and claimed slots belong to a create in progress, unless stale.
+                let busy = state != "ready" && age(&e.path()) < Duration::from_secs(60);
+                if (only_dead && alive) || busy {
+                    continue;
+                }
+                let cgroup = self.pool_cgroup(&slot);
+                cgroup.kill_all();
+                let _ = cgroup.remove();
+                let _ = std::fs::remove_dir_all(e.path());
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Hands a pooled agent to sandbox `ctx.id`; `None` when the pool is empty or the
+    /// agent it took fails (the caller then starts one cold).
+    fn claim(&self, ctx: &StartContext) -> Option<u32> {
+        for slot in self.pooled() {
+            let claimed = self.pool_dir("claimed").join(&ctx.id);
+            if std::fs::rename(self.pool_dir("ready").join(&slot), &claimed).is_err() {
+                continue; // another create took it
+            }
+            let pool_cgroup = self.pool_cgroup(&slot);
+            match self.adopt(ctx, &claimed, &pool_cgroup) {
+                Ok(pid) => {
+                    let _ = std::fs::remove_dir_all(&claimed);
+                    return Some(pid);
+                }
+                Err(e) => {
+                    tracing::warn!("pooled agent {slot} failed ({e}); trying another");
+                    for cg in [&pool_cgroup, &ctx.cgroup] {
+                        cg.kill_all();
+                        let _ = cg.remove();
+                    }
+                    let _ = std::fs::remove_dir_all(&claimed);
+                }
+            }
+        }
+        None
+    }
+
+    fn adopt(
+        &self,
+        ctx: &StartContext,
+        claimed: &Path,
+        pool_cgroup: &Cgroup,
+    ) -> Result<u32, RuntimeError> {
+        let (pid, start) = read_pid(claimed)
+            .ok_or_else(|| RuntimeError::Backend("pool slot without a pid".into()))?;
+        if process_start(pid) != Some(start) {
+            return Err(RuntimeError::Backend("pooled agent is gone".into()));
+        }
+        pool_cgroup.rename(&ctx.cgroup)?;
+        let l = &ctx.spec.limits;
+        ctx.cgroup.set_limits(l.memory_bytes, l.cpus, l.pids)?;
+        let sock = socket_path(claimed);
+        let conn = UnixStream::connect(&sock)
+            .map_err(|e| RuntimeError::Backend(format!("pooled agent: {e}")))?;
+        conn.set_read_timeout(Some(Duration::from_secs(30))).ok();
+        let io = |e: std::io::Error| RuntimeError::Backend(format!("pooled agent: {e}"));
+        let mut w = conn.try_clone().map_err(io)?;
+        let mut r = conn;
+        write_control(
+            &mut w,
+            &HostMsg::Setup {
+                rootfs: ctx.rootfs.display().to_string(),
+                hostname: ctx.hostname.clone(),
+                netns: ctx.netns.as_ref().map(|n| n.display().to_string()),
+            },
+        )
+        .map_err(io)?;
+        match read_frame::<AgentMsg>(&mut r).map_err(io)? {
+            Some(Frame::Control(AgentMsg::Ready)) => {}
+            Some(Frame::Control(AgentMsg::Error { message })) => {
+                return Err(RuntimeError::Backend(format!("sandbox setup: {message}")))
+            }
+            other => {
+                return Err(RuntimeError::Backend(format!(
+                    "pooled agent answered {other:?}"
+                )))
+            }
+        }
+        let dest = socket_path(&ctx.dir);
+        std::fs::rename(&sock, &dest).map_err(RuntimeError::io(&dest))?;
+        Ok(pid)
+    }
+}
+
+fn read_pid(dir: &Path) -> Option<(u32, u64)> {
+    let text = std::fs::read_to_string(dir.join("pid")).ok()?;
+    let (p, s) = text.trim().split_once(' ')?;
+    Some((p.parse().ok()?, s.parse().ok()?))
+}
+
+fn age(path: &Path) -> Duration {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .unwrap_or_default()
+}
+
+impl SandboxBackend for FncallBackend {
+    fn start(&self, ctx: &StartContext) -> Result<u32, RuntimeError> {
+        if let Some(pid) = self.claim(ctx) {
+            return Ok(pid);
+        }
+        let l = &ctx.spec.limits;
+        ctx.cgroup.create(l.memory_bytes, l.cpus, l.pids)?;
+        let sock = socket_path(&ctx.dir);
+        let mut args: Vec<&std::ffi::OsStr> = vec![
+            "--rootfs".as_ref(),
+            ctx.rootfs.as_os_str(),
+            "--socket".as_ref(),
+            sock.as_os_str(),
+            "--hostname".as_ref(),
+            ctx.hostname.as_ref(),
+        ];
+        if let Some(n) = &ctx.netns {
+            args.extend(["--netns".as_ref(), n.as_os_str()]);
+        }
+        self.spawn_agent(&ctx.cgroup, &args)
     }
 
     fn exec(

@@ -207,12 +207,15 @@ impl Runtime {
             state_root: cfg.state_dir.join(cfg.oci_runtime.name()),
             init: cfg.container_init.clone(),
         };
+        let cgroup_parent = cgroup::parent_for(&cfg.state_dir);
         let fncall = fncall::FncallBackend {
             agent: cfg.agent.clone(),
+            pool: cfg.state_dir.join("pool"),
+            cgroup_parent: cgroup_parent.clone(),
         };
         let rt = Runtime {
             inner: Arc::new(Inner {
-                cgroup_parent: cgroup::parent_for(&cfg.state_dir),
+                cgroup_parent,
                 cfg,
                 uppers,
                 container,
@@ -269,6 +272,22 @@ impl Runtime {
     pub(crate) fn touch(&self, id: &str) {
         let p = self.sandbox_dir(id).join("active");
         let _ = std::fs::write(p, b"");
+    }
+
+    /// Starts pooled function-call agents until `target` wait, so fncall creates skip the
+    /// agent start and the cgroup attach. Returns how many it started.
+    pub fn fill_pool(&self, target: usize) -> Result<usize, RuntimeError> {
+        self.inner.fncall.fill(target)
+    }
+
+    /// Stops every pooled agent.
+    pub fn drain_pool(&self) -> usize {
+        self.inner.fncall.drain(false)
+    }
+
+    /// Pooled agents waiting.
+    pub fn pooled(&self) -> usize {
+        self.inner.fncall.pooled().len()
     }
 
     /// Creates and starts a sandbox that lives until destroyed or idle past its TTL.
@@ -513,7 +532,14 @@ impl Runtime {
                 report.orphans.push(format!("network {id}"));
             }
         }
+        report
+            .orphans
+            .extend((0..self.inner.fncall.drain(true)).map(|_| "dead pooled agent".to_string()));
         for id in Cgroup::existing(&self.inner.cgroup_parent) {
+            // Pooled agents' cgroups belong to their pool slots.
+            if id.starts_with("pool-") {
+                continue;
+            }
             if !live(&id) {
                 let cg = self.cgroup(&id);
                 cg.kill_all();

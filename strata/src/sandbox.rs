@@ -140,6 +140,15 @@ pub enum SandboxCommand {
     },
     /// A sandbox's audit record (JSON lines), also after it is gone.
     Audit { id: String },
+    /// The pool of function-call agents waiting in their cgroups (fast fncall starts).
+    Pool {
+        /// Start agents until N wait.
+        #[arg(long)]
+        fill: Option<usize>,
+        /// Stop every waiting agent.
+        #[arg(long)]
+        drain: bool,
+    },
     /// Destroy sandboxes whose init died or whose idle TTL passed; remove leftovers.
     Reap {
         #[arg(long)]
@@ -189,6 +198,18 @@ fn print_sink() -> impl FnMut(Stream, &[u8]) {
     }
 }
 
+/// Keeps `STRATA_FNCALL_POOL` (default 2) function-call agents waiting, so the next fncall
+/// create on this host skips the agent start. Done after the command's own work.
+fn top_up_pool(rt: &Runtime) {
+    let target = std::env::var("STRATA_FNCALL_POOL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    if let Err(e) = rt.fill_pool(target) {
+        tracing::warn!("filling the fncall pool: {e}");
+    }
+}
+
 fn report_budget(r: &ExecResult) {
     if !r.budgets.is_empty() {
         let hit: Vec<String> = r.budgets.iter().map(|b| b.to_string()).collect();
@@ -234,8 +255,12 @@ pub async fn run(store: &Store, store_url: Option<String>, args: RunArgs) -> Res
             stdin: Stdin::Null,
             ..Default::default()
         };
+        let fncall = sandbox.spec().backend == Backend::Fncall;
         let result = sandbox.exec_streaming(&req, &mut print_sink());
         let destroyed = sandbox.destroy();
+        if fncall {
+            top_up_pool(&rt);
+        }
         let result = result?;
         destroyed?;
         report_budget(&result);
@@ -260,11 +285,15 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
         let json = *json;
         return tokio::task::spawn_blocking(move || -> Result<i32> {
             let rt = open_runtime(store_url)?;
+            let fncall = spec.backend == Backend::Fncall;
             let sb = rt.create(spec)?;
             if json {
                 print_json(sb.record())?;
             }
             println!("{}", sb.id());
+            if fncall {
+                top_up_pool(&rt);
+            }
             Ok(0)
         })
         .await?;
@@ -382,6 +411,16 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
                 let text = std::fs::read_to_string(log.path())
                     .with_context(|| format!("no audit record for sandbox {id}"))?;
                 print!("{text}");
+                Ok(0)
+            }
+            SandboxCommand::Pool { fill, drain } => {
+                if drain {
+                    println!("stopped {}", rt.drain_pool());
+                }
+                if let Some(n) = fill {
+                    rt.fill_pool(n)?;
+                }
+                println!("pooled {}", rt.pooled());
                 Ok(0)
             }
             SandboxCommand::Reap { json, every } => {

@@ -26,6 +26,12 @@ static HOME_FOR_EXIT: OnceLock<PathBuf> = OnceLock::new();
 extern "C" fn stop_daemon_at_exit() {
     if let Some(home) = HOME_FOR_EXIT.get() {
         let _ = Command::new(strata_bin())
+            .args(["sandbox", "pool", "--drain"])
+            .env("STRATA_HOME", home)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        let _ = Command::new(strata_bin())
             .args(["lazyfs", "stop"])
             .env("STRATA_HOME", home)
             .stdout(Stdio::null())
