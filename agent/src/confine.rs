@@ -285,7 +285,7 @@ fn seccomp_filter() -> Result<(), String> {
     let err = |e: seccompiler::Error| format!("seccomp: {e}");
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED_SYSCALLS
         .iter()
-        .map(|(_, nr)| (*nr as i64, Vec::new()))
+        .map(|(_, nr)| (*nr, Vec::new()))
         .collect();
     // clone with any namespace flag: new namespaces only come from the runtime.
     let clone_rules = NAMESPACE_FLAGS
@@ -301,7 +301,7 @@ fn seccomp_filter() -> Result<(), String> {
             .map_err(|e| format!("seccomp: {e}"))
         })
         .collect::<Result<Vec<_>, String>>()?;
-    rules.insert(libc::SYS_clone as i64, clone_rules);
+    rules.insert(libc::SYS_clone, clone_rules);
     let filter = SeccompFilter::new(
         rules,
         SeccompAction::Allow,
@@ -312,7 +312,7 @@ fn seccomp_filter() -> Result<(), String> {
     // clone3 passes its flags in memory seccomp cannot read: refuse it so libc falls back
     // to clone, which the rules above inspect.
     let mut clone3 = BTreeMap::new();
-    clone3.insert(libc::SYS_clone3 as i64, Vec::new());
+    clone3.insert(libc::SYS_clone3, Vec::new());
     let clone3_filter = SeccompFilter::new(
         clone3,
         SeccompAction::Allow,
