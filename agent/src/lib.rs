@@ -168,6 +168,17 @@ pub mod policy {
     ];
 }
 
+/// A process's command line from /proc, arguments joined by spaces.
+pub fn proc_cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .trim_end_matches('\0')
+                .replace('\0', " ")
+        })
+        .unwrap_or_default()
+}
+
 /// One decoded frame.
 #[derive(Debug)]
 pub enum Frame<M> {

@@ -258,13 +258,7 @@ fn read_process(pid: u32) -> Option<ProcessEntry> {
     let state = fields.first()?.to_string();
     let ppid = fields.get(1)?.parse().ok()?;
     let rss_pages: u64 = fields.get(21)?.parse().ok()?;
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            String::from_utf8_lossy(&b)
-                .trim_end_matches('\0')
-                .replace('\0', " ")
-        })
-        .unwrap_or_default();
+    let cmdline = strata_agent::proc_cmdline(pid);
     Some(ProcessEntry {
         pid,
         ppid,

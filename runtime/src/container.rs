@@ -75,6 +75,23 @@ pub struct ContainerBackend {
 
 const INIT_PATH: &str = "/.strata/init";
 
+/// The shared policy's capabilities as an OCI set: bounding, effective and permitted;
+/// nothing inheritable or ambient (ambient must be a subset of inheritable).
+fn kept_capabilities() -> Result<oci_spec::runtime::LinuxCapabilities, RuntimeError> {
+    let caps: oci_spec::runtime::Capabilities = KEPT_CAPS
+        .iter()
+        .filter_map(|(name, _)| serde_json::from_value::<Capability>(serde_json::json!(name)).ok())
+        .collect();
+    oci_spec::runtime::LinuxCapabilitiesBuilder::default()
+        .bounding(caps.clone())
+        .effective(caps.clone())
+        .permitted(caps)
+        .inheritable(oci_spec::runtime::Capabilities::new())
+        .ambient(oci_spec::runtime::Capabilities::new())
+        .build()
+        .map_err(|e| RuntimeError::Backend(format!("OCI spec: {e}")))
+}
+
 /// Whether /sys/fs/cgroup is a v1 tmpfs with a cgroup2 mount beside it.
 fn hybrid_cgroups() -> bool {
     let all = strata_lazyfs::mounts::mounts().unwrap_or_default();
@@ -294,12 +311,6 @@ impl ContainerBackend {
 
     fn exec_process(&self, env: &ExecEnv) -> Result<oci_spec::runtime::Process, RuntimeError> {
         let bad = |e: oci_spec::OciSpecError| RuntimeError::Backend(format!("OCI spec: {e}"));
-        let caps: oci_spec::runtime::Capabilities = KEPT_CAPS
-            .iter()
-            .filter_map(|(name, _)| {
-                serde_json::from_value::<Capability>(serde_json::json!(name)).ok()
-            })
-            .collect();
         ProcessBuilder::default()
             .terminal(false)
             .args(env.argv.clone())
@@ -318,16 +329,7 @@ impl ContainerBackend {
                     .map_err(bad)?,
             )
             .no_new_privileges(true)
-            .capabilities(
-                oci_spec::runtime::LinuxCapabilitiesBuilder::default()
-                    .bounding(caps.clone())
-                    .effective(caps.clone())
-                    .permitted(caps)
-                    .inheritable(oci_spec::runtime::Capabilities::new())
-                    .ambient(oci_spec::runtime::Capabilities::new())
-                    .build()
-                    .map_err(bad)?,
-            )
+            .capabilities(kept_capabilities()?)
             .build()
             .map_err(bad)
     }

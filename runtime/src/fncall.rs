@@ -162,7 +162,7 @@ impl FncallBackend {
                 let alive = read_pid(&e.path())
                     .is_some_and(|(pid, start)| process_start(pid) == Some(start));
                 // Filling and claimed slots belong to a create in progress, unless stale.
-                let busy = state != "ready" && age(&e.path()) < Duration::from_secs(60);
+                let busy = state != "ready" && crate::age(&e.path()) < Duration::from_secs(60);
                 if (only_dead && alive) || busy {
                     continue;
                 }
@@ -254,14 +254,6 @@ fn read_pid(dir: &Path) -> Option<(u32, u64)> {
     let text = std::fs::read_to_string(dir.join("pid")).ok()?;
     let (p, s) = text.trim().split_once(' ')?;
     Some((p.parse().ok()?, s.parse().ok()?))
-}
-
-fn age(path: &Path) -> Duration {
-    std::fs::metadata(path)
-        .and_then(|m| m.modified())
-        .ok()
-        .and_then(|t| t.elapsed().ok())
-        .unwrap_or_default()
 }
 
 impl SandboxBackend for FncallBackend {

@@ -78,7 +78,30 @@ impl RuntimeError {
     }
 }
 
-fn age(path: &Path) -> Duration {
+/// Claims the right to end the sandbox in `dir` (a marker created exclusively); a marker
+/// left by a runtime that died mid-teardown is taken over after a minute.
+fn claim_end(dir: &Path) -> bool {
+    let marker = dir.join("ending");
+    let create = || {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&marker)
+            .is_ok()
+    };
+    if create() {
+        return true;
+    }
+    if age(&marker) > Duration::from_secs(60) {
+        let _ = std::fs::remove_file(&marker);
+        return create();
+    }
+    // The directory is gone or unwritable: nothing left to claim.
+    !dir.exists()
+}
+
+/// Time since a file or directory was last modified.
+pub(crate) fn age(path: &Path) -> Duration {
     std::fs::metadata(path)
         .and_then(|m| m.modified())
         .ok()
@@ -489,7 +512,11 @@ impl Runtime {
         let mut report = ReapReport::default();
         for id in self.ids() {
             let dir = self.sandbox_dir(&id);
-            // A sandbox being created or running a command holds its lock: leave it.
+            // A sandbox being created or running a command holds its lock, and one being
+            // ended has its marker: leave them.
+            if dir.join("ending").exists() && age(&dir.join("ending")) < Duration::from_secs(60) {
+                continue;
+            }
             let Some(lock) = DirLock::take(&dir, true, false)? else {
                 continue;
             };
@@ -510,6 +537,14 @@ impl Runtime {
                 Some(_) => None,
             };
             drop(lock);
+            if let (Some(EndReason::Crashed), Some(r)) = (reason, &record) {
+                let _ = self.audit(&id).record(
+                    "init-gone",
+                    json!({"init_pid": r.init_pid, "recorded_start": r.init_start,
+                           "now_start": sandbox::process_start(r.init_pid),
+                           "stat": std::fs::read_to_string(format!("/proc/{}/stat", r.init_pid)).ok()}),
+                );
+            }
             if let Some(reason) = reason {
                 // One stubborn sandbox must not stop the reaping of the others.
                 if let Err(e) = self.teardown(&id, record.as_ref(), reason) {
@@ -568,6 +603,18 @@ impl Runtime {
     ) -> Result<(), RuntimeError> {
         let dir = self.sandbox_dir(id);
         let cgroup = self.cgroup(id);
+        // One ender per sandbox: a destroy and a reap racing (the reaper sees the init the
+        // destroy just killed) must not both tear down, nor record two ends.
+        if dir.exists() && !claim_end(&dir) {
+            if reason == EndReason::Destroyed {
+                // Someone else is ending it; wait until it is gone.
+                let deadline = std::time::Instant::now() + Duration::from_secs(60);
+                while dir.exists() && std::time::Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+            return Ok(());
+        }
         // Kill first, so a running exec holding the shared lock ends.
         match record {
             Some(r) => {

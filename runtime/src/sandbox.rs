@@ -389,13 +389,7 @@ impl Sandbox {
                     .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
                     .unwrap_or(0)
                     * 1024;
-                let cmdline = std::fs::read(format!("/proc/{host_pid}/cmdline"))
-                    .map(|b| {
-                        String::from_utf8_lossy(&b)
-                            .trim_end_matches('\0')
-                            .replace('\0', " ")
-                    })
-                    .unwrap_or_default();
+                let cmdline = strata_agent::proc_cmdline(host_pid);
                 Some(ProcessInfo {
                     pid,
                     host_pid,
