@@ -26,6 +26,11 @@ pub enum Request {
         id: String,
         dir: PathBuf,
     },
+    /// `Mount` for several layers in one round trip (a sandbox's whole stack); stops at
+    /// the first failure, keeping the binds made before it.
+    MountMany {
+        binds: Vec<(String, PathBuf)>,
+    },
     /// Removes a bind made by `Mount`; the layer is detached when no bind is left.
     Umount {
         dir: PathBuf,
@@ -56,6 +61,7 @@ pub struct Attached {
 pub enum Response {
     Pong { pid: u32, store: String },
     Attached(Attached),
+    AttachedMany { layers: Vec<Attached> },
     Done,
     Stats(LayerStats),
     CacheStats(CacheStats),
@@ -100,5 +106,42 @@ impl Client {
             Response::Error { message } => Err(LazyError::Daemon(message)),
             r => Ok(r),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_message_shape_encodes_and_decodes() {
+        let a = Attached {
+            id: "ab".into(),
+            meta_path: "/m".into(),
+            blob_path: None,
+            mount: "/mnt".into(),
+        };
+        for resp in [
+            Response::Attached(a.clone()),
+            Response::AttachedMany {
+                layers: vec![a.clone(), a],
+            },
+            Response::Done,
+            Response::Error {
+                message: "x".into(),
+            },
+        ] {
+            let text = serde_json::to_string(&resp).unwrap();
+            let back: Response = serde_json::from_str(&text).unwrap();
+            assert_eq!(serde_json::to_string(&back).unwrap(), text);
+        }
+        let req = Request::MountMany {
+            binds: vec![("ab".into(), "/x".into())],
+        };
+        let text = serde_json::to_string(&req).unwrap();
+        assert!(matches!(
+            serde_json::from_str::<Request>(&text).unwrap(),
+            Request::MountMany { binds } if binds.len() == 1
+        ));
     }
 }

@@ -146,6 +146,20 @@ impl Daemon {
         Ok(self.attached(&blob))
     }
 
+    /// Attaches a layer and binds it read-only at `dir`; the caller holds `attach_lock`
+    /// and saves the state.
+    async fn bind_locked(&self, id: &str, dir: PathBuf) -> Result<Attached, LazyError> {
+        let a = self.attach_locked(id).await?;
+        std::fs::create_dir_all(&dir).map_err(LazyError::io(&dir))?;
+        let dir = std::fs::canonicalize(&dir).map_err(LazyError::io(&dir))?;
+        mounts::bind_readonly(&a.mount, &dir)
+            .map_err(|e| LazyError::Mount(format!("bind mount at {}: {e}", dir.display())))?;
+        if let Ok(mut st) = self.state.lock() {
+            st.binds.entry(a.id.clone()).or_default().insert(dir);
+        }
+        Ok(a)
+    }
+
     fn attached(&self, b: &LayerBlob) -> Attached {
         let id = b.id();
         let p = &self.cfg.paths;
@@ -207,17 +221,28 @@ impl Daemon {
             Request::Attach { id } => Ok(Response::Attached(self.attach(&id).await?)),
             Request::Mount { id, dir } => {
                 let _g = self.attach_lock.lock().await;
-                let a = self.attach_locked(&id).await?;
-                std::fs::create_dir_all(&dir).map_err(LazyError::io(&dir))?;
-                let dir = std::fs::canonicalize(&dir).map_err(LazyError::io(&dir))?;
-                mounts::bind_readonly(&a.mount, &dir).map_err(|e| {
-                    LazyError::Mount(format!("bind mount at {}: {e}", dir.display()))
-                })?;
-                if let Ok(mut st) = self.state.lock() {
-                    st.binds.entry(a.id.clone()).or_default().insert(dir);
+                let a = self.bind_locked(&id, dir).await;
+                self.save_state();
+                Ok(Response::Attached(a?))
+            }
+            Request::MountMany { binds } => {
+                let _g = self.attach_lock.lock().await;
+                let mut done = Vec::with_capacity(binds.len());
+                let mut failed = None;
+                for (id, dir) in binds {
+                    match self.bind_locked(&id, dir).await {
+                        Ok(a) => done.push(a),
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
                 }
                 self.save_state();
-                Ok(Response::Attached(a))
+                match failed {
+                    None => Ok(Response::AttachedMany { layers: done }),
+                    Some(e) => Err(e),
+                }
             }
             Request::Umount { dir } => {
                 let _g = self.attach_lock.lock().await;

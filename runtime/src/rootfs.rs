@@ -39,18 +39,20 @@ pub fn assemble(
     paths: &RootfsPaths,
 ) -> Result<(), RuntimeError> {
     let mut client = lazyfs.client()?;
-    for (id, dir) in layer_ids.iter().zip(&paths.layers) {
+    for dir in &paths.layers {
         std::fs::create_dir_all(dir).map_err(RuntimeError::io(dir))?;
-        match client.call(&Request::Mount {
-            id: id.clone(),
-            dir: dir.clone(),
-        })? {
-            Response::Attached(_) | Response::Done => {}
-            other => {
-                return Err(RuntimeError::Setup(format!(
-                    "lazyfs answered {other:?} to mounting layer {id}"
-                )))
-            }
+    }
+    let binds = layer_ids
+        .iter()
+        .cloned()
+        .zip(paths.layers.iter().cloned())
+        .collect();
+    match client.call(&Request::MountMany { binds })? {
+        Response::AttachedMany { .. } => {}
+        other => {
+            return Err(RuntimeError::Setup(format!(
+                "lazyfs answered {other:?} to mounting the layers"
+            )))
         }
     }
     for d in [&paths.upper, &paths.work, &paths.merged] {
