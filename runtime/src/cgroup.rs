@@ -228,6 +228,17 @@ impl Cgroup {
         Ok(())
     }
 
+    /// Removes a runtime's parent directory from every hierarchy where it is empty (the
+    /// OCI runtimes create it in all of them), so a runtime home that goes away leaves no
+    /// cgroup behind.
+    pub fn remove_parent(parent: &str) {
+        if let Ok(rd) = std::fs::read_dir(ROOT) {
+            for e in rd.flatten() {
+                let _ = std::fs::remove_dir(e.path().join(parent));
+            }
+        }
+    }
+
     /// Sandbox IDs that have a cgroup on this host (for reaping).
     pub fn existing(parent: &str) -> Vec<String> {
         let mut ids = std::collections::BTreeSet::new();

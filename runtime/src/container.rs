@@ -65,6 +65,7 @@ impl OciRuntime {
     }
 }
 
+#[derive(Clone)]
 pub struct ContainerBackend {
     pub runtime: OciRuntime,
     /// The runtime's own state directory (`--root`).
@@ -74,6 +75,30 @@ pub struct ContainerBackend {
 }
 
 const INIT_PATH: &str = "/.strata/init";
+
+impl ContainerBackend {
+    /// The engine that made container `id`: this one, or the other OCI runtime if its
+    /// state directory (a sibling of ours) holds the container, so a sandbox made under
+    /// `STRATA_OCI_RUNTIME=runc` is still exec'd and removed by runc.
+    fn engine_for(&self, id: &str) -> ContainerBackend {
+        if self.state_root.join(id).exists() {
+            return self.clone();
+        }
+        let other = match self.runtime {
+            OciRuntime::Crun(_) => OciRuntime::Runc(PathBuf::from("runc")),
+            OciRuntime::Runc(_) => OciRuntime::Crun(PathBuf::from("crun")),
+        };
+        let root = self.state_root.with_file_name(other.name());
+        if root.join(id).exists() {
+            return ContainerBackend {
+                runtime: other,
+                state_root: root,
+                init: self.init.clone(),
+            };
+        }
+        self.clone()
+    }
+}
 
 /// The shared policy's capabilities as an OCI set: bounding, effective and permitted;
 /// nothing inheritable or ambient (ambient must be a subset of inheritable).
@@ -384,7 +409,8 @@ impl SandboxBackend for ContainerBackend {
             serde_json::to_vec(&process).map_err(|e| RuntimeError::Backend(e.to_string()))?,
         )
         .map_err(RuntimeError::io(&process_file))?;
-        let mut cmd = self.command();
+        let engine = self.engine_for(&rec.id);
+        let mut cmd = engine.command();
         cmd.arg("exec")
             .arg("--process")
             .arg(&process_file)
@@ -468,13 +494,17 @@ impl SandboxBackend for ContainerBackend {
 
     fn stop(&self, rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
         cgroup.kill_all();
-        let _ = self.run_checked(&["kill", &rec.id, "KILL"], "kill");
-        let _ = self.run_checked(&["delete", "--force", &rec.id], "delete");
+        let engine = self.engine_for(&rec.id);
+        let _ = engine.run_checked(&["kill", &rec.id, "KILL"], "kill");
+        let _ = engine.run_checked(&["delete", "--force", &rec.id], "delete");
         Ok(())
     }
 
     fn forget(&self, id: &str) {
-        let _ = self.run_checked(&["delete", "--force", id], "delete");
-        let _ = std::fs::remove_dir_all(self.state_root.join(id));
+        let engine = self.engine_for(id);
+        if engine.state_root.join(id).exists() {
+            let _ = engine.run_checked(&["delete", "--force", id], "delete");
+            let _ = std::fs::remove_dir_all(engine.state_root.join(id));
+        }
     }
 }

@@ -303,9 +303,14 @@ impl Runtime {
         self.inner.fncall.fill(target)
     }
 
-    /// Stops every pooled agent.
+    /// Stops every pooled agent (and drops the runtime's cgroup parent if nothing else
+    /// uses it).
     pub fn drain_pool(&self) -> usize {
-        self.inner.fncall.drain(false)
+        let n = self.inner.fncall.drain(false);
+        if self.ids().is_empty() {
+            Cgroup::remove_parent(&self.inner.cgroup_parent);
+        }
+        n
     }
 
     /// Pooled agents waiting.
@@ -582,6 +587,9 @@ impl Runtime {
                 self.inner.container.forget(&id);
                 report.orphans.push(format!("cgroup {id}"));
             }
+        }
+        if self.ids().is_empty() && self.inner.fncall.pooled().is_empty() {
+            Cgroup::remove_parent(&self.inner.cgroup_parent);
         }
         for name in self.uppers().entries() {
             if !live(&name) {

@@ -38,7 +38,9 @@ pub fn assemble(
     layer_ids: &[String],
     paths: &RootfsPaths,
 ) -> Result<(), RuntimeError> {
+    let t = std::time::Instant::now();
     let mut client = lazyfs.client()?;
+    let t_connect = t.elapsed();
     for dir in &paths.layers {
         std::fs::create_dir_all(dir).map_err(RuntimeError::io(dir))?;
     }
@@ -55,6 +57,7 @@ pub fn assemble(
             )))
         }
     }
+    let t_binds = t.elapsed();
     for d in [&paths.upper, &paths.work, &paths.merged] {
         std::fs::create_dir_all(d).map_err(RuntimeError::io(d))?;
     }
@@ -69,7 +72,14 @@ pub fn assemble(
         escape(&paths.upper),
         escape(&paths.work)
     );
-    mount_overlay(&paths.merged, &data)
+    mount_overlay(&paths.merged, &data)?;
+    tracing::debug!(
+        connect_ms = t_connect.as_secs_f64() * 1e3,
+        binds_ms = (t_binds - t_connect).as_secs_f64() * 1e3,
+        overlay_ms = (t.elapsed() - t_binds).as_secs_f64() * 1e3,
+        "root assembled"
+    );
+    Ok(())
 }
 
 fn escape(p: &Path) -> String {

@@ -239,6 +239,26 @@ fn the_sample_test_suite_passes_in_both_backends() {
         ]);
         assert_eq!(o.status.code(), Some(7), "{backend}");
     }
+    // runc is the other supported OCI runtime.
+    if have_tool("runtime_sample_suite", "runc") {
+        let o = env
+            .cmd(&[
+                "run",
+                "--backend",
+                "container",
+                &env.reference,
+                "--command",
+                "test",
+            ])
+            .env("STRATA_OCI_RUNTIME", "runc")
+            .output()
+            .unwrap();
+        let (out, err) = text(&o);
+        assert!(
+            o.status.success() && out.contains("4 passed"),
+            "runc: {out}{err}"
+        );
+    }
 }
 
 #[test]
