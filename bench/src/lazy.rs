@@ -46,7 +46,17 @@ impl Daemon {
         let log = std::fs::File::create(home.join("daemon.log"))?;
         let child = Command::new(strata_bin()?)
             .env("STRATA_HOME", home)
-            .args(["--store", store, "lazyfs", "serve", "--cache-max", "20G"])
+            .args([
+                "--store",
+                store,
+                "lazyfs",
+                "serve",
+                "--cache-max",
+                "20G",
+                // Every measured run attaches its layer afresh.
+                "--idle-detach",
+                "0s",
+            ])
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

@@ -23,6 +23,10 @@ pub struct DaemonConfig {
     pub paths: Paths,
     pub cache_max_bytes: u64,
     pub policy: FetchPolicy,
+    /// How long a layer stays attached after its last bind goes: sandboxes come and go in
+    /// bursts, and re-attaching a large layer (manifest, metadata check, chunk table, EROFS
+    /// mount) costs milliseconds each time.
+    pub idle_detach: std::time::Duration,
 }
 
 /// Bind mounts made for clients, per layer; persisted so a restarted daemon restores them.
@@ -149,11 +153,19 @@ impl Daemon {
     /// Attaches a layer and binds it read-only at `dir`; the caller holds `attach_lock`
     /// and saves the state.
     async fn bind_locked(&self, id: &str, dir: PathBuf) -> Result<Attached, LazyError> {
+        let t = std::time::Instant::now();
         let a = self.attach_locked(id).await?;
+        let t_attach = t.elapsed();
         std::fs::create_dir_all(&dir).map_err(LazyError::io(&dir))?;
         let dir = std::fs::canonicalize(&dir).map_err(LazyError::io(&dir))?;
         mounts::bind_readonly(&a.mount, &dir)
             .map_err(|e| LazyError::Mount(format!("bind mount at {}: {e}", dir.display())))?;
+        tracing::debug!(
+            layer = id,
+            attach_ms = t_attach.as_secs_f64() * 1e3,
+            bind_ms = (t.elapsed() - t_attach).as_secs_f64() * 1e3,
+            "bound"
+        );
         if let Ok(mut st) = self.state.lock() {
             st.binds.entry(a.id.clone()).or_default().insert(dir);
         }
@@ -212,7 +224,7 @@ impl Daemon {
         }
     }
 
-    async fn handle(&self, req: Request) -> Result<Response, LazyError> {
+    async fn handle(self: &Arc<Self>, req: Request) -> Result<Response, LazyError> {
         match req {
             Request::Ping => Ok(Response::Pong {
                 pid: std::process::id(),
@@ -267,7 +279,20 @@ impl Daemon {
                 };
                 self.save_state();
                 if let Some(id) = emptied.and_then(|i| i.parse::<Digest>().ok()) {
-                    self.detach_locked(&id).await;
+                    // The access order is saved now, so the list is in the store once the
+                    // last umount returns; the mount itself stays for `idle_detach`.
+                    self.save_prefetch(&id).await;
+                    let grace = self.cfg.idle_detach;
+                    if grace.is_zero() {
+                        self.detach_locked(&id).await;
+                    } else {
+                        let daemon = self.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(grace).await;
+                            let _g = daemon.attach_lock.lock().await;
+                            daemon.detach_locked(&id).await;
+                        });
+                    }
                 }
                 Ok(Response::Done)
             }

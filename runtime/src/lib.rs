@@ -522,8 +522,15 @@ impl Runtime {
             if dir.join("ending").exists() && age(&dir.join("ending")) < Duration::from_secs(60) {
                 continue;
             }
-            let Some(lock) = DirLock::take(&dir, true, false)? else {
-                continue;
+            let lock = match DirLock::take(&dir, true, false) {
+                Ok(Some(lock)) => lock,
+                Ok(None) => continue,
+                // Removed meanwhile by whoever ended it.
+                Err(_) if !dir.exists() => continue,
+                Err(e) => {
+                    tracing::warn!("reaping sandbox {id}: {e}");
+                    continue;
+                }
             };
             let record = self.load(&id).ok();
             let reason = match &record {
@@ -635,10 +642,10 @@ impl Runtime {
                 self.inner.container.forget(id);
             }
         }
-        let _lock = if dir.exists() {
-            DirLock::take(&dir, true, true)?
-        } else {
-            None
+        let _lock = match DirLock::take(&dir, true, true) {
+            Ok(lock) => lock,
+            Err(_) if !dir.exists() => None,
+            Err(e) => return Err(e),
         };
         self.inner.container.forget(id);
         let networked = record.is_none_or(|r| !r.spec.network.is_empty());

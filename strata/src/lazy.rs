@@ -88,18 +88,27 @@ pub enum LazyfsCommand {
         /// How long a read waits for an unreachable store before failing with EIO.
         #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
         fetch_timeout: Duration,
+        /// How long a layer stays mounted after the last sandbox using it goes.
+        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+        idle_detach: Duration,
     },
     /// Stop the daemon, unmounting everything it serves.
     Stop,
 }
 
-pub async fn serve(store: Store, cache_max: u64, fetch_timeout: Duration) -> Result<i32> {
+pub async fn serve(
+    store: Store,
+    cache_max: u64,
+    fetch_timeout: Duration,
+    idle_detach: Duration,
+) -> Result<i32> {
     let cfg = strata_lazyfs::daemon::DaemonConfig {
         paths: paths(),
         cache_max_bytes: cache_max,
         policy: strata_lazyfs::FetchPolicy {
             timeout: fetch_timeout,
         },
+        idle_detach,
     };
     strata_lazyfs::daemon::serve(cfg, store).await?;
     Ok(0)

@@ -89,7 +89,16 @@ fn main() {
             Command::Lazyfs(lazy::LazyfsCommand::Serve {
                 cache_max,
                 fetch_timeout,
-            }) => lazy::serve(open_store(url.as_deref())?, cache_max, fetch_timeout).await,
+                idle_detach,
+            }) => {
+                lazy::serve(
+                    open_store(url.as_deref())?,
+                    cache_max,
+                    fetch_timeout,
+                    idle_detach,
+                )
+                .await
+            }
             Command::Lazyfs(lazy::LazyfsCommand::Stop) => lazy::stop().await,
             Command::Run(a) => sandbox::run(&open_store(url.as_deref())?, url, a).await,
             Command::Sandbox(c) => sandbox::sandbox(&open_store(url.as_deref())?, url, c).await,
