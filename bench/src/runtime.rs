@@ -159,8 +159,9 @@ fn strata_once(s: &Setup, backend: Backend) -> Result<f64> {
     let r = sb.exec(&ExecRequest::argv(["/bin/true"]))?;
     let took = t.elapsed().as_secs_f64() * 1000.0;
     sb.destroy()?;
-    // Top the pool of waiting fncall agents back up, outside the timed part, as the CLI
+    // Top the pools (uppers; fncall agents) back up, outside the timed part, as the CLI
     // does after its own work.
+    s.runtime.fill_uppers(s.spec.limits.disk_bytes, 2)?;
     if backend == Backend::Fncall {
         s.runtime.fill_pool(2)?;
     }
@@ -387,6 +388,12 @@ pub fn run(
             .and_then(|t| t.trim().parse::<u64>().ok())
             .unwrap_or(0);
             let _ = crun_cmd(&crun_state, &["delete", "--force", id]);
+        }
+    }
+    // crun leaves the parent cgroup it made in every hierarchy.
+    if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
+        for e in rd.flatten() {
+            let _ = std::fs::remove_dir(e.path().join("strata-bench-idle"));
         }
     }
     let bare_per = bare_mem as f64 / n as f64 / 1_048_576.0;

@@ -224,6 +224,7 @@ impl Runtime {
         let uppers = quota::Uppers::open(
             &cfg.state_dir.join("upper-images"),
             &cfg.state_dir.join("uppers"),
+            &cfg.state_dir.join("upper-pool"),
         )?;
         let container = container::ContainerBackend {
             runtime: cfg.oci_runtime.clone(),
@@ -303,10 +304,17 @@ impl Runtime {
         self.inner.fncall.fill(target)
     }
 
+    /// Formats writable uppers of `disk_bytes` until `target` wait, so creates with that
+    /// disk budget skip mkfs and the loop mount.
+    pub fn fill_uppers(&self, disk_bytes: u64, target: usize) -> Result<(), RuntimeError> {
+        self.uppers().fill(disk_bytes, target)
+    }
+
     /// Stops every pooled agent (and drops the runtime's cgroup parent if nothing else
     /// uses it).
     pub fn drain_pool(&self) -> usize {
         let n = self.inner.fncall.drain(false);
+        self.uppers().drain();
         if self.ids().is_empty() {
             Cgroup::remove_parent(&self.inner.cgroup_parent);
         }
@@ -380,7 +388,10 @@ impl Runtime {
         owner: Option<(u32, u64)>,
     ) -> Result<SandboxRecord, RuntimeError> {
         let t = std::time::Instant::now();
-        let upper_dir = self.uppers().create(id, spec.limits.disk_bytes)?;
+        let upper_dir = match self.uppers().claim(id, spec.limits.disk_bytes) {
+            Some(dir) => dir,
+            None => self.uppers().create(id, spec.limits.disk_bytes)?,
+        };
         let t_upper = t.elapsed();
         let paths = rootfs::RootfsPaths::new(dir, &upper_dir, spec.layers.len());
         rootfs::assemble(&self.inner.cfg.lazyfs, &spec.layers, &paths)?;
@@ -599,7 +610,7 @@ impl Runtime {
             Cgroup::remove_parent(&self.inner.cgroup_parent);
         }
         for name in self.uppers().entries() {
-            if !live(&name) {
+            if !live(&name) && !self.uppers().is_pooled(&name) {
                 match self.uppers().remove(&name) {
                     Ok(()) => report.orphans.push(format!("upper {name}")),
                     Err(e) => tracing::warn!("removing the upper of {name}: {e}"),

@@ -11,22 +11,106 @@ use std::process::Command;
 
 use crate::RuntimeError;
 
-/// Where uppers are mounted and their images kept.
+/// Where uppers are mounted and their images kept, and the pool of ready ones:
+/// `pool/<bytes>/<slot>` marks a formatted, mounted upper `pool-<slot>` of that size.
 #[derive(Debug, Clone)]
 pub struct Uppers {
     images: PathBuf,
     mounts: PathBuf,
+    pool: PathBuf,
 }
 
+const POOLED: &str = "pool-";
+
 impl Uppers {
-    pub fn open(images: &Path, mounts: &Path) -> Result<Uppers, RuntimeError> {
-        for d in [images, mounts] {
+    pub fn open(images: &Path, mounts: &Path, pool: &Path) -> Result<Uppers, RuntimeError> {
+        for d in [images, mounts, pool] {
             std::fs::create_dir_all(d).map_err(RuntimeError::io(d))?;
         }
         Ok(Uppers {
             images: images.to_path_buf(),
             mounts: mounts.to_path_buf(),
+            pool: pool.to_path_buf(),
         })
+    }
+
+    /// A ready upper of `bytes` for sandbox `id`, taken from the pool: its mount is moved
+    /// to `uppers/<id>` and its image renamed, so from here on it is like one made fresh.
+    /// `None` when the pool has none of that size (or the move fails).
+    pub fn claim(&self, id: &str, bytes: u64) -> Option<PathBuf> {
+        let sized = self.pool.join(bytes.to_string());
+        for e in std::fs::read_dir(&sized).ok()?.flatten() {
+            let slot = e.file_name().to_string_lossy().into_owned();
+            let claimed = self.pool.join(format!("claimed-{id}"));
+            if std::fs::rename(e.path(), &claimed).is_err() {
+                continue; // another create took it
+            }
+            let from = self.dir(&format!("{POOLED}{slot}"));
+            let to = self.dir(id);
+            let moved = std::fs::create_dir_all(&to).is_ok()
+                && nix::mount::mount(
+                    Some(&from),
+                    &to,
+                    None::<&str>,
+                    nix::mount::MsFlags::MS_MOVE,
+                    None::<&str>,
+                )
+                .is_ok()
+                && std::fs::rename(self.image(&format!("{POOLED}{slot}")), self.image(id)).is_ok();
+            let _ = std::fs::remove_file(&claimed);
+            if moved {
+                let _ = std::fs::remove_dir(&from);
+                return Some(to);
+            }
+            // A shared parent mount refuses MS_MOVE: drop the slot, make one fresh.
+            let _ = self.remove(&format!("{POOLED}{slot}"));
+            let _ = self.remove(id);
+            return None;
+        }
+        None
+    }
+
+    /// Formats and mounts uppers of `bytes` until `target` wait.
+    pub fn fill(&self, bytes: u64, target: usize) -> Result<(), RuntimeError> {
+        let sized = self.pool.join(bytes.to_string());
+        std::fs::create_dir_all(&sized).map_err(RuntimeError::io(&sized))?;
+        let ready = || std::fs::read_dir(&sized).map(|rd| rd.count()).unwrap_or(0);
+        while ready() < target {
+            let slot = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
+            self.create(&format!("{POOLED}{slot}"), bytes)?;
+            let marker = sized.join(&slot);
+            std::fs::write(&marker, b"").map_err(RuntimeError::io(&marker))?;
+        }
+        Ok(())
+    }
+
+    /// Whether `name` is a pooled upper still waiting (or being handed out right now).
+    pub fn is_pooled(&self, name: &str) -> bool {
+        let Some(slot) = name.strip_prefix(POOLED) else {
+            return false;
+        };
+        // Being formatted: no marker yet, but young.
+        let image = self.image(name);
+        if image.exists() && crate::age(&image) < std::time::Duration::from_secs(60) {
+            return true;
+        }
+        std::fs::read_dir(&self.pool)
+            .is_ok_and(|rd| rd.flatten().any(|e| e.path().join(slot).exists()))
+    }
+
+    /// Unmounts and deletes every pooled upper.
+    pub fn drain(&self) {
+        if let Ok(rd) = std::fs::read_dir(&self.pool) {
+            for sized in rd.flatten() {
+                if let Ok(slots) = std::fs::read_dir(sized.path()) {
+                    for e in slots.flatten() {
+                        let _ = std::fs::remove_file(e.path());
+                        let _ =
+                            self.remove(&format!("{POOLED}{}", e.file_name().to_string_lossy()));
+                    }
+                }
+            }
+        }
     }
 
     pub fn dir(&self, id: &str) -> PathBuf {

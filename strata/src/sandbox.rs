@@ -198,15 +198,21 @@ fn print_sink() -> impl FnMut(Stream, &[u8]) {
     }
 }
 
-/// Keeps `STRATA_FNCALL_POOL` (default 2) function-call agents waiting, so the next fncall
-/// create on this host skips the agent start. Done after the command's own work.
-fn top_up_pool(rt: &Runtime) {
-    let target = std::env::var("STRATA_FNCALL_POOL")
+/// Keeps `STRATA_POOL` (default 2) ready pieces waiting, so the next create on this host
+/// skips their cost: writable uppers of the disk budget just used and, for fncall,
+/// agents already in their cgroups. Done after the command's own work.
+fn top_up_pool(rt: &Runtime, spec: &SandboxSpec) {
+    let target = std::env::var("STRATA_POOL")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
-    if let Err(e) = rt.fill_pool(target) {
-        tracing::warn!("filling the fncall pool: {e}");
+    if let Err(e) = rt.fill_uppers(spec.limits.disk_bytes, target) {
+        tracing::warn!("filling the upper pool: {e}");
+    }
+    if spec.backend == Backend::Fncall {
+        if let Err(e) = rt.fill_pool(target) {
+            tracing::warn!("filling the fncall pool: {e}");
+        }
     }
 }
 
@@ -255,12 +261,10 @@ pub async fn run(store: &Store, store_url: Option<String>, args: RunArgs) -> Res
             stdin: Stdin::Null,
             ..Default::default()
         };
-        let fncall = sandbox.spec().backend == Backend::Fncall;
+        let spec = sandbox.spec().clone();
         let result = sandbox.exec_streaming(&req, &mut print_sink());
         let destroyed = sandbox.destroy();
-        if fncall {
-            top_up_pool(&rt);
-        }
+        top_up_pool(&rt, &spec);
         let result = result?;
         destroyed?;
         report_budget(&result);
@@ -285,15 +289,12 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
         let json = *json;
         return tokio::task::spawn_blocking(move || -> Result<i32> {
             let rt = open_runtime(store_url)?;
-            let fncall = spec.backend == Backend::Fncall;
             let sb = rt.create(spec)?;
             if json {
                 print_json(sb.record())?;
             }
             println!("{}", sb.id());
-            if fncall {
-                top_up_pool(&rt);
-            }
+            top_up_pool(&rt, sb.spec());
             Ok(0)
         })
         .await?;
