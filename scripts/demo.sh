@@ -7,6 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 cargo build --release -p strata -p strata-agent
+CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
+  cargo build --release -p strata-agent --target x86_64-unknown-linux-gnu
 bin=$PWD/target/release/strata
 ref=$(bash datasets/sample/register.sh "$bin" | tail -1)
 echo "registered $ref"

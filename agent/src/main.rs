@@ -76,7 +76,33 @@ fn parse_args() -> Result<Args, String> {
     })
 }
 
+/// `strata-agent init --listen-fd N`: the init of a container the OCI runtime already
+/// built and confined. It serves on a listening socket the host made and passed in
+/// (`--preserve-fds`), so the socket lives where the sandbox cannot see or replace it,
+/// and forks each command inside: commands inherit the container's namespaces,
+/// confinement and cgroups, with no OCI runtime `exec` and no cgroup attach per command.
+fn container_init() -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    let mut it = std::env::args().skip(2);
+    let fd: i32 = match (it.next().as_deref(), it.next()) {
+        (Some("--listen-fd"), Some(n)) => n.parse().map_err(|_| format!("bad fd {n}"))?,
+        _ => return Err("usage: strata-agent init --listen-fd N".into()),
+    };
+    // SAFETY: the host passed this descriptor, a listening Unix socket, for us alone.
+    let listener = unsafe { UnixListener::from_raw_fd(fd) };
+    close_inherited_stdio();
+    serve::serve(listener);
+    Ok(())
+}
+
 fn main() {
+    if std::env::args().nth(1).as_deref() == Some("init") {
+        if let Err(e) = container_init() {
+            eprintln!("strata-agent: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {

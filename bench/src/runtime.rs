@@ -101,6 +101,21 @@ fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Se
         },
         bin("strata-agent")?,
     )?;
+    let mut cfg = cfg;
+    // The static agent as container init, where `cargo build --target ...` put it.
+    let exe = std::env::current_exe()?;
+    if let (Some(profile), Some(target)) = (
+        exe.parent().and_then(|p| p.file_name()),
+        exe.parent().and_then(|p| p.parent()),
+    ) {
+        let agent = target
+            .join("x86_64-unknown-linux-gnu")
+            .join(profile)
+            .join("strata-agent");
+        if agent.is_file() {
+            cfg.container_agent = Some(agent);
+        }
+    }
     let runtime = Runtime::open(cfg)?;
     // The merged tree for the baselines: what `strata layer export` gives, bottom first.
     let rootfs = dir.join("rootfs");

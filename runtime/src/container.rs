@@ -70,11 +70,18 @@ pub struct ContainerBackend {
     pub runtime: OciRuntime,
     /// The runtime's own state directory (`--root`).
     pub state_root: PathBuf,
-    /// A static init binary bound into every container.
+    /// A static init binary bound into every container (catatonit), used when there is
+    /// no static agent.
     pub init: PathBuf,
+    /// A statically linked `strata-agent`: when set, it is the container's init and runs
+    /// every command (no `exec` of the OCI runtime per command).
+    pub agent: Option<PathBuf>,
 }
 
 const INIT_PATH: &str = "/.strata/init";
+const AGENT_PATH: &str = "/.strata/agent";
+/// The descriptor the host's listening socket has in the container's init.
+const LISTEN_FD: i32 = 3;
 
 impl ContainerBackend {
     /// The engine that made container `id`: this one, or the other OCI runtime if its
@@ -94,6 +101,7 @@ impl ContainerBackend {
                 runtime: other,
                 state_root: root,
                 init: self.init.clone(),
+                agent: self.agent.clone(),
             };
         }
         self.clone()
@@ -129,12 +137,27 @@ fn hybrid_cgroups() -> bool {
 
 impl ContainerBackend {
     fn command(&self) -> Command {
+        self.command_passing(None)
+    }
+
+    /// The OCI runtime command; `pass_fd` becomes its descriptor 3 (for `--preserve-fds`).
+    fn command_passing(&self, pass_fd: Option<i32>) -> Command {
         let mut cmd = Command::new(self.runtime.binary());
         cmd.arg("--root").arg(&self.state_root);
-        if matches!(self.runtime, OciRuntime::Crun(_)) && hybrid_cgroups() {
+        let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && hybrid_cgroups();
+        if hybrid || pass_fd.is_some() {
             // SAFETY: only async-signal-safe syscalls between fork and exec.
             unsafe {
-                cmd.pre_exec(|| {
+                cmd.pre_exec(move || {
+                    if let Some(fd) = pass_fd {
+                        // dup2 clears close-on-exec on the copy.
+                        if libc::dup2(fd, LISTEN_FD) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                    }
+                    if !hybrid {
+                        return Ok(());
+                    }
                     if libc::unshare(libc::CLONE_NEWNS) != 0 {
                         return Err(std::io::Error::last_os_error());
                     }
@@ -159,7 +182,7 @@ impl ContainerBackend {
     }
 
     fn run_checked(&self, args: &[&str], what: &str) -> Result<(), RuntimeError> {
-        self.run_logged(args, what, None)
+        self.run_logged(args, what, None, None)
     }
 
     /// Runs the OCI runtime. Its stderr goes to a file, not a pipe: a detached container's
@@ -169,6 +192,7 @@ impl ContainerBackend {
         args: &[&str],
         what: &str,
         log: Option<&Path>,
+        pass_fd: Option<i32>,
     ) -> Result<(), RuntimeError> {
         let tmp = self
             .state_root
@@ -176,7 +200,7 @@ impl ContainerBackend {
         let log = log.unwrap_or(&tmp);
         let file = std::fs::File::create(log).map_err(RuntimeError::io(log))?;
         let status = self
-            .command()
+            .command_passing(pass_fd)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -221,7 +245,15 @@ impl ContainerBackend {
             .map_err(bad)?;
         let process = ProcessBuilder::default()
             .terminal(false)
-            .args(vec![INIT_PATH.to_string(), "-P".to_string()])
+            .args(match &self.agent {
+                Some(_) => vec![
+                    AGENT_PATH.to_string(),
+                    "init".to_string(),
+                    "--listen-fd".to_string(),
+                    LISTEN_FD.to_string(),
+                ],
+                None => vec![INIT_PATH.to_string(), "-P".to_string()],
+            })
             .env(vec![format!("PATH={}", crate::spec::DEFAULT_PATH)])
             .cwd("/")
             .user(
@@ -245,11 +277,15 @@ impl ContainerBackend {
             .into_iter()
             .filter(|m| !m.destination().starts_with("/sys/fs/cgroup"))
             .collect();
+        let (init_dest, init_src) = match &self.agent {
+            Some(a) => (AGENT_PATH, a),
+            None => (INIT_PATH, &self.init),
+        };
         mounts.push(
             MountBuilder::default()
-                .destination(INIT_PATH)
+                .destination(init_dest)
                 .typ("bind")
-                .source(&self.init)
+                .source(init_src)
                 .options(vec![
                     "bind".into(),
                     "ro".into(),
@@ -370,19 +406,42 @@ impl SandboxBackend for ContainerBackend {
         spec.save(&config)
             .map_err(|e| RuntimeError::Backend(format!("writing {}: {e}", config.display())))?;
         let pid_file = ctx.dir.join("init.pid");
+        // With the agent as init, the host makes its listening socket (outside anything the
+        // sandbox sees) and hands it over as descriptor 3.
+        let listener = match &self.agent {
+            Some(_) => {
+                let sock = crate::fncall::socket_path(&ctx.dir);
+                let _ = std::fs::remove_file(&sock);
+                Some(
+                    std::os::unix::net::UnixListener::bind(&sock)
+                        .map_err(RuntimeError::io(&sock))?,
+                )
+            }
+            None => None,
+        };
+        let bundle_arg = bundle.display().to_string();
+        let pid_arg = pid_file.display().to_string();
+        let mut args = vec![
+            "run",
+            "--detach",
+            "--bundle",
+            &bundle_arg,
+            "--pid-file",
+            &pid_arg,
+        ];
+        if listener.is_some() {
+            args.extend(["--preserve-fds", "1"]);
+        }
+        args.push(&ctx.id);
         self.run_logged(
-            &[
-                "run",
-                "--detach",
-                "--bundle",
-                &bundle.display().to_string(),
-                "--pid-file",
-                &pid_file.display().to_string(),
-                &ctx.id,
-            ],
+            &args,
             "run",
             Some(&ctx.dir.join("oci.log")),
+            listener
+                .as_ref()
+                .map(|l| std::os::fd::AsRawFd::as_raw_fd(l)),
         )?;
+        drop(listener);
         let pid = std::fs::read_to_string(&pid_file)
             .map_err(RuntimeError::io(&pid_file))?
             .trim()
@@ -400,6 +459,10 @@ impl SandboxBackend for ContainerBackend {
         req: &ExecRequest,
         sink: &mut dyn FnMut(Stream, &[u8]),
     ) -> Result<Collected, RuntimeError> {
+        let sock = crate::fncall::socket_path(dir);
+        if sock.exists() {
+            return crate::fncall::agent_exec(&sock, cgroup, env, req, sink);
+        }
         let n = crate::audit::now_ms();
         let process_file = dir.join(format!("exec-{n}-{}.json", std::process::id()));
         let pid_file = process_file.with_extension("pid");

@@ -287,106 +287,7 @@ impl SandboxBackend for FncallBackend {
         req: &ExecRequest,
         sink: &mut dyn FnMut(Stream, &[u8]),
     ) -> Result<Collected, RuntimeError> {
-        let sock = socket_path(dir);
-        let before: std::collections::HashSet<u32> = cgroup.pids().into_iter().collect();
-        let conn = UnixStream::connect(&sock).map_err(|e| {
-            RuntimeError::Backend(format!(
-                "connecting to the sandbox agent at {}: {e}",
-                sock.display()
-            ))
-        })?;
-        let io_err = |e: std::io::Error| RuntimeError::Backend(format!("sandbox agent: {e}"));
-        let mut writer = conn.try_clone().map_err(io_err)?;
-        let mut reader = conn.try_clone().map_err(io_err)?;
-        write_control(
-            &mut writer,
-            &HostMsg::Exec(ExecSpec {
-                argv: env.argv.clone(),
-                env: env
-                    .env
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect(),
-                cwd: env.cwd.clone(),
-                uid: env.uid,
-                gid: env.gid,
-                stdin: !matches!(req.stdin, Stdin::Null),
-            }),
-        )
-        .map_err(io_err)?;
-        match read_frame::<AgentMsg>(&mut reader).map_err(io_err)? {
-            Some(Frame::Control(AgentMsg::Started { .. })) => {}
-            Some(Frame::Control(AgentMsg::Error { message })) => {
-                return Err(RuntimeError::Exec(message))
-            }
-            other => {
-                return Err(RuntimeError::Backend(format!(
-                    "sandbox agent answered {other:?} to exec"
-                )))
-            }
-        }
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || loop {
-            let event = match read_frame::<AgentMsg>(&mut reader) {
-                Ok(Some(Frame::Data(FrameKind::Stdout, d))) => Event::Output(Stream::Stdout, d),
-                Ok(Some(Frame::Data(FrameKind::Stderr, d))) => Event::Output(Stream::Stderr, d),
-                Ok(Some(Frame::Control(AgentMsg::Exited { code, signal }))) => {
-                    let _ = tx.send(Event::Exited(RawExit { code, signal }));
-                    return;
-                }
-                Ok(Some(other)) => Event::Failed(format!("unexpected frame {other:?}")),
-                Ok(None) => Event::Failed("the sandbox agent went away".into()),
-                Err(e) => Event::Failed(format!("sandbox agent: {e}")),
-            };
-            let last = matches!(event, Event::Failed(_));
-            if tx.send(event).is_err() || last {
-                return;
-            }
-        });
-        match &req.stdin {
-            Stdin::Null => {}
-            Stdin::Bytes(data) => {
-                let mut w = writer.try_clone().map_err(io_err)?;
-                let data = data.clone();
-                std::thread::spawn(move || {
-                    for part in data.chunks(64 * 1024) {
-                        if write_frame(&mut w, FrameKind::Stdin, part).is_err() {
-                            return;
-                        }
-                    }
-                    let _ = write_frame(&mut w, FrameKind::StdinEof, b"");
-                });
-            }
-            Stdin::Inherit => {
-                let mut w = writer.try_clone().map_err(io_err)?;
-                std::thread::spawn(move || {
-                    let mut buf = vec![0u8; 64 * 1024];
-                    let mut input = std::io::stdin().lock();
-                    loop {
-                        match std::io::Read::read(&mut input, &mut buf) {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => {
-                                if write_frame(&mut w, FrameKind::Stdin, &buf[..n]).is_err() {
-                                    return;
-                                }
-                            }
-                        }
-                    }
-                    let _ = write_frame(&mut w, FrameKind::StdinEof, b"");
-                });
-            }
-        }
-        drive(rx, env.timeout, sink, || {
-            let _ = write_control(
-                &mut writer,
-                &HostMsg::Signal {
-                    signal: libc::SIGKILL,
-                },
-            );
-            // Also what left the process group (setsid, daemons) since the command began.
-            cgroup.kill_except(&before);
-        })
-        .map_err(RuntimeError::Backend)
+        agent_exec(&socket_path(dir), cgroup, env, req, sink)
     }
 
     fn stop(&self, _rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
@@ -420,4 +321,115 @@ pub fn ping(dir: &Path, timeout: Duration) -> Result<u32, RuntimeError> {
             strata_agent::PROTOCOL_VERSION
         ))),
     }
+}
+
+/// Runs a command through the agent listening at `sock` (the init of a fncall sandbox or
+/// of a container): output streams back in frames; on timeout the command's process group
+/// and whatever else it started in the sandbox's cgroup is killed.
+pub(crate) fn agent_exec(
+    sock: &Path,
+    cgroup: &Cgroup,
+    env: &ExecEnv,
+    req: &ExecRequest,
+    sink: &mut dyn FnMut(Stream, &[u8]),
+) -> Result<Collected, RuntimeError> {
+    let before: std::collections::HashSet<u32> = cgroup.pids().into_iter().collect();
+    let conn = UnixStream::connect(sock).map_err(|e| {
+        RuntimeError::Backend(format!(
+            "connecting to the sandbox agent at {}: {e}",
+            sock.display()
+        ))
+    })?;
+    let io_err = |e: std::io::Error| RuntimeError::Backend(format!("sandbox agent: {e}"));
+    let mut writer = conn.try_clone().map_err(io_err)?;
+    let mut reader = conn.try_clone().map_err(io_err)?;
+    write_control(
+        &mut writer,
+        &HostMsg::Exec(ExecSpec {
+            argv: env.argv.clone(),
+            env: env
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            cwd: env.cwd.clone(),
+            uid: env.uid,
+            gid: env.gid,
+            stdin: !matches!(req.stdin, Stdin::Null),
+        }),
+    )
+    .map_err(io_err)?;
+    match read_frame::<AgentMsg>(&mut reader).map_err(io_err)? {
+        Some(Frame::Control(AgentMsg::Started { .. })) => {}
+        Some(Frame::Control(AgentMsg::Error { message })) => {
+            return Err(RuntimeError::Exec(message))
+        }
+        other => {
+            return Err(RuntimeError::Backend(format!(
+                "sandbox agent answered {other:?} to exec"
+            )))
+        }
+    }
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || loop {
+        let event = match read_frame::<AgentMsg>(&mut reader) {
+            Ok(Some(Frame::Data(FrameKind::Stdout, d))) => Event::Output(Stream::Stdout, d),
+            Ok(Some(Frame::Data(FrameKind::Stderr, d))) => Event::Output(Stream::Stderr, d),
+            Ok(Some(Frame::Control(AgentMsg::Exited { code, signal }))) => {
+                let _ = tx.send(Event::Exited(RawExit { code, signal }));
+                return;
+            }
+            Ok(Some(other)) => Event::Failed(format!("unexpected frame {other:?}")),
+            Ok(None) => Event::Failed("the sandbox agent went away".into()),
+            Err(e) => Event::Failed(format!("sandbox agent: {e}")),
+        };
+        let last = matches!(event, Event::Failed(_));
+        if tx.send(event).is_err() || last {
+            return;
+        }
+    });
+    match &req.stdin {
+        Stdin::Null => {}
+        Stdin::Bytes(data) => {
+            let mut w = writer.try_clone().map_err(io_err)?;
+            let data = data.clone();
+            std::thread::spawn(move || {
+                for part in data.chunks(64 * 1024) {
+                    if write_frame(&mut w, FrameKind::Stdin, part).is_err() {
+                        return;
+                    }
+                }
+                let _ = write_frame(&mut w, FrameKind::StdinEof, b"");
+            });
+        }
+        Stdin::Inherit => {
+            let mut w = writer.try_clone().map_err(io_err)?;
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 64 * 1024];
+                let mut input = std::io::stdin().lock();
+                loop {
+                    match std::io::Read::read(&mut input, &mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            if write_frame(&mut w, FrameKind::Stdin, &buf[..n]).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+                let _ = write_frame(&mut w, FrameKind::StdinEof, b"");
+            });
+        }
+    }
+    drive(rx, env.timeout, sink, || {
+        let _ = write_control(
+            &mut writer,
+            &HostMsg::Signal {
+                signal: libc::SIGKILL,
+            },
+        );
+        // Also what left the process group (setsid, daemons) since the command began.
+        cgroup.kill_except(&before);
+    })
+    .map_err(RuntimeError::Backend)
 }

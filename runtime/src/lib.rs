@@ -143,8 +143,11 @@ pub struct RuntimeConfig {
     pub oci_runtime: OciRuntime,
     /// The `strata-agent` binary (fncall init).
     pub agent: PathBuf,
-    /// A static init for containers (catatonit).
+    /// A static init for containers (catatonit), used without a static agent.
     pub container_init: PathBuf,
+    /// A statically linked `strata-agent` to be every container's init, so commands run
+    /// through it instead of `<oci runtime> exec`.
+    pub container_agent: Option<PathBuf>,
 }
 
 impl RuntimeConfig {
@@ -161,6 +164,7 @@ impl RuntimeConfig {
             oci_runtime: OciRuntime::parse(&oci)?,
             agent,
             container_init: PathBuf::from("/usr/bin/catatonit"),
+            container_agent: None,
         })
     }
 }
@@ -230,6 +234,7 @@ impl Runtime {
             runtime: cfg.oci_runtime.clone(),
             state_root: cfg.state_dir.join(cfg.oci_runtime.name()),
             init: cfg.container_init.clone(),
+            agent: cfg.container_agent.clone(),
         };
         let cgroup_parent = cgroup::parent_for(&cfg.state_dir);
         let fncall = fncall::FncallBackend {
