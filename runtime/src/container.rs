@@ -437,9 +437,7 @@ impl SandboxBackend for ContainerBackend {
             &args,
             "run",
             Some(&ctx.dir.join("oci.log")),
-            listener
-                .as_ref()
-                .map(|l| std::os::fd::AsRawFd::as_raw_fd(l)),
+            listener.as_ref().map(std::os::fd::AsRawFd::as_raw_fd),
         )?;
         drop(listener);
         let pid = std::fs::read_to_string(&pid_file)
