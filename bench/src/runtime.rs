@@ -430,6 +430,14 @@ pub fn run(
         "lower",
         &format!("{n} idle sandboxes; memcg charge"),
     ));
+    // Leave nothing running: pooled agents and uppers, then the suite's lazyfs daemon.
+    s.runtime.drain_pool();
+    let _ = Command::new(bin("strata")?)
+        .env("STRATA_HOME", &s.home)
+        .args(["lazyfs", "stop"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
     Ok(Section {
         name: "runtime".into(),
         description: "Sandbox create -> first exec latency, sustained creation rate and idle memory, against bare crun over a pre-extracted rootfs and against exporting the layers first. Layers are cached locally; each sandbox gets its own overlay upper (ext4 image) and cgroups.".into(),
