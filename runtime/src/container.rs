@@ -228,21 +228,7 @@ impl ContainerBackend {
 
     fn spec(&self, ctx: &StartContext) -> Result<Spec, RuntimeError> {
         let bad = |e: oci_spec::OciSpecError| RuntimeError::Backend(format!("OCI spec: {e}"));
-        let caps: Vec<Capability> = KEPT_CAPS
-            .iter()
-            .filter_map(|(name, _)| {
-                serde_json::from_value::<Capability>(serde_json::json!(name)).ok()
-            })
-            .collect();
-        let caps: oci_spec::runtime::Capabilities = caps.into_iter().collect();
-        let capabilities = oci_spec::runtime::LinuxCapabilitiesBuilder::default()
-            .bounding(caps.clone())
-            .effective(caps.clone())
-            .permitted(caps)
-            .inheritable(oci_spec::runtime::Capabilities::new())
-            .ambient(oci_spec::runtime::Capabilities::new())
-            .build()
-            .map_err(bad)?;
+        let capabilities = kept_capabilities()?;
         let process = ProcessBuilder::default()
             .terminal(false)
             .args(match &self.agent {

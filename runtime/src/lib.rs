@@ -78,6 +78,45 @@ impl RuntimeError {
     }
 }
 
+/// Runs a host tool (mkfs.ext4, mount, ip, nft), feeding it `stdin`; its stdout, or an
+/// error with its stderr that says how to install it when it is missing.
+pub(crate) fn run_tool(
+    cmd: &mut std::process::Command,
+    stdin: Option<&str>,
+) -> Result<String, RuntimeError> {
+    use std::process::Stdio;
+    let program = cmd.get_program().to_string_lossy().into_owned();
+    let mut child = cmd
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            RuntimeError::Setup(format!(
+                "cannot run {program}: {e} (install it with scripts/setup.sh)"
+            ))
+        })?;
+    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        std::io::Write::write_all(&mut pipe, text.as_bytes())
+            .map_err(|e| RuntimeError::Setup(format!("{program}: {e}")))?;
+    }
+    let out = child
+        .wait_with_output()
+        .map_err(|e| RuntimeError::Setup(format!("{program}: {e}")))?;
+    if !out.status.success() {
+        return Err(RuntimeError::Setup(format!(
+            "{program} {:?} failed: {}",
+            cmd.get_args().collect::<Vec<_>>(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// Claims the right to end the sandbox in `dir` (a marker created exclusively); a marker
 /// left by a runtime that died mid-teardown is taken over after a minute.
 fn claim_end(dir: &Path) -> bool {

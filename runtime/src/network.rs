@@ -8,7 +8,7 @@
 
 use std::net::{Ipv4Addr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 use crate::spec::NetRule;
 use crate::RuntimeError;
@@ -100,35 +100,7 @@ pub fn resolve(rules: &[NetRule]) -> Result<Vec<Destination>, RuntimeError> {
 }
 
 fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, RuntimeError> {
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| {
-            RuntimeError::Setup(format!(
-                "cannot run {program}: {e} (install it with scripts/setup.sh)"
-            ))
-        })?;
-    if let (Some(text), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        std::io::Write::write_all(&mut pipe, text.as_bytes())
-            .map_err(|e| RuntimeError::Setup(format!("{program}: {e}")))?;
-    }
-    let out = child
-        .wait_with_output()
-        .map_err(|e| RuntimeError::Setup(format!("{program}: {e}")))?;
-    if !out.status.success() {
-        return Err(RuntimeError::Setup(format!(
-            "{program} {args:?} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    crate::run_tool(Command::new(program).args(args), stdin)
 }
 
 /// Claims a /30 slot for a sandbox: a file created exclusively, so concurrent creates on

@@ -129,25 +129,31 @@ impl Uppers {
         let f = std::fs::File::create(&image).map_err(RuntimeError::io(&image))?;
         f.set_len(bytes).map_err(RuntimeError::io(&image))?;
         drop(f);
-        run(Command::new("mkfs.ext4")
-            .args([
-                "-q",
-                "-F",
-                "-O",
-                "^has_journal,^resize_inode",
-                "-E",
-                "lazy_itable_init=1,nodiscard",
-                "-m",
-                "0",
-                "-i",
-                "8192",
-            ])
-            .arg(&image))?;
+        crate::run_tool(
+            Command::new("mkfs.ext4")
+                .args([
+                    "-q",
+                    "-F",
+                    "-O",
+                    "^has_journal,^resize_inode",
+                    "-E",
+                    "lazy_itable_init=1,nodiscard",
+                    "-m",
+                    "0",
+                    "-i",
+                    "8192",
+                ])
+                .arg(&image),
+            None,
+        )?;
         std::fs::create_dir_all(&dir).map_err(RuntimeError::io(&dir))?;
-        run(Command::new("mount")
-            .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noatime"])
-            .arg(&image)
-            .arg(&dir))?;
+        crate::run_tool(
+            Command::new("mount")
+                .args(["-t", "ext4", "-o", "loop,nosuid,nodev,noatime"])
+                .arg(&image)
+                .arg(&dir),
+            None,
+        )?;
         Ok(dir)
     }
 
@@ -195,22 +201,4 @@ impl Uppers {
         }
         ids.into_iter().collect()
     }
-}
-
-fn run(cmd: &mut Command) -> Result<String, RuntimeError> {
-    let out = cmd.output().map_err(|e| {
-        RuntimeError::Setup(format!(
-            "cannot run {:?}: {e} (install it with scripts/setup.sh)",
-            cmd.get_program()
-        ))
-    })?;
-    if !out.status.success() {
-        return Err(RuntimeError::Setup(format!(
-            "{:?} {:?} failed: {}",
-            cmd.get_program(),
-            cmd.get_args().collect::<Vec<_>>(),
-            String::from_utf8_lossy(&out.stderr).trim()
-        )));
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
