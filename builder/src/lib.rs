@@ -12,6 +12,7 @@ pub mod erofs;
 pub mod export;
 pub mod layout;
 pub mod source;
+pub mod steps;
 pub mod tree;
 pub mod upload;
 
@@ -50,6 +51,16 @@ pub enum BuildError {
     TooLarge(String),
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error("build step {step} `{command}` exited with status {status}{budget}; its output ends:\n{output}")]
+    StepFailed {
+        step: usize,
+        command: String,
+        status: i32,
+        budget: String,
+        output: String,
+    },
+    #[error("build sandbox: {0}")]
+    Sandbox(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -98,6 +109,10 @@ pub struct BuildRequest {
     /// Directory inside the layer that the source's root becomes, e.g. `work` for a
     /// workspace stacked on a base at `/work`. Empty: the layer root.
     pub prefix: Option<String>,
+    /// What the provenance record names as the source (default: `source` itself).
+    pub source_label: Option<String>,
+    /// More provenance fields (a step build's inputs, steps and logs).
+    pub provenance: serde_json::Map<String, serde_json::Value>,
 }
 
 impl BuildRequest {
@@ -111,6 +126,8 @@ impl BuildRequest {
             version: def.version.clone(),
             exclude: def.exclude.clone(),
             prefix: def.prefix.clone(),
+            source_label: None,
+            provenance: Default::default(),
         })
     }
 }
@@ -135,6 +152,12 @@ pub struct BuildReport {
     /// False when a layer with this ID was already in the store.
     pub created: bool,
     pub seconds: f64,
+    /// True when a step build's result came from the build cache.
+    pub cache_hit: bool,
+    /// A step build's key (definition, input layer IDs, steps).
+    pub build_key: Option<Digest>,
+    /// Build steps that ran (0 on a cache hit).
+    pub steps_run: usize,
 }
 
 /// Progress callback: (bytes of file data processed so far).
@@ -241,13 +264,16 @@ async fn build_leased(
         kind: req.kind.to_string(),
         name: req.name.clone(),
         version: req.version.clone(),
-        source: req.source.to_string(),
+        source: req
+            .source_label
+            .clone()
+            .unwrap_or_else(|| req.source.to_string()),
         built_at: SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
         writer_version: WRITER_VERSION.to_string(),
-        extra: Default::default(),
+        extra: req.provenance.clone(),
     };
     let created = store.put_layer(&manifest, &provenance).await?;
     let s = &uploader.stats;
@@ -264,5 +290,8 @@ async fn build_leased(
         blob_bytes: blob.size,
         created,
         seconds: started.elapsed().as_secs_f64(),
+        cache_hit: false,
+        build_key: None,
+        steps_run: 0,
     })
 }

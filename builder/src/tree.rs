@@ -212,6 +212,11 @@ impl Tree {
         &mut self.nodes[id]
     }
 
+    /// Every node, for changes that do not touch the tree's shape.
+    pub fn nodes_mut(&mut self) -> impl Iterator<Item = &mut Node> {
+        self.nodes.iter_mut()
+    }
+
     pub fn children(&self, id: NodeId) -> Option<&BTreeMap<Vec<u8>, NodeId>> {
         match &self.nodes[id].kind {
             NodeKind::Dir(c) => Some(c),

@@ -78,6 +78,8 @@ pub struct ContainerBackend {
     pub agent: Option<PathBuf>,
 }
 
+/// Where a container's own files (init, agent) are bound, inside the container.
+pub const RUNTIME_DIR: &str = "/.strata";
 const INIT_PATH: &str = "/.strata/init";
 const AGENT_PATH: &str = "/.strata/agent";
 /// The descriptor the host's listening socket has in the container's init.

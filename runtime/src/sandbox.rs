@@ -17,6 +17,7 @@ use crate::cgroup::Cgroup;
 use crate::exec::{Budget, Collected, Event, ExecRequest, ExecResult, Stream};
 use crate::files::{self, FileEntry};
 use crate::spec::SandboxSpec;
+use strata_catalog::Backend;
 use crate::{Runtime, RuntimeError};
 
 /// What the runtime keeps about a live sandbox (`sandboxes/<id>/sandbox.json`).
@@ -204,6 +205,39 @@ impl Sandbox {
 
     fn rootfs(&self) -> PathBuf {
         self.dir().join("rootfs")
+    }
+
+    fn rootfs_paths(&self) -> crate::rootfs::RootfsPaths {
+        crate::rootfs::RootfsPaths::new(
+            &self.dir(),
+            &self.rt.uppers().dir(&self.record.id),
+            self.record.spec.layers.len(),
+        )
+    }
+
+    /// The host directory holding what the sandbox changed (its overlayfs upper), for
+    /// reading while the sandbox lives, e.g. to turn a build's changes into a layer.
+    pub fn upper_dir(&self) -> PathBuf {
+        self.rootfs_paths().upper
+    }
+
+    /// Paths (relative to the root) the runtime itself writes into the upper, not the
+    /// sandbox's commands: the mount points of its own files in a container, and the
+    /// allowed hosts' addresses in `/etc/hosts`.
+    pub fn runtime_written_paths(&self) -> Vec<String> {
+        let mut paths = Vec::new();
+        if self.record.spec.backend == Backend::Container {
+            paths.push(crate::container::RUNTIME_DIR.trim_start_matches('/').to_string());
+        }
+        if !self.record.spec.network.is_empty() {
+            paths.push("etc/hosts".to_string());
+        }
+        paths
+    }
+
+    /// The host directories of the sandbox's layers, top-most first (read-only).
+    pub fn layer_dirs(&self) -> Vec<PathBuf> {
+        self.rootfs_paths().layers
     }
 
     pub fn cgroup(&self) -> Cgroup {

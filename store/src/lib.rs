@@ -419,6 +419,47 @@ impl Store {
         }
     }
 
+    fn build_record_key(build_key: &Digest) -> ObjectPath {
+        ObjectPath::from(format!("builds/{build_key}.json"))
+    }
+
+    /// Records that the step build with this key made `layer` (the build cache).
+    pub async fn put_build_record(&self, build_key: &Digest, layer: &Digest) -> Result<()> {
+        let key = Self::build_record_key(build_key);
+        let body = serde_json::to_vec(&serde_json::json!({ "layer": layer }))
+            .map_err(|source| StoreError::Json {
+                key: key.to_string(),
+                source,
+            })?;
+        self.backend
+            .put(&key, PutPayload::from(body))
+            .await
+            .map_err(backend_err("put", &key))?;
+        Ok(())
+    }
+
+    /// The layer a step build with this key made, if one is recorded.
+    pub async fn get_build_record(&self, build_key: &Digest) -> Result<Option<Digest>> {
+        #[derive(serde::Deserialize)]
+        struct Record {
+            layer: Digest,
+        }
+        let key = Self::build_record_key(build_key);
+        match self.backend.get(&key).await {
+            Ok(r) => {
+                let bytes = r.bytes().await.map_err(backend_err("get", &key))?;
+                let record: Record =
+                    serde_json::from_slice(&bytes).map_err(|source| StoreError::Json {
+                        key: key.to_string(),
+                        source,
+                    })?;
+                Ok(Some(record.layer))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(backend_err("get", &key)(e)),
+        }
+    }
+
     /// Every committed layer ID, sorted.
     pub async fn list_layers(&self) -> Result<Vec<Digest>> {
         let prefix = ObjectPath::from("layers");

@@ -4,7 +4,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use strata_builder::{BuildRequest, LayerKind, Source};
+use std::io::Write;
+
+use strata_builder::steps::StepOptions;
+use strata_builder::{BuildReport, BuildRequest, LayerDefinition, LayerKind, Source};
 use strata_store::Store;
 
 use crate::output::{byte_progress, human_bytes, print_json};
@@ -30,7 +33,8 @@ pub enum LayerCommand {
 pub enum StoredLayerCommand {
     /// Build a layer from a directory, tar (plain/gzip/zstd, `-` for stdin), OCI layout
     /// (`oci:DIR[:REF]`), registry image (`docker://REF`), git revision (`git:REPO[@REV]`)
-    /// or a layer definition file (`*.toml`). Prints the layer ID last.
+    /// or a layer definition file (`*.toml`: a `[source]`, or `run` steps over `from`
+    /// layers, run in a container sandbox). Prints the layer ID last.
     Build {
         /// Role of the layer; a definition file's `kind` wins.
         #[arg(long, default_value = "base")]
@@ -45,6 +49,9 @@ pub enum StoredLayerCommand {
         /// Put the source's root at this directory inside the layer (e.g. /work).
         #[arg(long)]
         prefix: Option<String>,
+        /// Run a definition's build steps even when the build cache has their result.
+        #[arg(long)]
+        no_cache: bool,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -70,11 +77,14 @@ pub async fn run(url: Option<String>, cmd: LayerCommand) -> Result<i32> {
         LayerCommand::Mount { id, dir } => crate::lazy::mount(url, id, dir).await,
         LayerCommand::Umount { dir } => crate::lazy::umount(dir).await,
         LayerCommand::Stats { id, json } => crate::lazy::stats(id, json).await,
-        LayerCommand::Stored(c) => run_stored(&crate::open_store(url.as_deref())?, c).await,
+        LayerCommand::Stored(c) => {
+            let store = crate::open_store(url.as_deref())?;
+            run_stored(&store, url, c).await
+        }
     }
 }
 
-async fn run_stored(store: &Store, cmd: StoredLayerCommand) -> Result<i32> {
+async fn run_stored(store: &Store, url: Option<String>, cmd: StoredLayerCommand) -> Result<i32> {
     match cmd {
         StoredLayerCommand::Build {
             kind,
@@ -82,10 +92,24 @@ async fn run_stored(store: &Store, cmd: StoredLayerCommand) -> Result<i32> {
             version,
             exclude,
             prefix,
+            no_cache,
             json,
             source,
         } => {
-            let req = if source.ends_with(".toml") && std::path::Path::new(&source).is_file() {
+            let is_definition =
+                source.ends_with(".toml") && std::path::Path::new(&source).is_file();
+            if is_definition {
+                let mut def = LayerDefinition::load(source.as_ref())?;
+                if def.is_step_build() {
+                    def.exclude.extend(exclude);
+                    def.name = name.or(def.name);
+                    def.version = version.or(def.version);
+                    let report = build_steps(store, url, &def, no_cache).await?;
+                    print_report(&report, json)?;
+                    return Ok(0);
+                }
+            }
+            let req = if is_definition {
                 let mut r = BuildRequest::from_definition(source.as_ref())?;
                 r.exclude.extend(exclude);
                 r.name = name.or(r.name);
@@ -100,32 +124,14 @@ async fn run_stored(store: &Store, cmd: StoredLayerCommand) -> Result<i32> {
                     version,
                     exclude,
                     prefix,
+                    source_label: None,
+                    provenance: Default::default(),
                 }
             };
             let (bar, progress) = byte_progress(&format!("building {}", req.source));
             let report = strata_builder::build(store, &req, Some(progress)).await;
             bar.finish_and_clear();
-            let report = report?;
-            if json {
-                print_json(&report)?;
-            } else {
-                eprintln!(
-                    "{} files, {} of data; {} new ({} uploaded), {}/{} chunks reused; {:.2} s{}",
-                    report.files,
-                    human_bytes(report.logical_bytes),
-                    human_bytes(report.new_data_bytes),
-                    human_bytes(report.uploaded_bytes),
-                    report.reused_chunks,
-                    report.chunks,
-                    report.seconds,
-                    if report.created {
-                        ""
-                    } else {
-                        " (layer already in store)"
-                    }
-                );
-                println!("{}", report.id);
-            }
+            print_report(&report?, json)?;
             Ok(0)
         }
         StoredLayerCommand::Inspect { id, json } => {
@@ -223,4 +229,58 @@ async fn run_stored(store: &Store, cmd: StoredLayerCommand) -> Result<i32> {
             Ok(0)
         }
     }
+}
+
+fn print_report(report: &BuildReport, json: bool) -> Result<()> {
+    if json {
+        return print_json(report);
+    }
+    if report.cache_hit {
+        eprintln!(
+            "build cache hit (key {}): no step run; {} files, {} of data",
+            report.build_key.map(|k| k.to_hex()).unwrap_or_default(),
+            report.files,
+            human_bytes(report.logical_bytes),
+        );
+    } else {
+        eprintln!(
+            "{} files, {} of data; {} new ({} uploaded), {}/{} chunks reused; {:.2} s{}",
+            report.files,
+            human_bytes(report.logical_bytes),
+            human_bytes(report.new_data_bytes),
+            human_bytes(report.uploaded_bytes),
+            report.reused_chunks,
+            report.chunks,
+            report.seconds,
+            if report.created {
+                ""
+            } else {
+                " (layer already in store)"
+            }
+        );
+    }
+    println!("{}", report.id);
+    Ok(())
+}
+
+/// Runs a definition's build steps in a container sandbox of the local runtime.
+async fn build_steps(
+    store: &Store,
+    url: Option<String>,
+    def: &LayerDefinition,
+    no_cache: bool,
+) -> Result<BuildReport> {
+    strata_builder::steps::validate(def)?;
+    let inputs = crate::build_steps::resolve_inputs(store, &def.from).await?;
+    let rt = crate::sandbox::open_runtime(url)?;
+    let runner = std::sync::Arc::new(crate::build_steps::RuntimeStepRunner { rt });
+    let opts = StepOptions {
+        no_cache,
+        output: Some(std::sync::Arc::new(|data: &[u8]| {
+            let mut err = std::io::stderr().lock();
+            let _ = err.write_all(data).and_then(|_| err.flush());
+        })),
+        progress: None,
+    };
+    Ok(strata_builder::steps::build_steps(store, def, inputs, runner, opts).await?)
 }

@@ -1,6 +1,7 @@
 //! The `strata` binary: parses the command line and wires the library crates together.
 //! Nothing here decides how layers or stores work; it only calls into the crates that do.
 
+mod build_steps;
 mod catalog;
 mod layer;
 mod lazy;

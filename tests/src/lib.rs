@@ -220,6 +220,8 @@ pub fn build(
         version: None,
         exclude: vec![],
         prefix: None,
+        source_label: None,
+        provenance: Default::default(),
     };
     rt.block_on(strata_builder::build(store, &req, None))
 }

@@ -10,7 +10,7 @@ use std::path::Path;
 use rayon::prelude::*;
 
 use crate::chunker::{chunk_file, ChunkSink};
-use crate::source::Excludes;
+use crate::source::PathFilter;
 use crate::tree::{FileData, Meta, Node, NodeId, NodeKind, Tree};
 use crate::BuildError;
 
@@ -49,7 +49,7 @@ fn read_xattrs(path: &Path, node: &mut Node) -> Result<(), BuildError> {
 /// where a tree was unpacked must not change the layer.
 pub fn read_dir(
     root: &Path,
-    excludes: &Excludes,
+    filter: &dyn PathFilter,
     sink: &dyn ChunkSink,
 ) -> Result<Tree, BuildError> {
     let meta = std::fs::symlink_metadata(root).map_err(io_err(root))?;
@@ -87,7 +87,7 @@ pub fn read_dir(
             .as_os_str()
             .as_bytes()
             .to_vec();
-        if excludes.matches(&rel) {
+        if filter.skip(&rel, entry.file_type().is_dir()) {
             if entry.file_type().is_dir() {
                 it.skip_current_dir();
             }

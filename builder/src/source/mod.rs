@@ -5,7 +5,9 @@ pub mod dir;
 pub mod oci;
 pub mod registry;
 pub mod tar;
+pub mod upper;
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -32,6 +34,11 @@ pub enum Source {
         repo: PathBuf,
         rev: String,
     },
+    /// The overlayfs upper directory build steps wrote (see [`upper`]).
+    Upper {
+        dir: PathBuf,
+        filter: upper::UpperFilter,
+    },
 }
 
 impl std::fmt::Display for Source {
@@ -49,6 +56,7 @@ impl std::fmt::Display for Source {
             } => write!(f, "oci:{}", path.display()),
             Source::Registry(r) => write!(f, "docker://{r}"),
             Source::Git { repo, rev } => write!(f, "git:{}@{rev}", repo.display()),
+            Source::Upper { dir, .. } => write!(f, "upper:{}", dir.display()),
         }
     }
 }
@@ -87,18 +95,56 @@ impl Excludes {
     }
 }
 
-/// A layer definition file (TOML).
+/// Decides which entries of a source are left out of a layer.
+pub trait PathFilter: Sync {
+    /// `rel` is the entry's path inside the layer without a leading `/`.
+    fn skip(&self, rel: &[u8], is_dir: bool) -> bool;
+}
+
+impl PathFilter for Excludes {
+    fn skip(&self, rel: &[u8], _is_dir: bool) -> bool {
+        self.matches(rel)
+    }
+}
+
+/// A layer definition file (TOML): a `[source]` to read, or `run` steps over `from` layers
+/// (see [`crate::steps`]).
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LayerDefinition {
     pub kind: LayerKind,
     pub name: Option<String>,
     pub version: Option<String>,
-    pub source: SourceTable,
+    pub source: Option<SourceTable>,
     #[serde(default)]
     pub exclude: Vec<String>,
     /// Where the source's root goes inside the layer (e.g. "work").
     pub prefix: Option<String>,
+    /// Input layers of a step build: layer IDs or catalog IDs, top-most first.
+    #[serde(default)]
+    pub from: Vec<String>,
+    /// Shell commands run in order over the inputs; what they change becomes the layer.
+    #[serde(default)]
+    pub run: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory of the steps (created if missing).
+    pub workdir: Option<String>,
+    /// Destinations the steps may reach, HOST:PORT (e.g. pypi.org:443).
+    #[serde(default)]
+    pub network: Vec<String>,
+    /// Keep only these paths of what the steps changed (globs); empty keeps everything.
+    #[serde(default)]
+    pub capture: Vec<String>,
+    /// Also leave out the usual build leftovers ([`crate::steps::DEFAULT_EXCLUDES`]).
+    #[serde(default = "yes")]
+    pub default_excludes: bool,
+    /// Budgets of the build sandbox (the catalog's keys: memory, cpus, disk, pids, timeout).
+    pub budgets: Option<toml::Table>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The `[source]` table: exactly one of its location keys.
@@ -125,10 +171,21 @@ impl LayerDefinition {
             .map_err(|e| BuildError::Definition(format!("{}: {e}", path.display())))
     }
 
+    /// Whether the layer is made by running steps rather than read from a source.
+    pub fn is_step_build(&self) -> bool {
+        !self.run.is_empty() || !self.from.is_empty()
+    }
+
     /// The source, with relative paths taken from the definition file's directory.
     pub fn source(&self, def_path: &Path) -> Result<Source, BuildError> {
         let base = def_path.parent().unwrap_or(Path::new("."));
-        let s = &self.source;
+        let Some(s) = &self.source else {
+            return Err(BuildError::Definition(format!(
+                "{}: needs a [source] table (dir, tar, oci, image or git), or `from` layers \
+                 and `run` steps",
+                def_path.display()
+            )));
+        };
         let rel = |p: &PathBuf| {
             if p.is_absolute() {
                 p.clone()
@@ -255,6 +312,7 @@ impl Source {
             }
             Source::Registry(r) => registry::read_image(r, whiteouts, excludes, sink),
             Source::Git { repo, rev } => read_git(repo, rev, excludes, sink),
+            Source::Upper { dir, filter } => upper::read_upper(dir, filter, excludes, sink),
         }
     }
 }

@@ -1,0 +1,213 @@
+//! The runtime as the builder's step runner: `strata layer build` of a definition with `run`
+//! steps runs them in a container sandbox over the input layers and hands the builder the
+//! sandbox's upper to read.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use strata_builder::steps::{StepExit, StepPlan, StepRunner, StepSandbox};
+use strata_builder::BuildError;
+use strata_catalog::{Backend, Budgets, Catalog};
+use strata_runtime::spec::{local_identity, DEFAULT_PATH};
+use strata_runtime::{ExecRequest, Limits, NetRule, Runtime, Sandbox, SandboxSpec};
+use strata_store::{Digest, Store};
+
+/// Budgets of a build sandbox the definition leaves open: installs are bigger and slower
+/// than agent commands.
+fn build_defaults() -> Budgets {
+    Budgets {
+        memory: Some("2G".into()),
+        cpus: None,
+        disk: Some("8G".into()),
+        pids: Some(4096),
+        timeout: Some("30m".into()),
+        idle_ttl: Some("2h".into()),
+    }
+}
+
+fn sandbox_err(e: impl std::fmt::Display) -> BuildError {
+    BuildError::Sandbox(e.to_string())
+}
+
+/// Resolves a definition's `from` (layer IDs or unique prefixes, and catalog IDs, which
+/// stand for their entry's whole stack) to layer IDs, top-most first.
+pub async fn resolve_inputs(store: &Store, from: &[String]) -> anyhow::Result<Vec<Digest>> {
+    let mut inputs = Vec::new();
+    for reference in from {
+        if reference.contains('/') {
+            let catalog = Catalog::open(store).await?;
+            let reg = catalog.get(reference).await?;
+            for layer in reg.entry.layers() {
+                inputs.push(layer.parse::<Digest>().map_err(|e| {
+                    anyhow::anyhow!("catalog entry {reference} names layer `{layer}`: {e}")
+                })?);
+            }
+        } else {
+            inputs.push(store.resolve_layer(reference).await?);
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    if let Some(dup) = inputs.iter().find(|d| !seen.insert(**d)) {
+        anyhow::bail!("`from` names layer {dup} twice; list each input layer once");
+    }
+    Ok(inputs)
+}
+
+/// Where a build sandbox finds the host's CA bundle (under the runtime's own directory,
+/// which never becomes part of the layer).
+const CA_BUNDLE_PATH: &str = "/.strata/ca-certificates.crt";
+
+/// The CA bundle build steps trust: `STRATA_BUILD_CA_BUNDLE`, else the host's
+/// `SSL_CERT_FILE` (set where an egress proxy re-signs TLS), else the base's own.
+fn host_ca_bundle() -> Option<PathBuf> {
+    ["STRATA_BUILD_CA_BUNDLE", "SSL_CERT_FILE"]
+        .iter()
+        .filter_map(|k| std::env::var_os(k))
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+}
+
+pub struct RuntimeStepRunner {
+    pub rt: Runtime,
+}
+
+impl StepRunner for RuntimeStepRunner {
+    fn start(&self, plan: &StepPlan) -> Result<Box<dyn StepSandbox>, BuildError> {
+        let budgets: Budgets = toml::Value::Table(plan.budgets.clone())
+            .try_into()
+            .map_err(|e| BuildError::Definition(format!("[budgets]: {e}")))?;
+        let limits = Limits::from_budgets(&build_defaults().overridden_by(&budgets))
+            .map_err(|e| BuildError::Definition(format!("[budgets]: {e}")))?;
+        let network = plan
+            .network
+            .iter()
+            .map(|n| NetRule::parse(n))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| BuildError::Definition(format!("network: {e}")))?;
+        let mut env = BTreeMap::from([
+            ("PATH".to_string(), DEFAULT_PATH.to_string()),
+            ("HOME".to_string(), "/root".to_string()),
+        ]);
+        let ca_bundle = host_ca_bundle();
+        if ca_bundle.is_some() {
+            for var in [
+                "SSL_CERT_FILE",
+                "PIP_CERT",
+                "REQUESTS_CA_BUNDLE",
+                "CURL_CA_BUNDLE",
+                "GIT_SSL_CAINFO",
+                "NODE_EXTRA_CA_CERTS",
+            ] {
+                env.insert(var.to_string(), CA_BUNDLE_PATH.to_string());
+            }
+        }
+        env.extend(plan.env.clone());
+        let spec = SandboxSpec {
+            catalog_ref: format!("build:{}", plan.label),
+            layers: plan.inputs.iter().map(|d| d.to_hex()).collect(),
+            backend: Backend::Container,
+            limits,
+            env,
+            workdir: "/".into(),
+            user: "root".into(),
+            network,
+            commands: BTreeMap::new(),
+            identity: format!("{} building {}", local_identity(), plan.label),
+        };
+        let sandbox = self.rt.create_owned(spec).map_err(sandbox_err)?;
+        let step_sandbox = RuntimeStepSandbox {
+            sandbox: Some(sandbox),
+            workdir: plan.workdir.clone(),
+        };
+        if let Some(bundle) = ca_bundle {
+            let copied = std::fs::read(&bundle)
+                .map_err(|e| sandbox_err(format!("reading CA bundle {}: {e}", bundle.display())))
+                .and_then(|pem| {
+                    step_sandbox
+                        .sandbox()?
+                        .write_file(CA_BUNDLE_PATH, &pem, 0o644)
+                        .map_err(sandbox_err)
+                });
+            if let Err(e) = copied {
+                Box::new(step_sandbox).destroy()?;
+                return Err(e);
+            }
+        }
+        if plan.workdir != "/" {
+            let made = step_sandbox
+                .sandbox()?
+                .exec(&ExecRequest::argv(["mkdir", "-p", "--", &plan.workdir]))
+                .map_err(sandbox_err)?;
+            if !made.success() {
+                let e = BuildError::Definition(format!(
+                    "workdir {}: {}",
+                    plan.workdir,
+                    String::from_utf8_lossy(&made.stderr).trim()
+                ));
+                Box::new(step_sandbox).destroy()?;
+                return Err(e);
+            }
+        }
+        Ok(Box::new(step_sandbox))
+    }
+}
+
+struct RuntimeStepSandbox {
+    sandbox: Option<Sandbox>,
+    workdir: String,
+}
+
+impl RuntimeStepSandbox {
+    fn sandbox(&self) -> Result<&Sandbox, BuildError> {
+        self.sandbox
+            .as_ref()
+            .ok_or_else(|| BuildError::Internal("build sandbox already destroyed".into()))
+    }
+}
+
+impl StepSandbox for RuntimeStepSandbox {
+    fn run(
+        &mut self,
+        command: &str,
+        output: &mut dyn FnMut(&[u8]),
+    ) -> Result<StepExit, BuildError> {
+        let mut req = ExecRequest::shell(command);
+        req.cwd = Some(self.workdir.clone());
+        let result = self
+            .sandbox()?
+            .exec_streaming(&req, &mut |_, data| output(data))
+            .map_err(sandbox_err)?;
+        Ok(StepExit {
+            status: result.status_code(),
+            budget: result.budget.map(|b| b.to_string()),
+        })
+    }
+
+    fn upper(&self) -> PathBuf {
+        self.sandbox
+            .as_ref()
+            .map(Sandbox::upper_dir)
+            .unwrap_or_default()
+    }
+
+    fn lowers(&self) -> Vec<PathBuf> {
+        self.sandbox
+            .as_ref()
+            .map(Sandbox::layer_dirs)
+            .unwrap_or_default()
+    }
+
+    fn runtime_paths(&self) -> Vec<String> {
+        self.sandbox
+            .as_ref()
+            .map(Sandbox::runtime_written_paths)
+            .unwrap_or_default()
+    }
+
+    fn destroy(mut self: Box<Self>) -> Result<(), BuildError> {
+        match self.sandbox.take() {
+            Some(s) => s.destroy().map_err(sandbox_err),
+            None => Ok(()),
+        }
+    }
+}
