@@ -72,11 +72,8 @@ pub trait StepRunner: Send + Sync {
 /// A running build sandbox.
 pub trait StepSandbox: Send {
     /// Runs one shell command line at the plan's workdir, streaming its combined output.
-    fn run(
-        &mut self,
-        command: &str,
-        output: &mut dyn FnMut(&[u8]),
-    ) -> Result<StepExit, BuildError>;
+    fn run(&mut self, command: &str, output: &mut dyn FnMut(&[u8]))
+        -> Result<StepExit, BuildError>;
     /// The overlayfs upper directory the steps wrote, readable while the sandbox lives.
     fn upper(&self) -> PathBuf;
     /// The input layers' roots, in plan order.
@@ -86,13 +83,16 @@ pub trait StepSandbox: Send {
     fn destroy(self: Box<Self>) -> Result<(), BuildError>;
 }
 
+/// Receives build steps' output as it comes.
+pub type StepOutput = Arc<dyn Fn(&[u8]) + Send + Sync>;
+
 /// Knobs of one step build.
 #[derive(Clone, Default)]
 pub struct StepOptions {
     /// Run the steps even when the build cache has their result.
     pub no_cache: bool,
     /// Receives every step's output as it comes.
-    pub output: Option<Arc<dyn Fn(&[u8]) + Send + Sync>>,
+    pub output: Option<StepOutput>,
     /// Progress of reading the result into a layer.
     pub progress: Option<Progress>,
 }
@@ -115,13 +115,17 @@ pub fn validate(def: &LayerDefinition) -> Result<(), BuildError> {
         return bad("a definition has either a [source] table or `from` and `run` steps, not both");
     }
     if def.from.is_empty() {
-        return bad("`run` steps need `from`: the input layers (layer IDs or a catalog ID) they run over");
+        return bad(
+            "`run` steps need `from`: the input layers (layer IDs or a catalog ID) they run over",
+        );
     }
     if def.run.is_empty() {
         return bad("`from` needs at least one `run` step (a shell command)");
     }
     if def.prefix.is_some() {
-        return bad("`prefix` applies to [source] trees; step builds keep the paths the steps wrote");
+        return bad(
+            "`prefix` applies to [source] trees; step builds keep the paths the steps wrote",
+        );
     }
     if let Some(w) = &def.workdir {
         if !w.starts_with('/') {
@@ -217,7 +221,7 @@ pub async fn build_steps(
 async fn run_all(
     sandbox: Box<dyn StepSandbox>,
     steps: Vec<String>,
-    output: Option<Arc<dyn Fn(&[u8]) + Send + Sync>>,
+    output: Option<StepOutput>,
 ) -> (Box<dyn StepSandbox>, Result<Vec<StepRecord>, BuildError>) {
     let joined = tokio::task::spawn_blocking(move || {
         let mut sandbox = sandbox;
@@ -381,13 +385,20 @@ mod tests {
 
     #[test]
     fn definitions_are_checked() {
-        assert!(validate(&def("kind = \"toolkit\"\nfrom = [\"x\"]\nrun = [\"true\"]\n")).is_ok());
+        assert!(validate(&def(
+            "kind = \"toolkit\"\nfrom = [\"x\"]\nrun = [\"true\"]\n"
+        ))
+        .is_ok());
         let no_run = validate(&def("kind = \"toolkit\"\nfrom = [\"x\"]\n")).unwrap_err();
         assert!(no_run.to_string().contains("run"));
         let no_from = validate(&def("kind = \"toolkit\"\nrun = [\"true\"]\n")).unwrap_err();
         assert!(no_from.to_string().contains("from"));
-        let both = def("kind = \"toolkit\"\nfrom = [\"x\"]\nrun = [\"true\"]\n[source]\ndir = \"d\"\n");
-        assert!(validate(&both).unwrap_err().to_string().contains("not both"));
+        let both =
+            def("kind = \"toolkit\"\nfrom = [\"x\"]\nrun = [\"true\"]\n[source]\ndir = \"d\"\n");
+        assert!(validate(&both)
+            .unwrap_err()
+            .to_string()
+            .contains("not both"));
         let rel = def("kind = \"toolkit\"\nfrom = [\"x\"]\nrun = [\"true\"]\nworkdir = \"w\"\n");
         assert!(validate(&rel).is_err());
     }

@@ -438,7 +438,12 @@ impl Runtime {
         };
         let t_upper = t.elapsed();
         let paths = rootfs::RootfsPaths::new(dir, &upper_dir, spec.layers.len());
-        rootfs::assemble(&self.inner.cfg.lazyfs, &spec.layers, &paths)?;
+        rootfs::assemble(
+            &self.inner.cfg.lazyfs,
+            &spec.layers,
+            &paths,
+            &self.inner.cfg.state_dir.join("layer-facts"),
+        )?;
         let t_root = t.elapsed();
         let netns = if spec.network.is_empty() {
             None

@@ -3,6 +3,8 @@
 //! goes), stacked with overlayfs `toolkits:workspace:base` under the sandbox's quota'd upper.
 
 use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use strata_lazyfs::{mounts, Request, Response};
@@ -33,10 +35,12 @@ impl RootfsPaths {
 }
 
 /// Binds each layer and mounts the overlay at `paths.merged`.
+/// `facts` caches per-layer facts the assembly needs (which directories hold whiteouts).
 pub fn assemble(
     lazyfs: &LazyfsAccess,
     layer_ids: &[String],
     paths: &RootfsPaths,
+    facts: &Path,
 ) -> Result<(), RuntimeError> {
     let t = std::time::Instant::now();
     let mut client = lazyfs.client()?;
@@ -61,6 +65,7 @@ pub fn assemble(
     for d in [&paths.upper, &paths.work, &paths.merged] {
         std::fs::create_dir_all(d).map_err(RuntimeError::io(d))?;
     }
+    merge_whiteout_dirs(layer_ids, paths, facts)?;
     let lower = paths
         .layers
         .iter()
@@ -80,6 +85,98 @@ pub fn assemble(
         "root assembled"
     );
     Ok(())
+}
+
+/// Makes every directory that holds a whiteout a merged directory.
+///
+/// overlayfs filters whiteouts only when it merges a directory from several layers; a
+/// directory found in one layer alone is listed straight from it, whiteouts included (as
+/// `c?????????` entries that cannot be opened). That happens when a layer with whiteouts
+/// (a step-built one) is the bottom of a stack, or deletes from a directory no layer under
+/// it has. Creating such directories in the sandbox's upper, with the metadata of the
+/// top-most layer that has them, makes them merged, so the whiteouts hide as they should.
+fn merge_whiteout_dirs(
+    layer_ids: &[String],
+    paths: &RootfsPaths,
+    facts: &Path,
+) -> Result<(), RuntimeError> {
+    let mut needed = std::collections::BTreeSet::new();
+    for (id, root) in layer_ids.iter().zip(&paths.layers) {
+        needed.extend(whiteout_dirs(facts, id, root)?);
+    }
+    for dir in needed {
+        let mut rel = PathBuf::new();
+        for part in dir.components() {
+            rel.push(part);
+            let target = paths.upper.join(&rel);
+            if std::fs::symlink_metadata(&target).is_ok() {
+                continue;
+            }
+            let Some(meta) = paths
+                .layers
+                .iter()
+                .find_map(|l| std::fs::symlink_metadata(l.join(&rel)).ok())
+                .filter(|m| m.is_dir())
+            else {
+                break;
+            };
+            std::fs::create_dir(&target).map_err(RuntimeError::io(&target))?;
+            std::os::unix::fs::lchown(&target, Some(meta.uid()), Some(meta.gid()))
+                .map_err(RuntimeError::io(&target))?;
+            std::fs::set_permissions(
+                &target,
+                std::fs::Permissions::from_mode(meta.mode() & 0o7777),
+            )
+            .map_err(RuntimeError::io(&target))?;
+        }
+    }
+    Ok(())
+}
+
+/// The directories (relative to the layer root) holding overlayfs whiteouts in layer `id`,
+/// mounted at `root`. Layers are immutable, so the walk is done once per layer per host
+/// and its result kept in `facts` (NUL-separated paths).
+fn whiteout_dirs(facts: &Path, id: &str, root: &Path) -> Result<Vec<PathBuf>, RuntimeError> {
+    let cached = facts.join(format!("{id}.whiteout-dirs"));
+    if let Ok(bytes) = std::fs::read(&cached) {
+        return Ok(bytes
+            .split(|b| *b == 0)
+            .filter(|p| !p.is_empty())
+            .map(|p| PathBuf::from(std::ffi::OsStr::from_bytes(p)))
+            .collect());
+    }
+    let mut dirs = std::collections::BTreeSet::new();
+    for entry in walkdir::WalkDir::new(root).follow_links(false).min_depth(1) {
+        let entry = entry.map_err(|e| {
+            RuntimeError::Setup(format!("reading layer {id} at {}: {e}", root.display()))
+        })?;
+        if !entry.file_type().is_char_device() {
+            continue;
+        }
+        let meta = entry
+            .metadata()
+            .map_err(|e| RuntimeError::Setup(format!("reading {}: {e}", entry.path().display())))?;
+        if meta.rdev() != 0 {
+            continue;
+        }
+        if let Some(parent) = entry
+            .path()
+            .parent()
+            .and_then(|p| p.strip_prefix(root).ok())
+        {
+            dirs.insert(parent.to_path_buf());
+        }
+    }
+    let mut bytes = Vec::new();
+    for d in &dirs {
+        bytes.extend_from_slice(d.as_os_str().as_bytes());
+        bytes.push(0);
+    }
+    std::fs::create_dir_all(facts).map_err(RuntimeError::io(facts))?;
+    let tmp = facts.join(format!("{id}.whiteout-dirs.{}", std::process::id()));
+    std::fs::write(&tmp, &bytes).map_err(RuntimeError::io(&tmp))?;
+    std::fs::rename(&tmp, &cached).map_err(RuntimeError::io(&cached))?;
+    Ok(dirs.into_iter().collect())
 }
 
 fn escape(p: &Path) -> String {

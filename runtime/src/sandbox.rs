@@ -17,8 +17,8 @@ use crate::cgroup::Cgroup;
 use crate::exec::{Budget, Collected, Event, ExecRequest, ExecResult, Stream};
 use crate::files::{self, FileEntry};
 use crate::spec::SandboxSpec;
-use strata_catalog::Backend;
 use crate::{Runtime, RuntimeError};
+use strata_catalog::Backend;
 
 /// What the runtime keeps about a live sandbox (`sandboxes/<id>/sandbox.json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -227,7 +227,11 @@ impl Sandbox {
     pub fn runtime_written_paths(&self) -> Vec<String> {
         let mut paths = Vec::new();
         if self.record.spec.backend == Backend::Container {
-            paths.push(crate::container::RUNTIME_DIR.trim_start_matches('/').to_string());
+            paths.push(
+                crate::container::RUNTIME_DIR
+                    .trim_start_matches('/')
+                    .to_string(),
+            );
         }
         if !self.record.spec.network.is_empty() {
             paths.push("etc/hosts".to_string());

@@ -426,10 +426,12 @@ impl Store {
     /// Records that the step build with this key made `layer` (the build cache).
     pub async fn put_build_record(&self, build_key: &Digest, layer: &Digest) -> Result<()> {
         let key = Self::build_record_key(build_key);
-        let body = serde_json::to_vec(&serde_json::json!({ "layer": layer }))
-            .map_err(|source| StoreError::Json {
-                key: key.to_string(),
-                source,
+        let body =
+            serde_json::to_vec(&serde_json::json!({ "layer": layer })).map_err(|source| {
+                StoreError::Json {
+                    key: key.to_string(),
+                    source,
+                }
             })?;
         self.backend
             .put(&key, PutPayload::from(body))

@@ -62,7 +62,7 @@ const CA_BUNDLE_PATH: &str = "/.strata/ca-certificates.crt";
 fn host_ca_bundle() -> Option<PathBuf> {
     ["STRATA_BUILD_CA_BUNDLE", "SSL_CERT_FILE"]
         .iter()
-        .filter_map(|k| std::env::var_os(k))
+        .filter_map(std::env::var_os)
         .map(PathBuf::from)
         .find(|p| p.is_file())
 }

@@ -1,7 +1,9 @@
 //! Fixtures for Strata's integration tests: privileged-capability gating, sample trees,
-//! whole-tree comparison, kernel EROFS mounts, the `strata` binary, and a real S3 server.
+//! whole-tree comparison, kernel EROFS mounts, the `strata` binary and private homes for
+//! it, and a real S3 server.
 
 pub mod fixtures;
+pub mod home;
 pub mod s3;
 pub mod treecmp;
 

@@ -3,47 +3,22 @@
 //! registered, then run by catalog ID in both backends; budgets; stateful sandboxes; and
 //! cleanup after a killed runtime or a crashed sandbox.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use strata_tests::{have_fuse, have_root, have_tool, mounts_under, scratch_root, strata_bin};
+use strata_tests::home::CliHome;
+use strata_tests::{have_fuse, have_root, have_tool, scratch_root};
 
 const BACKENDS: [&str; 2] = ["fncall", "container"];
 
 struct Env {
-    home: PathBuf,
-    store: PathBuf,
+    cli: CliHome,
     reference: String,
 }
 
 static ENV: OnceLock<Option<Env>> = OnceLock::new();
-static HOME_FOR_EXIT: OnceLock<PathBuf> = OnceLock::new();
-
-/// Stops the environment's lazyfs daemon (unmounting its layers) and deletes the
-/// environment's store and home when the test process exits.
-extern "C" fn stop_daemon_at_exit() {
-    if let Some(home) = HOME_FOR_EXIT.get() {
-        let _ = Command::new(strata_bin())
-            .args(["sandbox", "pool", "--drain"])
-            .env("STRATA_HOME", home)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        let _ = Command::new(strata_bin())
-            .args(["lazyfs", "stop"])
-            .env("STRATA_HOME", home)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        if mounts_under(home).is_empty() {
-            if let Some(root) = home.parent() {
-                let _ = std::fs::remove_dir_all(root);
-            }
-        }
-    }
-}
 
 fn capable(test: &str) -> bool {
     have_root(test)
@@ -60,73 +35,24 @@ fn env(test: &str) -> Option<&'static Env> {
         return None;
     }
     ENV.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("runtime-")
-            .tempdir_in(scratch_root())
-            .expect("tempdir")
-            .keep();
-        let home = dir.join("home");
-        let store = dir.join("store");
-        std::fs::create_dir_all(&home).unwrap();
-        let _ = HOME_FOR_EXIT.set(home.clone());
-        // SAFETY: registering a plain extern "C" function.
-        unsafe { libc::atexit(stop_daemon_at_exit) };
-        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let out = Command::new("bash")
-            .arg(repo.join("datasets/sample/register.sh"))
-            .arg(strata_bin())
-            .env("STRATA_HOME", &home)
-            .env("STRATA_STORE", &store)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "register.sh: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let reference = String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .last()
-            .unwrap()
-            .trim()
-            .to_string();
-        assert!(reference.starts_with("datasets/sample@"), "{reference}");
-        Some(Env {
-            home,
-            store,
-            reference,
-        })
+        let cli = CliHome::new("runtime-");
+        let reference = cli.register_sample();
+        Some(Env { cli, reference })
     })
     .as_ref()
 }
 
 impl Env {
     fn cmd(&self, args: &[&str]) -> Command {
-        let mut c = Command::new(strata_bin());
-        c.args(args)
-            .env("STRATA_HOME", &self.home)
-            .env("STRATA_STORE", &self.store);
-        c
+        self.cli.cmd(args)
     }
 
     fn cli(&self, args: &[&str]) -> Output {
-        self.cmd(args).output().unwrap()
+        self.cli.cli(args)
     }
 
     fn ok(&self, args: &[&str]) -> String {
-        let o = self.cli(args);
-        assert!(
-            o.status.success(),
-            "strata {args:?}: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
-    fn runtime_dir(&self) -> PathBuf {
-        self.home.join("runtime")
+        self.cli.ok(args)
     }
 
     fn sandboxes(&self) -> Vec<serde_json::Value> {
@@ -142,45 +68,7 @@ impl Env {
 
     /// Nothing of sandbox `id` is left on the host.
     fn assert_gone(&self, id: &str, host_pids: &[u32]) {
-        let rt = self.runtime_dir();
-        // Another test's command may be the one reaping it: give it time to finish.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while rt.join("sandboxes").join(id).exists() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        assert!(
-            !rt.join("sandboxes").join(id).exists(),
-            "sandbox dir of {id} left"
-        );
-        assert!(
-            !rt.join("upper-images").join(format!("{id}.img")).exists(),
-            "upper image of {id} left"
-        );
-        let mounts: Vec<String> = mounts_under(&rt)
-            .into_iter()
-            .filter(|m| m.contains(id))
-            .collect();
-        assert!(mounts.is_empty(), "mounts of {id} left: {mounts:?}");
-        for ctrl in ["memory", "pids", "freezer"] {
-            let leftover = std::fs::read_dir(Path::new("/sys/fs/cgroup").join(ctrl))
-                .unwrap()
-                .flatten()
-                .filter(|e| e.file_name().to_string_lossy().starts_with("strata-"))
-                .any(|e| e.path().join(id).exists());
-            assert!(!leftover, "{ctrl} cgroup of {id} left");
-        }
-        for pid in host_pids {
-            assert!(
-                !Path::new(&format!("/proc/{pid}")).exists()
-                    || std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                        .is_ok_and(|s| s.contains(") Z ")),
-                "process {pid} of {id} still runs"
-            );
-        }
-        assert!(
-            !rt.join("crun").join(id).exists(),
-            "crun state of {id} left"
-        );
+        self.cli.assert_sandbox_gone(id, host_pids);
     }
 }
 

@@ -1,0 +1,159 @@
+//! A private `STRATA_HOME` and store for tests that drive the `strata` CLI end to end, and
+//! the sample environment registered in it. Each home's agent pool is drained and its
+//! lazyfs daemon stopped when the test process exits, and its files are removed when
+//! nothing is mounted under it any more.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::{mounts_under, scratch_root, strata_bin};
+
+static HOMES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+extern "C" fn clean_homes_at_exit() {
+    let homes = HOMES.lock().map(|h| h.clone()).unwrap_or_default();
+    for home in homes {
+        for args in [["sandbox", "pool", "--drain"], ["lazyfs", "stop", ""]] {
+            let _ = Command::new(strata_bin())
+                .args(args.iter().filter(|a| !a.is_empty()))
+                .env("STRATA_HOME", &home)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
+        if mounts_under(&home).is_empty() {
+            if let Some(root) = home.parent() {
+                let _ = std::fs::remove_dir_all(root);
+            }
+        }
+    }
+}
+
+/// A `STRATA_HOME` with its own local store.
+pub struct CliHome {
+    pub home: PathBuf,
+    pub store: PathBuf,
+}
+
+impl CliHome {
+    /// A fresh home under the scratch root, cleaned up at process exit.
+    pub fn new(prefix: &str) -> CliHome {
+        let dir = tempfile::Builder::new()
+            .prefix(prefix)
+            .tempdir_in(scratch_root())
+            .expect("tempdir")
+            .keep();
+        let home = dir.join("home");
+        let store = dir.join("store");
+        std::fs::create_dir_all(&home).expect("creating the test home");
+        let mut homes = HOMES.lock().expect("homes lock");
+        if homes.is_empty() {
+            // SAFETY: registering a plain extern "C" function.
+            unsafe { libc::atexit(clean_homes_at_exit) };
+        }
+        homes.push(home.clone());
+        CliHome { home, store }
+    }
+
+    /// `strata ARGS` in this home.
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(strata_bin());
+        c.args(args)
+            .env("STRATA_HOME", &self.home)
+            .env("STRATA_STORE", &self.store);
+        c
+    }
+
+    pub fn cli(&self, args: &[&str]) -> Output {
+        self.cmd(args).output().expect("running strata")
+    }
+
+    /// Runs `strata ARGS`, asserting success; returns its stdout.
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.cli(args);
+        assert!(
+            o.status.success(),
+            "strata {args:?}: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    pub fn runtime_dir(&self) -> PathBuf {
+        self.home.join("runtime")
+    }
+
+    /// Nothing of sandbox `id` is left on the host: no directory, upper image, mount,
+    /// cgroup, process or OCI runtime state.
+    pub fn assert_sandbox_gone(&self, id: &str, host_pids: &[u32]) {
+        let rt = self.runtime_dir();
+        // Another test's command may be the one reaping it: give it time to finish.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while rt.join("sandboxes").join(id).exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            !rt.join("sandboxes").join(id).exists(),
+            "sandbox dir of {id} left"
+        );
+        assert!(
+            !rt.join("upper-images").join(format!("{id}.img")).exists(),
+            "upper image of {id} left"
+        );
+        let mounts: Vec<String> = mounts_under(&rt)
+            .into_iter()
+            .filter(|m| m.contains(id))
+            .collect();
+        assert!(mounts.is_empty(), "mounts of {id} left: {mounts:?}");
+        for ctrl in ["memory", "pids", "freezer"] {
+            let leftover = std::fs::read_dir(Path::new("/sys/fs/cgroup").join(ctrl))
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("strata-"))
+                .any(|e| e.path().join(id).exists());
+            assert!(!leftover, "{ctrl} cgroup of {id} left");
+        }
+        for pid in host_pids {
+            assert!(
+                !Path::new(&format!("/proc/{pid}")).exists()
+                    || std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                        .is_ok_and(|s| s.contains(") Z ")),
+                "process {pid} of {id} still runs"
+            );
+        }
+        assert!(
+            !rt.join("crun").join(id).exists(),
+            "crun state of {id} left"
+        );
+    }
+
+    /// Runs datasets/sample/register.sh into this home's store; returns the registered
+    /// `datasets/sample@vN`.
+    pub fn register_sample(&self) -> String {
+        let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let out = Command::new("bash")
+            .arg(repo.join("datasets/sample/register.sh"))
+            .arg(strata_bin())
+            .env("STRATA_HOME", &self.home)
+            .env("STRATA_STORE", &self.store)
+            .output()
+            .expect("running register.sh");
+        assert!(
+            out.status.success(),
+            "register.sh: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let reference = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        assert!(reference.starts_with("datasets/sample@"), "{reference}");
+        reference
+    }
+}
