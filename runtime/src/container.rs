@@ -544,7 +544,7 @@ impl SandboxBackend for ContainerBackend {
     fn stop(&self, rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
         cgroup.kill_all();
         let engine = self.engine_for(&rec.id);
-        let _ = engine.run_checked(&["kill", &rec.id, "KILL"], "kill");
+        // `delete --force` kills what is left with SIGKILL itself.
         let _ = engine.run_checked(&["delete", "--force", &rec.id], "delete");
         Ok(())
     }

@@ -13,6 +13,7 @@ pub mod container;
 pub mod exec;
 pub mod files;
 pub mod fncall;
+mod loopdev;
 pub mod network;
 pub mod quota;
 pub mod rootfs;

@@ -283,6 +283,11 @@ impl Sandbox {
         let backend = self.rt.backend(spec.backend)?;
         let outcome = backend.exec(&self.record, &dir, &cgroup, &exec_env, req, sink);
         let after = cgroup.counters();
+        tracing::debug!(
+            sandbox = %self.record.id,
+            backend_ms = started.elapsed().as_secs_f64() * 1e3,
+            "exec ran"
+        );
         let collected = match outcome {
             Ok(c) => c,
             Err(e) => {

@@ -57,13 +57,18 @@ pub async fn resolve_inputs(store: &Store, from: &[String]) -> anyhow::Result<Ve
 /// which never becomes part of the layer).
 const CA_BUNDLE_PATH: &str = "/.strata/ca-certificates.crt";
 
-/// The CA bundle build steps trust: `STRATA_BUILD_CA_BUNDLE`, else the host's
-/// `SSL_CERT_FILE` (set where an egress proxy re-signs TLS), else the base's own.
+/// The CA bundle build steps trust: `STRATA_BUILD_CA_BUNDLE` (`none`: the base's own),
+/// else the host's `SSL_CERT_FILE`, else the host's system bundle. A host behind an egress
+/// proxy that re-signs TLS trusts the proxy's CA there; the base layer does not.
 fn host_ca_bundle() -> Option<PathBuf> {
+    if std::env::var("STRATA_BUILD_CA_BUNDLE").is_ok_and(|v| v == "none") {
+        return None;
+    }
     ["STRATA_BUILD_CA_BUNDLE", "SSL_CERT_FILE"]
         .iter()
         .filter_map(std::env::var_os)
         .map(PathBuf::from)
+        .chain([PathBuf::from("/etc/ssl/certs/ca-certificates.crt")])
         .find(|p| p.is_file())
 }
 

@@ -23,6 +23,11 @@ extern "C" fn clean_homes_at_exit() {
                 .stderr(Stdio::null())
                 .status();
         }
+        // The daemon unmounts its layers as it exits, after `lazyfs stop` returns.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !mounts_under(&home).is_empty() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
         if mounts_under(&home).is_empty() {
             if let Some(root) = home.parent() {
                 let _ = std::fs::remove_dir_all(root);

@@ -223,6 +223,7 @@ fn a_step_deleting_base_files_whiteouts_them_in_the_stack_only() {
         .unwrap()
         .trim()
         .to_string();
+    let _remove = RemoveOnDrop(cli, id.clone());
     let root = cli.runtime_dir().join("sandboxes").join(&id).join("rootfs");
     let names = |dir: &str| -> Vec<String> {
         let mut v: Vec<String> = std::fs::read_dir(root.join(dir))
@@ -242,7 +243,15 @@ fn a_step_deleting_base_files_whiteouts_them_in_the_stack_only() {
         std::fs::read_to_string(root.join("opt/added/file")).unwrap(),
         "hi\n"
     );
-    cli.ok(&["sandbox", "rm", &id]);
+}
+
+/// Destroys a sandbox when the test ends, whether its assertions held or not.
+struct RemoveOnDrop<'a>(&'a CliHome, String);
+
+impl Drop for RemoveOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.cli(&["sandbox", "rm", &self.1]);
+    }
 }
 
 #[test]
