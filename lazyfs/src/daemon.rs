@@ -17,6 +17,26 @@ use crate::control::{Attached, Request, Response};
 use crate::fuse::{BlobFs, Layers};
 use crate::{mounts, LazyError, Paths};
 
+/// The kernel reads the blob files ahead by 128 KiB by default; EROFS reading a large
+/// file sequentially then costs one FUSE round trip per 128 KiB. A wider window (the
+/// FUSE mount's backing device setting) lets the kernel ask for whole chunks at a time.
+fn widen_readahead(fuse_dir: &std::path::Path) {
+    use std::os::unix::fs::MetadataExt;
+    const READAHEAD_KB: u32 = 4096;
+    let Ok(meta) = std::fs::metadata(fuse_dir) else {
+        return;
+    };
+    let dev = meta.dev();
+    let knob = format!(
+        "/sys/class/bdi/{}:{}/read_ahead_kb",
+        libc::major(dev),
+        libc::minor(dev)
+    );
+    if let Err(e) = std::fs::write(&knob, READAHEAD_KB.to_string()) {
+        tracing::debug!(%knob, error = %e, "could not widen the blob readahead");
+    }
+}
+
 /// Daemon settings.
 #[derive(Debug, Clone)]
 pub struct DaemonConfig {
@@ -390,6 +410,8 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
         .map_err(|e| {
             LazyError::Mount(format!("FUSE mount at {}: {e}", paths.fuse_dir().display()))
         })?;
+
+    widen_readahead(&paths.fuse_dir());
 
     let daemon = Arc::new(Daemon {
         cfg,

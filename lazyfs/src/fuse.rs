@@ -1,6 +1,11 @@
 //! The FUSE filesystem: a flat read-only directory with one file per attached layer, named
-//! by the layer ID, whose content is the layer's data blob. Opened with direct I/O so the
-//! kernel caches data once, in the EROFS mount above, not again here.
+//! by the layer ID, whose content is the layer's data blob. The blob goes through the page
+//! cache (kept across opens: a blob never changes) so the kernel reads it ahead: a small
+//! file's read brings its neighbours in the same FUSE round trip, and a large file streams
+//! in multi-MiB requests. Direct I/O would cache data once instead of twice (here and in
+//! the EROFS mount above) but cost one round trip per file: warm reads ran at 0.4x a
+//! local EROFS image with it, 0.9-1.1x without. The duplicate pages are clean and the
+//! first to be reclaimed.
 
 use std::ffi::OsStr;
 use std::sync::{Arc, RwLock};
@@ -144,7 +149,7 @@ impl Filesystem for BlobFs {
         if flags.0 & libc::O_ACCMODE != libc::O_RDONLY {
             return reply.error(Errno::EROFS);
         }
-        reply.opened(FileHandle(0), FopenFlags::FOPEN_DIRECT_IO);
+        reply.opened(FileHandle(0), FopenFlags::FOPEN_KEEP_CACHE);
     }
 
     fn read(
