@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Builds the whole dataset into the store and registers it in the catalog.
+
+The Debian base (registered alone as datasets/debian), the pytest toolkit (built by pip in
+a build step over it), and one workspace layer per entry of workspaces/workspaces.toml:
+the project's source release fetched from PyPI into cache/sources/ (checked against the
+recorded sha256, never downloaded twice), unpacked, and built into a layer at /work.
+Each is registered as datasets/<name>@<version> with the project's test command.
+
+  build.py [--strata BIN] [--only NAME] [--baseline]
+
+--baseline also runs every workspace's test suite in a container and writes
+baselines/<name>-<version>.txt: one line per test, PASSED / FAILED / ERROR / SKIPPED
+(upstream failures are recorded, not hidden). The store is the CLI's (STRATA_STORE).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import tomllib
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.path.join(HERE, "cache")
+PYPI_SIMPLE = "https://pypi.org/simple/{}/"
+
+ENV = {
+    "LANG": "C.UTF-8",
+    "PYTHONPATH": "/opt/strata-toolkit/site-packages:/work:/work/src",
+    "PATH": "/opt/strata-toolkit/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "PYTHONDONTWRITEBYTECODE": "1",
+}
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def strata(bin_, *args, capture=True):
+    r = subprocess.run([bin_, *args], stdout=subprocess.PIPE if capture else None, text=True)
+    if r.returncode != 0:
+        sys.exit(f"strata {' '.join(args)} failed with status {r.returncode}")
+    return r.stdout if capture else ""
+
+
+def last_line(text):
+    return text.strip().splitlines()[-1].strip()
+
+
+def fetch(ws):
+    """The release tarball, from the cache or PyPI, checked against its sha256."""
+    sources = os.path.join(CACHE, "sources")
+    os.makedirs(sources, exist_ok=True)
+    path = os.path.join(sources, ws["pypi"])
+    if os.path.exists(path):
+        data = open(path, "rb").read()
+    else:
+        req = urllib.request.Request(
+            PYPI_SIMPLE.format(ws["name"]),
+            headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+        )
+        index = json.load(urllib.request.urlopen(req, timeout=60))
+        files = [f for f in index["files"] if f["filename"] == ws["pypi"]]
+        if not files:
+            sys.exit(f"{ws['pypi']} is not on PyPI's index for {ws['name']}")
+        log(f"fetching {ws['pypi']}")
+        data = urllib.request.urlopen(files[0]["url"], timeout=300).read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != ws["sha256"]:
+        sys.exit(
+            f"{ws['pypi']}: sha256 {digest} differs from the recorded {ws['sha256']} "
+            f"(delete {path} to fetch it again)"
+        )
+    if not os.path.exists(path):
+        with open(path + ".partial", "wb") as f:
+            f.write(data)
+        os.replace(path + ".partial", path)
+    return path
+
+
+def unpack(ws, tarball):
+    """The release's tree without its top directory, unpacked once."""
+    dest = os.path.join(CACHE, "workspaces", f"{ws['name']}-{ws['version']}")
+    if os.path.exists(os.path.join(dest, ".complete")):
+        return dest
+    shutil.rmtree(dest, ignore_errors=True)
+    partial = dest + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    os.makedirs(partial)
+    with tarfile.open(tarball) as tar:
+        tar.extractall(partial, filter="data")
+    tops = os.listdir(partial)
+    if len(tops) != 1:
+        sys.exit(f"{tarball}: expected one top directory, found {tops}")
+    os.rename(os.path.join(partial, tops[0]), dest)
+    os.rmdir(partial)
+    open(os.path.join(dest, ".complete"), "w").close()
+    return dest
+
+
+def registered(bin_, ref):
+    r = subprocess.run([bin_, "catalog", "show", ref, "--json"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    return json.loads(r.stdout)["entry"]
+
+
+def toml_value(v):
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, (int, float)):
+        return str(v)
+    return json.dumps(v)
+
+
+def layers_of(entry):
+    return (entry.get("base"), tuple(entry.get("toolkits") or ()), entry.get("workspace"))
+
+
+def register(bin_, entry, tables):
+    """Registers an entry unless it is already there with the same layers: the given
+    version, or for an unversioned entry the latest."""
+    ref = entry["id"] + (f"@{entry['version']}" if "version" in entry else "")
+    existing = registered(bin_, ref)
+    if existing and layers_of(existing) == layers_of(entry):
+        return f"{entry['id']}@{existing['version']}"
+    if existing and "version" in entry:
+        sys.exit(f"{ref} is registered with other layers; entries are immutable: "
+                 f"give it a new version in workspaces.toml")
+    lines = [f"{k} = {toml_value(v)}" for k, v in entry.items()]
+    for name, table in tables.items():
+        lines.append(f"\n[{name}]")
+        lines += [f"{json.dumps(k)} = {toml_value(v)}" for k, v in table.items()]
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write("\n".join(lines) + "\n")
+    try:
+        return last_line(strata(bin_, "catalog", "register", f.name))
+    finally:
+        os.unlink(f.name)
+
+
+def build_layer(bin_, definition):
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False, dir=CACHE) as f:
+        f.write(definition)
+    try:
+        return json.loads(strata(bin_, "layer", "build", f.name, "--json"))["id"]
+    finally:
+        os.unlink(f.name)
+
+
+def baseline(bin_, ref, out_path):
+    r = subprocess.run([bin_, "run", ref, "--command", "test"], capture_output=True, text=True)
+    results = []
+    for line in r.stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS") and rest:
+            results.append(f"{word} {rest.split(' - ')[0]}")
+    if not results:
+        sys.exit(f"{ref}: the test command reported no tests (status {r.returncode}):\n"
+                 f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    results.sort(key=lambda l: l.split(" ", 1)[1])
+    with open(out_path, "w") as f:
+        f.write(f"# {ref}: test outcomes (exit status {r.returncode})\n")
+        f.write("\n".join(results) + "\n")
+    counts = {}
+    for l in results:
+        counts[l.split(" ")[0]] = counts.get(l.split(" ")[0], 0) + 1
+    return counts
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--strata", default="strata")
+    p.add_argument("--only", help="only workspaces of this project")
+    p.add_argument("--baseline", action="store_true")
+    args = p.parse_args()
+    bin_ = args.strata
+    os.makedirs(CACHE, exist_ok=True)
+    manifest = tomllib.load(open(os.path.join(HERE, "workspaces", "workspaces.toml"), "rb"))
+
+    subprocess.run(["bash", os.path.join(HERE, "base", "make-rootfs.sh")], check=True,
+                   stdout=subprocess.DEVNULL)
+    base = last_line(strata(bin_, "layer", "build", os.path.join(HERE, "base", "debian.toml")))
+    register(bin_, {"id": "datasets/debian", "base": base, "backend": "container",
+                    "workdir": "/"}, {"env": {"LANG": "C.UTF-8"}})
+    toolkit = last_line(strata(bin_, "layer", "build",
+                               os.path.join(HERE, "toolkits", "pytest", "toolkit.toml")))
+    default_test = manifest["defaults"]["test"]
+    rows = []
+    for ws in manifest["workspace"]:
+        if args.only and ws["name"] != args.only:
+            continue
+        tree = unpack(ws, fetch(ws))
+        layer = build_layer(bin_, f"""kind = "workspace"
+name = "pypi/{ws['name']}"
+version = "{ws['version']}"
+prefix = "work"
+exclude = [".complete", "**/__pycache__", "**/*.pyc"]
+[source]
+dir = {json.dumps(tree)}
+""")
+        ref = register(
+            bin_,
+            {"id": f"datasets/{ws['name']}", "version": ws["version"], "base": base,
+             "toolkits": [toolkit], "workspace": layer, "backend": "container",
+             "workdir": "/work"},
+            {"budgets": {"memory": "1G", "cpus": 1, "disk": "1G", "pids": 512,
+                         "timeout": "600s", "idle_ttl": "30m"},
+             "env": ENV,
+             "commands": {"test": ws.get("test", default_test)}},
+        )
+        row = {"ref": ref, "layer": layer}
+        if args.baseline:
+            os.makedirs(os.path.join(HERE, "baselines"), exist_ok=True)
+            out = os.path.join(HERE, "baselines", f"{ws['name']}-{ws['version']}.txt")
+            row["tests"] = baseline(bin_, ref, out)
+        rows.append(row)
+        log(f"{ref}: layer {layer[:16]}" + (f", {row['tests']}" if "tests" in row else ""))
+    print(json.dumps({"base": base, "toolkit": toolkit, "workspaces": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
