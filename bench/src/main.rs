@@ -3,6 +3,7 @@
 //! run on the same data, because this machine is shared and noisy.
 
 mod build;
+mod datasets;
 mod lazy;
 mod machine;
 mod report;
@@ -16,8 +17,8 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(name = "strata-bench")]
 struct Args {
-    /// Which suite to run: `build`, `lazyfs`, `runtime`, or `quick` (every suite, small
-    /// sizes).
+    /// Which suite to run: `build`, `lazyfs`, `runtime`, `datasets`, or `quick` (every
+    /// suite, small sizes).
     /// Run from the repository root, as root (mounts, drop_caches).
     #[arg(long, default_value = "quick")]
     suite: String,
@@ -42,12 +43,14 @@ fn main() -> Result<()> {
         "build" => sections.push(build::run(&rt, &args.scratch)?),
         "lazyfs" => sections.push(lazy::run(&rt, &args.scratch, &repo)?),
         "runtime" => sections.push(runtime::run(&rt, &args.scratch, &repo, false)?),
+        "datasets" => sections.push(datasets::run(&args.scratch, &repo, false)?),
         "quick" => {
             sections.push(build::run(&rt, &args.scratch)?);
             sections.push(lazy::run(&rt, &args.scratch, &repo)?);
             sections.push(runtime::run(&rt, &args.scratch, &repo, true)?);
+            sections.push(datasets::run(&args.scratch, &repo, true)?);
         }
-        other => anyhow::bail!("unknown suite `{other}` (build, lazyfs, runtime, quick)"),
+        other => anyhow::bail!("unknown suite `{other}` (build, lazyfs, runtime, datasets, quick)"),
     }
     let results = report::Results {
         suite: args.suite.clone(),

@@ -17,7 +17,7 @@ use strata_store::{Store, StoreUrl};
 
 use crate::report::{Row, Section};
 
-fn bin(name: &str) -> Result<PathBuf> {
+pub(crate) fn bin(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     let p = exe.with_file_name(name);
     if !p.is_file() {
@@ -138,7 +138,7 @@ fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Se
 
 /// Exports a layer and copies it over `into` (export wants an empty target; a stack is
 /// flattened bottom first, as a user without lazy layers would).
-fn export(strata: &Path, home: &Path, store: &str, layer: &str, into: &Path) -> Result<()> {
+pub(crate) fn export(strata: &Path, home: &Path, store: &str, layer: &str, into: &Path) -> Result<()> {
     let tmp = into.with_extension("layer");
     let _ = std::fs::remove_dir_all(&tmp);
     let out = Command::new(strata)
@@ -458,7 +458,7 @@ fn bare_idle_bundle(dir: &Path, rootfs: &Path) -> Result<PathBuf> {
 
 /// crun with the workaround the runtime applies on hybrid-cgroup hosts: a private mount
 /// namespace without /sys/fs/cgroup/unified.
-fn crun_cmd(state: &Path, args: &[&str]) -> Result<()> {
+pub(crate) fn crun_cmd(state: &Path, args: &[&str]) -> Result<()> {
     let status = Command::new("unshare")
         .args(["--mount", "--propagation", "private", "sh", "-c"])
         .arg(format!(

@@ -1,0 +1,265 @@
+//! The `datasets` suite, on the real workspaces of `datasets/` (built and registered by
+//! `datasets/build.py` into the suite's own store): for each workspace, the share of each
+//! layer's bytes fetched while its test suite runs from a cold cache (the eager baseline
+//! fetches all of them), and the cold start to the test suite's end, lazily through
+//! `strata run` against exporting the layers first and running the same command with bare
+//! `crun run` over the exported tree.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+
+use crate::report::{Row, Section};
+use crate::runtime::{bin, crun_cmd, export};
+
+struct Env {
+    home: PathBuf,
+    store: PathBuf,
+    strata: PathBuf,
+}
+
+impl Env {
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.strata);
+        c.args(args)
+            .env("STRATA_HOME", &self.home)
+            .env("STRATA_STORE", &self.store)
+            .stdin(Stdio::null());
+        c
+    }
+
+    fn ok(&self, args: &[&str]) -> Result<Output> {
+        let out = self.cmd(args).output()?;
+        if !out.status.success() {
+            bail!(
+                "strata {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(out)
+    }
+
+    fn json(&self, args: &[&str]) -> Result<serde_json::Value> {
+        Ok(serde_json::from_slice(&self.ok(args)?.stdout)?)
+    }
+
+    /// A cold host: no daemon, no cached chunk, no metadata image.
+    fn go_cold(&self) -> Result<()> {
+        self.ok(&["sandbox", "pool", "--drain"])?;
+        self.ok(&["lazyfs", "stop"])?;
+        for d in ["cache", "meta"] {
+            let p = self.home.join("lazyfs").join(d);
+            if p.exists() {
+                std::fs::remove_dir_all(&p).with_context(|| format!("clearing {}", p.display()))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Deserialize)]
+struct Built {
+    workspaces: Vec<Workspace>,
+}
+
+#[derive(Deserialize)]
+struct Workspace {
+    #[serde(rename = "ref")]
+    reference: String,
+}
+
+/// The entry as `catalog show --json` prints it (the fields used here).
+#[derive(Deserialize)]
+struct Entry {
+    base: String,
+    #[serde(default)]
+    toolkits: Vec<String>,
+    workspace: Option<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    #[serde(default)]
+    commands: BTreeMap<String, String>,
+    workdir: Option<String>,
+}
+
+impl Entry {
+    /// (role, layer ID), top-most first.
+    fn layers(&self) -> Vec<(&'static str, &str)> {
+        let mut v: Vec<(&'static str, &str)> =
+            self.toolkits.iter().map(|t| ("toolkit", t.as_str())).collect();
+        if let Some(w) = &self.workspace {
+            v.push(("workspace", w));
+        }
+        v.push(("base", &self.base));
+        v
+    }
+}
+
+fn setup(scratch: &Path, repo: &Path) -> Result<(Env, Vec<String>)> {
+    let dir = std::fs::canonicalize(scratch)?.join("datasets");
+    let env = Env {
+        home: dir.join("home"),
+        store: dir.join("store"),
+        strata: bin("strata")?,
+    };
+    std::fs::create_dir_all(&env.home)?;
+    let out = Command::new("python3")
+        .arg(repo.join("datasets/build.py"))
+        .arg("--strata")
+        .arg(&env.strata)
+        .env("STRATA_HOME", &env.home)
+        .env("STRATA_STORE", &env.store)
+        .stderr(Stdio::inherit())
+        .output()?;
+    if !out.status.success() {
+        bail!("datasets/build.py failed");
+    }
+    let built: Built = serde_json::from_slice(&out.stdout)?;
+    Ok((
+        env,
+        built.workspaces.into_iter().map(|w| w.reference).collect(),
+    ))
+}
+
+/// A bundle running `command` (by /bin/sh) over `rootfs` with the entry's environment.
+fn eager_bundle(dir: &Path, rootfs: &Path, entry: &Entry, command: &str) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let mut env: Vec<String> = entry.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    env.push("HOME=/root".into());
+    let config = serde_json::json!({
+        "ociVersion": "1.0.2",
+        "process": {"terminal": false, "user": {"uid": 0, "gid": 0},
+                    "args": ["/bin/sh", "-c", command], "env": env,
+                    "cwd": entry.workdir.clone().unwrap_or_else(|| "/".into()),
+                    "noNewPrivileges": true},
+        "root": {"path": rootfs, "readonly": false},
+        "hostname": "eager",
+        "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"},
+                   {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+                    "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+                   {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"}],
+        "linux": {"namespaces": [{"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                                 {"type": "uts"}, {"type": "mount"}],
+                  "resources": {"memory": {"limit": 1u64 << 30}, "pids": {"limit": 512}}}
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config)?)?;
+    Ok(dir.to_path_buf())
+}
+
+pub fn run(scratch: &Path, repo: &Path, quick: bool) -> Result<Section> {
+    let (env, refs) = setup(scratch, repo)?;
+    let work = std::fs::canonicalize(scratch)?.join("datasets").join("work");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work)?;
+    // Quick: one version of each multi-version project and a few more.
+    let picked: Vec<&String> = if quick {
+        let mut seen = std::collections::BTreeSet::new();
+        refs.iter()
+            .filter(|r| seen.insert(r.split('@').next().unwrap_or(r).to_string()))
+            .take(6)
+            .collect()
+    } else {
+        refs.iter().collect()
+    };
+    let eager_every = if quick { 3 } else { 2 };
+    let mut rows = Vec::new();
+    let mut totals = (0u64, 0u64);
+    for (n, reference) in picked.iter().enumerate() {
+        let shown = env.json(&["catalog", "show", reference, "--json"])?;
+        let entry: Entry = serde_json::from_value(shown["entry"].clone())?;
+        let test = entry
+            .commands
+            .get("test")
+            .with_context(|| format!("{reference} has no test command"))?
+            .clone();
+
+        env.go_cold()?;
+        let t = Instant::now();
+        let lazy = env.cmd(&["run", reference, "--command", "test"]).output()?;
+        let lazy_s = t.elapsed().as_secs_f64();
+        let mut fetched = 0u64;
+        let mut size = 0u64;
+        let mut parts = Vec::new();
+        for (role, layer) in entry.layers() {
+            let stats = env.json(&["layer", "stats", layer, "--json"])?;
+            let inspected = env.json(&["layer", "inspect", layer, "--json"])?;
+            let f = stats["fetched_bytes"].as_u64().unwrap_or(0);
+            let s = inspected["blob_bytes"].as_u64().unwrap_or(0);
+            fetched += f;
+            size += s;
+            parts.push(format!(
+                "{role} {:.1} % of {:.1} MB",
+                100.0 * f as f64 / s.max(1) as f64,
+                s as f64 / 1e6
+            ));
+        }
+        totals.0 += fetched;
+        totals.1 += size;
+        rows.push(Row::new(
+            &format!("{reference}: share of the stack's data fetched by its tests"),
+            "fraction",
+            fetched as f64 / size.max(1) as f64,
+            "eager: every byte of the stack",
+            1.0,
+            "lower",
+            &format!(
+                "{}; tests exit {}",
+                parts.join(", "),
+                lazy.status.code().unwrap_or(-1)
+            ),
+        ));
+
+        if n % eager_every == 0 {
+            let rootfs = work.join(format!("eager-{n}"));
+            let t = Instant::now();
+            for (_, layer) in entry.layers().iter().rev() {
+                export(&env.strata, &env.home, &env.store.display().to_string(), layer, &rootfs)?;
+            }
+            let bundle = eager_bundle(&work.join(format!("bundle-{n}")), &rootfs, &entry, &test)?;
+            let state = work.join("crun");
+            std::fs::create_dir_all(&state)?;
+            // The eager run's test status is the workspace's own; only the time counts.
+            let _ = crun_cmd(
+                &state,
+                &["run", "--bundle", &bundle.display().to_string(), &format!("eager-{n}")],
+            );
+            let eager_s = t.elapsed().as_secs_f64();
+            let _ = crun_cmd(&state, &["delete", "--force", &format!("eager-{n}")]);
+            std::fs::remove_dir_all(&rootfs)?;
+            rows.push(Row::new(
+                &format!("{reference}: cold start to test suite done"),
+                "s",
+                lazy_s,
+                "export the layers, then run the tests (crun)",
+                eager_s,
+                "lower",
+                "nothing cached on the host in either run",
+            ));
+        }
+    }
+    rows.push(Row::new(
+        "all measured workspaces: share of stack data fetched",
+        "fraction",
+        totals.0 as f64 / totals.1.max(1) as f64,
+        "eager: every byte",
+        1.0,
+        "lower",
+        &format!("{} workspaces", picked.len()),
+    ));
+    env.go_cold()?;
+    Ok(Section {
+        name: "datasets".into(),
+        description: format!(
+            "The real workspaces of datasets/ ({} registered; {} measured), each run by its own \
+             test command from a cold host: lazily (strata run: layers mounted through lazyfs, \
+             chunks fetched on demand) against materializing the layers first.",
+            refs.len(),
+            picked.len()
+        ),
+        rows,
+    })
+}
