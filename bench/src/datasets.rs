@@ -89,8 +89,11 @@ struct Entry {
 impl Entry {
     /// (role, layer ID), top-most first.
     fn layers(&self) -> Vec<(&'static str, &str)> {
-        let mut v: Vec<(&'static str, &str)> =
-            self.toolkits.iter().map(|t| ("toolkit", t.as_str())).collect();
+        let mut v: Vec<(&'static str, &str)> = self
+            .toolkits
+            .iter()
+            .map(|t| ("toolkit", t.as_str()))
+            .collect();
         if let Some(w) = &self.workspace {
             v.push(("workspace", w));
         }
@@ -152,7 +155,9 @@ fn eager_bundle(dir: &Path, rootfs: &Path, entry: &Entry, command: &str) -> Resu
 
 pub fn run(scratch: &Path, repo: &Path, quick: bool) -> Result<Section> {
     let (env, refs) = setup(scratch, repo)?;
-    let work = std::fs::canonicalize(scratch)?.join("datasets").join("work");
+    let work = std::fs::canonicalize(scratch)?
+        .join("datasets")
+        .join("work");
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work)?;
     // Quick: one version of each multi-version project and a few more.
@@ -217,7 +222,13 @@ pub fn run(scratch: &Path, repo: &Path, quick: bool) -> Result<Section> {
             let rootfs = work.join(format!("eager-{n}"));
             let t = Instant::now();
             for (_, layer) in entry.layers().iter().rev() {
-                export(&env.strata, &env.home, &env.store.display().to_string(), layer, &rootfs)?;
+                export(
+                    &env.strata,
+                    &env.home,
+                    &env.store.display().to_string(),
+                    layer,
+                    &rootfs,
+                )?;
             }
             let bundle = eager_bundle(&work.join(format!("bundle-{n}")), &rootfs, &entry, &test)?;
             let state = work.join("crun");
@@ -225,7 +236,12 @@ pub fn run(scratch: &Path, repo: &Path, quick: bool) -> Result<Section> {
             // The eager run's test status is the workspace's own; only the time counts.
             let _ = crun_cmd(
                 &state,
-                &["run", "--bundle", &bundle.display().to_string(), &format!("eager-{n}")],
+                &[
+                    "run",
+                    "--bundle",
+                    &bundle.display().to_string(),
+                    &format!("eager-{n}"),
+                ],
             );
             let eager_s = t.elapsed().as_secs_f64();
             let _ = crun_cmd(&state, &["delete", "--force", &format!("eager-{n}")]);

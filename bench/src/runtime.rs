@@ -138,7 +138,13 @@ fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Se
 
 /// Exports a layer and copies it over `into` (export wants an empty target; a stack is
 /// flattened bottom first, as a user without lazy layers would).
-pub(crate) fn export(strata: &Path, home: &Path, store: &str, layer: &str, into: &Path) -> Result<()> {
+pub(crate) fn export(
+    strata: &Path,
+    home: &Path,
+    store: &str,
+    layer: &str,
+    into: &Path,
+) -> Result<()> {
     let tmp = into.with_extension("layer");
     let _ = std::fs::remove_dir_all(&tmp);
     let out = Command::new(strata)
