@@ -11,7 +11,7 @@ PKGS=(
   ceph-mon ceph-osd radosgw ceph-common
   python3 python3-venv
   mmdebstrap docker-registry skopeo
-  crun runc catatonit e2fsprogs util-linux python3-pip nftables iproute2
+  crun runc catatonit e2fsprogs util-linux python3-pip nftables iproute2 podman
 )
 
 missing=()

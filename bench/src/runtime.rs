@@ -76,47 +76,7 @@ fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Se
     })?;
     let spec = SandboxSpec::resolve(&reg, &Overrides::default())?;
     let store_url = store_dir.display().to_string();
-    let starter_home = home.clone();
-    let starter_store = store_url.clone();
-    let start: strata_runtime::StartDaemon = Arc::new(move || {
-        let log = std::fs::File::create(starter_home.join("lazyfs.log"))
-            .map_err(|e| strata_lazyfs::LazyError::Daemon(e.to_string()))?;
-        let strata = bin("strata").map_err(|e| strata_lazyfs::LazyError::Daemon(e.to_string()))?;
-        let mut cmd = Command::new(strata);
-        cmd.env("STRATA_HOME", &starter_home)
-            .args(["--store", &starter_store, "lazyfs", "serve"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log);
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        cmd.spawn()
-            .map_err(|e| strata_lazyfs::LazyError::Daemon(e.to_string()))?;
-        Ok(())
-    });
-    let cfg = RuntimeConfig::new(
-        home.join("runtime"),
-        LazyfsAccess {
-            paths: strata_lazyfs::Paths::new(home.join("lazyfs")),
-            start,
-        },
-        bin("strata-agent")?,
-    )?;
-    let mut cfg = cfg;
-    // The static agent as container init, where `cargo build --target ...` put it.
-    let exe = std::env::current_exe()?;
-    if let (Some(profile), Some(target)) = (
-        exe.parent().and_then(|p| p.file_name()),
-        exe.parent().and_then(|p| p.parent()),
-    ) {
-        let agent = target
-            .join("x86_64-unknown-linux-gnu")
-            .join(profile)
-            .join("strata-agent");
-        if agent.is_file() {
-            cfg.container_agent = Some(agent);
-        }
-    }
-    let runtime = Runtime::open(cfg)?;
+    let runtime = open_runtime(&home, &store_url)?;
     // The merged tree for the baselines: what `strata layer export` gives, bottom first.
     let rootfs = dir.join("rootfs");
     if !rootfs.join("work").exists() {
@@ -134,6 +94,50 @@ fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Se
         runtime,
         rootfs,
     })
+}
+
+/// The runtime of a benchmark's own STRATA_HOME, starting its own lazyfs daemon on
+/// demand, with the static agent as container init where `cargo build --target ...` put it.
+pub(crate) fn open_runtime(home: &Path, store_url: &str) -> Result<Runtime> {
+    let starter_home = home.to_path_buf();
+    let starter_store = store_url.to_string();
+    let start: strata_runtime::StartDaemon = Arc::new(move || {
+        let log = std::fs::File::create(starter_home.join("lazyfs.log"))
+            .map_err(|e| strata_lazyfs::LazyError::Daemon(e.to_string()))?;
+        let strata = bin("strata").map_err(|e| strata_lazyfs::LazyError::Daemon(e.to_string()))?;
+        let mut cmd = Command::new(strata);
+        cmd.env("STRATA_HOME", &starter_home)
+            .args(["--store", &starter_store, "lazyfs", "serve"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        cmd.spawn()
+            .map_err(|e| strata_lazyfs::LazyError::Daemon(e.to_string()))?;
+        Ok(())
+    });
+    let mut cfg = RuntimeConfig::new(
+        home.join("runtime"),
+        LazyfsAccess {
+            paths: strata_lazyfs::Paths::new(home.join("lazyfs")),
+            start,
+        },
+        bin("strata-agent")?,
+    )?;
+    let exe = std::env::current_exe()?;
+    if let (Some(profile), Some(target)) = (
+        exe.parent().and_then(|p| p.file_name()),
+        exe.parent().and_then(|p| p.parent()),
+    ) {
+        let agent = target
+            .join("x86_64-unknown-linux-gnu")
+            .join(profile)
+            .join("strata-agent");
+        if agent.is_file() {
+            cfg.container_agent = Some(agent);
+        }
+    }
+    Ok(Runtime::open(cfg)?)
 }
 
 /// Exports a layer and copies it over `into` (export wants an empty target; a stack is

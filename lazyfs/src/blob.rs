@@ -141,16 +141,21 @@ impl LayerBlob {
             let to = end.min(c.blob_offset + c.length as u64);
             let (lo, n) = ((from - c.blob_offset) as usize, (to - from) as usize);
             let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
-            match self.cache.get_range(&c.digest, lo, n) {
-                Some(part) => {
+            let chunk = match self.cache.get(&c.digest) {
+                Some(data) => {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                    dst.copy_from_slice(&part);
+                    data
                 }
-                None => {
-                    let data = self.fetch_for_read(i)?;
-                    dst.copy_from_slice(&data[lo..lo + n]);
-                }
-            }
+                None => self.fetch_for_read(i)?,
+            };
+            let part = chunk.get(lo..lo + n).ok_or_else(|| {
+                LazyError::Chunk(format!(
+                    "chunk {} is shorter than its manifest says",
+                    c.digest
+                ))
+            })?;
+            dst.copy_from_slice(part);
+            self.cache.persist(c.digest, chunk, &self.rt);
             i += 1;
         }
         // Read ahead only for sequential readers (the kernel reading a large file in
@@ -299,8 +304,8 @@ impl LayerBlob {
             .fetched
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         // Every chunk of the group is verified before it is served or cached (a neighbour
-        // decoded later would let a concurrent reader fetch it again); disk writes happen
-        // off the read path.
+        // decoded later would let a concurrent reader fetch it again); a chunk reaches the
+        // disk when a reader is served it (`ChunkCache::persist`), off the read path.
         let mut wanted = None;
         for &j in &group {
             let cj = &chunks[j];
@@ -313,12 +318,6 @@ impl LayerBlob {
                 Ok(data) => {
                     let data = Bytes::from(data);
                     self.cache.put_hot(cj.digest, data.clone());
-                    let (cache, d, persist) = (self.cache.clone(), cj.digest, data.clone());
-                    self.rt.spawn_blocking(move || {
-                        if let Err(e) = cache.put(d, persist) {
-                            tracing::warn!(error = %e, "could not write to the chunk cache");
-                        }
-                    });
                     if j == i {
                         wanted = Some(data);
                     }

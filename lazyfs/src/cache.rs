@@ -1,6 +1,7 @@
 //! The local chunk cache: verified, uncompressed chunks as files on the host's disk
 //! (`chunks/<aa>/<digest>`), bounded in bytes with LRU eviction, plus a small in-memory
-//! cache of hot chunks. Files found on disk at start-up are trusted only after they have
+//! cache of hot chunks. Fetched chunks land in memory; only those a reader is served are
+//! written to disk. Files found on disk at start-up are trusted only after they have
 //! been re-hashed once.
 
 use std::path::{Path, PathBuf};
@@ -180,14 +181,6 @@ impl ChunkCache {
         Some(bytes)
     }
 
-    /// `len` bytes at `offset` of a cached chunk.
-    pub fn get_range(&self, d: &Digest, offset: usize, len: usize) -> Option<Bytes> {
-        // A chunk is read from disk whole, once, into the hot cache: the kernel asks for
-        // it in 128-256 KiB pieces, and one sequential read beats several small ones.
-        let b = self.get(d)?;
-        b.get(offset..offset + len).map(|s| b.slice_ref(s))
-    }
-
     /// Whether a chunk is in memory.
     pub fn is_hot(&self, d: &Digest) -> bool {
         self.hot.contains_key(d)
@@ -217,6 +210,31 @@ impl ChunkCache {
         );
         self.hot.insert(d, data);
         Ok(())
+    }
+
+    /// Writes a chunk a reader was served to disk, once. Chunks fetched only because they
+    /// lay near a wanted one, or ahead of a reader, stay in memory until somebody reads
+    /// them: the disk gets what sandboxes used, not everything the store sent.
+    pub fn persist(self: &Arc<Self>, d: Digest, data: Bytes, rt: &tokio::runtime::Handle) {
+        // Indexed before it is written, so concurrent readers of the chunk write it once;
+        // a reader finding the index entry before the file falls back to the hot copy or
+        // fetches again.
+        let entry = self.disk.entry(d).or_insert_with(|| {
+            Arc::new(DiskEntry {
+                size: data.len() as u64,
+                verified: AtomicBool::new(true),
+            })
+        });
+        if !entry.is_fresh() {
+            return;
+        }
+        let cache = self.clone();
+        rt.spawn_blocking(move || {
+            if let Err(e) = cache.put(d, data) {
+                tracing::warn!(error = %e, "could not write to the chunk cache");
+                cache.disk.invalidate(&d);
+            }
+        });
     }
 
     /// Makes a verified chunk readable from memory before it reaches the disk.
@@ -264,6 +282,25 @@ impl ChunkCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_chunks_served_to_readers_reach_the_disk() {
+        let scratch = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch");
+        std::fs::create_dir_all(&scratch).unwrap();
+        let dir = tempfile::tempdir_in(scratch).unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let c = Arc::new(ChunkCache::open(dir.path(), 1 << 20).unwrap());
+        let (used, neighbour) = (Bytes::from(vec![1u8; 5000]), Bytes::from(vec![2u8; 5000]));
+        c.put_hot(Digest::of(&used), used.clone());
+        c.put_hot(Digest::of(&neighbour), neighbour.clone());
+        c.persist(Digest::of(&used), used.clone(), rt.handle());
+        c.persist(Digest::of(&used), used.clone(), rt.handle());
+        drop(rt); // waits for the write
+        assert!(chunk_path(dir.path(), &Digest::of(&used)).is_file());
+        assert!(!chunk_path(dir.path(), &Digest::of(&neighbour)).exists());
+        assert_eq!(c.get(&Digest::of(&neighbour)).unwrap(), neighbour);
+        assert_eq!(walk(dir.path()), 1);
+    }
 
     #[test]
     fn survives_restart_bounded_and_drops_corrupt_files() {
