@@ -245,7 +245,6 @@ pub fn run(scratch: &Path, repo: &Path, quick: bool) -> Result<Section> {
             );
             let eager_s = t.elapsed().as_secs_f64();
             let _ = crun_cmd(&state, &["delete", "--force", &format!("eager-{n}")]);
-            std::fs::remove_dir_all(&rootfs)?;
             rows.push(Row::new(
                 &format!("{reference}: cold start to test suite done"),
                 "s",
@@ -255,8 +254,11 @@ pub fn run(scratch: &Path, repo: &Path, quick: bool) -> Result<Section> {
                 "lower",
                 "nothing cached on the host in either run",
             ));
+            rows.push(podman_row(reference, &rootfs, &work, &entry, &test, lazy_s));
+            std::fs::remove_dir_all(&rootfs)?;
         }
     }
+    rows.push(storage_row(&env, refs.len())?);
     rows.push(Row::new(
         "all measured workspaces: share of stack data fetched",
         "fraction",
@@ -292,6 +294,144 @@ pub fn run(scratch: &Path, repo: &Path, quick: bool) -> Result<Section> {
         ),
         rows,
     })
+}
+
+/// Podman, the tool a user would otherwise pick: the environment as an image tarball on
+/// local disk (as a registry pull would leave it), `podman import` (extracting it into
+/// podman's storage), then `podman run` of the tests. Where podman cannot run, the row says
+/// why instead of a number.
+fn podman_row(
+    reference: &str,
+    rootfs: &Path,
+    work: &Path,
+    entry: &Entry,
+    test: &str,
+    lazy_s: f64,
+) -> Row {
+    let name = format!("{reference}: cold start to test suite done, vs podman");
+    let baseline = "podman import of the image tarball, then podman run";
+    let attempt = || -> Result<f64> {
+        let tarball = work.join("podman-image.tar");
+        let status = Command::new("tar")
+            .arg("-C")
+            .arg(rootfs)
+            .args(["-cf"])
+            .arg(&tarball)
+            .arg(".")
+            .status()?;
+        if !status.success() {
+            bail!("tar of the exported tree failed");
+        }
+        let image = "strata-bench-eager:latest";
+        let _ = Command::new("podman").args(["rmi", "-f", image]).output();
+        let t = Instant::now();
+        let import = Command::new("podman")
+            .args(["import", "-q"])
+            .arg(&tarball)
+            .arg(image)
+            .output()?;
+        if !import.status.success() {
+            bail!(
+                "podman import: {}",
+                String::from_utf8_lossy(&import.stderr).trim()
+            );
+        }
+        // Debian's podman 4.3 needs runc on hybrid cgroups and explicit ulimits here
+        // (shared/platform.md).
+        let mut run = Command::new("podman");
+        run.args(["run", "--rm", "--runtime", "runc", "--network", "none"])
+            .args([
+                "--ulimit",
+                "nofile=1024:1024",
+                "--ulimit",
+                "nproc=1024:1024",
+            ])
+            .args(["-w", entry.workdir.as_deref().unwrap_or("/")]);
+        for (k, v) in &entry.env {
+            run.arg("-e").arg(format!("{k}={v}"));
+        }
+        let out = run.args([image, "/bin/sh", "-c", test]).output()?;
+        let took = t.elapsed().as_secs_f64();
+        let _ = Command::new("podman").args(["rmi", "-f", image]).output();
+        let _ = std::fs::remove_file(&tarball);
+        if out.stdout.is_empty() {
+            bail!(
+                "podman run printed nothing: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        Ok(took)
+    };
+    match attempt() {
+        Ok(s) => Row::new(
+            &name,
+            "s",
+            lazy_s,
+            baseline,
+            s,
+            "lower",
+            "image already on local disk",
+        ),
+        Err(e) => Row::new(
+            &name,
+            "s",
+            lazy_s,
+            baseline,
+            0.0,
+            "lower",
+            &format!("podman could not run here: {e}"),
+        ),
+    }
+}
+
+/// What the store holds for the whole dataset against each environment as its own full
+/// image (base, toolkit and workspace), the way N separately built images would be kept.
+fn storage_row(env: &Env, environments: usize) -> Result<Row> {
+    let stats = env.json(&["store", "stats", "--json"])?;
+    let stored = stats["stored_bytes"].as_u64().unwrap_or(0);
+    let mut full = 0u64;
+    let listed =
+        String::from_utf8_lossy(&env.ok(&["catalog", "ls", "datasets/"])?.stdout).into_owned();
+    let mut sizes: BTreeMap<String, u64> = BTreeMap::new();
+    let mut counted = 0;
+    for id in listed.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        if id == "datasets/debian" {
+            continue;
+        }
+        let history = env.json(&["catalog", "history", id, "--json"])?;
+        for record in history.as_array().cloned().unwrap_or_default() {
+            let Some(v) = record["version"].as_str() else {
+                continue;
+            };
+            let shown = env.json(&["catalog", "show", &format!("{id}@{v}"), "--json"])?;
+            let entry: Entry = serde_json::from_value(shown["entry"].clone())?;
+            for (_, layer) in entry.layers() {
+                let size = match sizes.get(layer) {
+                    Some(s) => *s,
+                    None => {
+                        let s = env.json(&["layer", "inspect", layer, "--json"])?["logical_bytes"]
+                            .as_u64()
+                            .unwrap_or(0);
+                        sizes.insert(layer.to_string(), s);
+                        s
+                    }
+                };
+                full += size;
+            }
+            counted += 1;
+        }
+    }
+    Ok(Row::new(
+        &format!("the dataset's {counted} environments in the store"),
+        "MB",
+        stored as f64 / 1e6,
+        "each environment as its own full image (uncompressed)",
+        full as f64 / 1e6,
+        "lower",
+        &format!(
+            "{environments} workspaces registered; layers shared, chunks deduplicated and lz4-compressed"
+        ),
+    ))
 }
 
 /// Bytes allocated on disk under `dirs` (sparse files count only their written blocks).

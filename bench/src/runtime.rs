@@ -341,12 +341,6 @@ pub fn run(
 
     let window = Duration::from_secs(if quick { 5 } else { 15 });
     for clients in [2usize, 8, 32] {
-        let st = s.clone();
-        let strata_rate = sustained(
-            clients,
-            window,
-            Arc::new(move |_, _| strata_once(&st, Backend::Container).map(|_| ())),
-        )?;
         let b = bundle.clone();
         let cs = crun_state.clone();
         let bare_rate = sustained(
@@ -354,15 +348,28 @@ pub fn run(
             window,
             Arc::new(move |c, n| bare_crun(&b, &cs, &format!("sus-{c}-{n}")).map(|_| ())),
         )?;
-        rows.push(Row::new(
-            &format!("container creations/s, {clients} clients"),
-            "1/s",
-            strata_rate,
-            "bare crun run/s",
-            bare_rate,
-            "higher",
-            if clients == 32 { "target >= 50/s" } else { "" },
-        ));
+        for backend in [Backend::Container, Backend::Fncall] {
+            let st = s.clone();
+            let strata_rate = sustained(
+                clients,
+                window,
+                Arc::new(move |_, _| strata_once(&st, backend).map(|_| ())),
+            )?;
+            let name = format!("{backend:?}").to_lowercase();
+            rows.push(Row::new(
+                &format!("{name} creations/s, {clients} clients"),
+                "1/s",
+                strata_rate,
+                "bare crun run/s",
+                bare_rate,
+                "higher",
+                if backend == Backend::Container {
+                    "target >= 50/s"
+                } else {
+                    ""
+                },
+            ));
+        }
     }
 
     // Idle density: N idle sandboxes, memory they are charged for (cgroup) plus the RSS
@@ -418,7 +425,10 @@ pub fn run(
         "bare crun idle container",
         bare_per,
         "lower",
-        &format!("{n} idle sandboxes; memcg charge"),
+        &format!(
+            "{n} idle sandboxes; memcg charge; {:.0} idle sandboxes per GiB",
+            1024.0 / per_backend[0].max(0.001)
+        ),
     ));
     rows.push(Row::new(
         "container idle memory per sandbox",
@@ -427,7 +437,10 @@ pub fn run(
         "bare crun idle container",
         bare_per,
         "lower",
-        &format!("{n} idle sandboxes; memcg charge"),
+        &format!(
+            "{n} idle sandboxes; memcg charge; {:.0} idle sandboxes per GiB",
+            1024.0 / per_backend[1].max(0.001)
+        ),
     ));
     // Leave nothing running: pooled agents and uppers, then the suite's lazyfs daemon.
     s.runtime.drain_pool();
