@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Builds the whole dataset into the store and registers it in the catalog.
 
-The Debian base (registered alone as datasets/debian), the pytest toolkit (built by pip in
-a build step over it), and one workspace layer per entry of workspaces/workspaces.toml:
-the project's source release fetched from PyPI into cache/sources/ (checked against the
-recorded sha256, never downloaded twice), unpacked, and built into a layer at /work.
+The Debian base (registered alone as datasets/debian), the toolkits (pytest by pip, Rust by
+apt, in build steps over it), and one workspace layer per entry of
+workspaces/workspaces.toml: the project's source release fetched from PyPI or the crate
+registry into cache/sources/ (checked against the recorded sha256, never downloaded
+twice), unpacked, and built into a layer at /work.
 Each is registered as datasets/<name>@<version> with the project's test command.
 
   build.py [--strata BIN] [--only NAME] [--baseline]
@@ -29,12 +30,27 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.path.join(HERE, "cache")
 PYPI_SIMPLE = "https://pypi.org/simple/{}/"
+CRATES = "https://static.crates.io/crates/{}/{}"
 
-ENV = {
-    "LANG": "C.UTF-8",
-    "PYTHONPATH": "/opt/strata-toolkit/site-packages:/work:/work/src",
-    "PATH": "/opt/strata-toolkit/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "PYTHONDONTWRITEBYTECODE": "1",
+# Per toolkit: its definition and the environment its workspaces run with.
+TOOLKITS = {
+    "pytest": {
+        "definition": os.path.join(HERE, "toolkits", "pytest", "toolkit.toml"),
+        "env": {
+            "LANG": "C.UTF-8",
+            "PYTHONPATH": "/opt/strata-toolkit/site-packages:/work:/work/src",
+            "PATH": "/opt/strata-toolkit/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        },
+        "test": "test",
+        "layer_prefix": "pypi",
+    },
+    "rust": {
+        "definition": os.path.join(HERE, "toolkits", "rust", "toolkit.toml"),
+        "env": {"LANG": "C.UTF-8", "CARGO_NET_OFFLINE": "true", "CARGO_TERM_COLOR": "never"},
+        "test": "rust_test",
+        "layer_prefix": "crates",
+    },
 }
 
 
@@ -57,9 +73,14 @@ def fetch(ws):
     """The release tarball, from the cache or PyPI, checked against its sha256."""
     sources = os.path.join(CACHE, "sources")
     os.makedirs(sources, exist_ok=True)
-    path = os.path.join(sources, ws["pypi"])
+    filename = ws.get("pypi") or ws["crate"]
+    path = os.path.join(sources, filename)
     if os.path.exists(path):
         data = open(path, "rb").read()
+    elif "crate" in ws:
+        log(f"fetching {filename}")
+        url = CRATES.format(ws["name"], filename)
+        data = urllib.request.urlopen(url, timeout=300).read()
     else:
         req = urllib.request.Request(
             PYPI_SIMPLE.format(ws["name"]),
@@ -74,7 +95,7 @@ def fetch(ws):
     digest = hashlib.sha256(data).hexdigest()
     if digest != ws["sha256"]:
         sys.exit(
-            f"{ws['pypi']}: sha256 {digest} differs from the recorded {ws['sha256']} "
+            f"{filename}: sha256 {digest} differs from the recorded {ws['sha256']} "
             f"(delete {path} to fetch it again)"
         )
     if not os.path.exists(path):
@@ -157,10 +178,16 @@ def build_layer(bin_, definition):
 def baseline(bin_, ref, out_path):
     r = subprocess.run([bin_, "run", ref, "--command", "test"], capture_output=True, text=True)
     results = []
+    cargo = {"ok": "PASSED", "FAILED": "FAILED", "ignored": "SKIPPED"}
     for line in r.stdout.splitlines():
         word, _, rest = line.partition(" ")
         if word in ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS") and rest:
             results.append(f"{word} {rest.split(' - ')[0]}")
+        elif word == "test" and " ... " in rest:
+            # cargo test: `test path::name ... ok`
+            name, _, outcome = rest.rpartition(" ... ")
+            if outcome.split(" ")[0] in cargo:
+                results.append(f"{cargo[outcome.split(' ')[0]]} {name}")
     if not results:
         sys.exit(f"{ref}: the test command reported no tests (status {r.returncode}):\n"
                  f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
@@ -189,16 +216,18 @@ def main():
     base = last_line(strata(bin_, "layer", "build", os.path.join(HERE, "base", "debian.toml")))
     register(bin_, {"id": "datasets/debian", "base": base, "backend": "container",
                     "workdir": "/"}, {"env": {"LANG": "C.UTF-8"}})
-    toolkit = last_line(strata(bin_, "layer", "build",
-                               os.path.join(HERE, "toolkits", "pytest", "toolkit.toml")))
-    default_test = manifest["defaults"]["test"]
+    wanted = [ws for ws in manifest["workspace"] if not args.only or ws["name"] == args.only]
+    toolkit_ids = {}
+    for name in sorted({ws.get("toolkit", "pytest") for ws in wanted} | {"pytest"}):
+        toolkit_ids[name] = last_line(strata(bin_, "layer", "build", TOOLKITS[name]["definition"]))
     rows = []
-    for ws in manifest["workspace"]:
-        if args.only and ws["name"] != args.only:
-            continue
+    for ws in wanted:
+        kit_name = ws.get("toolkit", "pytest")
+        kit = TOOLKITS[kit_name]
+        toolkit = toolkit_ids[kit_name]
         tree = unpack(ws, fetch(ws))
         layer = build_layer(bin_, f"""kind = "workspace"
-name = "pypi/{ws['name']}"
+name = "{kit['layer_prefix']}/{ws['name']}"
 version = "{ws['version']}"
 prefix = "work"
 exclude = [".complete", "**/__pycache__", "**/*.pyc"]
@@ -212,8 +241,8 @@ dir = {json.dumps(tree)}
              "workdir": "/work"},
             {"budgets": {"memory": "1G", "cpus": 1, "disk": "1G", "pids": 512,
                          "timeout": "600s", "idle_ttl": "30m"},
-             "env": ENV,
-             "commands": {"test": ws.get("test", default_test)}},
+             "env": kit["env"],
+             "commands": {"test": ws.get("test", manifest["defaults"][kit["test"]])}},
         )
         row = {"ref": ref, "layer": layer}
         if args.baseline:
@@ -222,7 +251,7 @@ dir = {json.dumps(tree)}
             row["tests"] = baseline(bin_, ref, out)
         rows.append(row)
         log(f"{ref}: layer {layer[:16]}" + (f", {row['tests']}" if "tests" in row else ""))
-    print(json.dumps({"base": base, "toolkit": toolkit, "workspaces": rows}, indent=2))
+    print(json.dumps({"base": base, "toolkits": toolkit_ids, "workspaces": rows}, indent=2))
 
 
 if __name__ == "__main__":
