@@ -123,16 +123,36 @@ fn the_pip_built_toolkit_runs_the_workspace_tests() {
         "the provenance keeps step logs: {prov}"
     );
 
-    // `capture` kept the toolkit's tree and nothing apt wrote.
+    // `capture` kept the toolkit's tree and the agent tools, and nothing else apt wrote.
     let scratch = tempfile::tempdir_in(scratch_root()).unwrap();
     let tree = scratch.path().join("tree");
     cli.ok(&["layer", "export", &env.toolkit, &tree.display().to_string()]);
-    let top: Vec<String> = std::fs::read_dir(&tree)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    assert_eq!(top, vec!["opt".to_string()]);
+    let names = |dir: &Path| -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(&tree), ["etc", "opt", "usr"]);
+    assert_eq!(
+        names(&tree.join("usr/bin")),
+        ["patch", "rg", "vi", "vim.tiny"]
+    );
     assert!(tree.join("opt/strata-toolkit/bin/pytest").is_file());
+    let out = cli.ok(&[
+        "run",
+        "datasets/sample",
+        "--",
+        "sh",
+        "-c",
+        "rg --version | head -1; patch --version | head -1; test -x /usr/bin/vi && echo vi",
+    ]);
+    assert!(
+        out.starts_with("ripgrep ") && out.contains("GNU patch") && out.ends_with("vi\n"),
+        "{out}"
+    );
 }
 
 #[test]
