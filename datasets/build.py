@@ -146,14 +146,23 @@ def layers_of(entry):
 
 def register(bin_, entry, tables):
     """Registers an entry unless it is already there with the same layers: the given
-    version, or for an unversioned entry the latest."""
-    ref = entry["id"] + (f"@{entry['version']}" if "version" in entry else "")
-    existing = registered(bin_, ref)
-    if existing and layers_of(existing) == layers_of(entry):
-        return f"{entry['id']}@{existing['version']}"
-    if existing and "version" in entry:
-        sys.exit(f"{ref} is registered with other layers; entries are immutable: "
-                 f"give it a new version in workspaces.toml")
+    version, or for an unversioned entry the latest. Entries are immutable, so when a
+    toolkit or the base changed, the workspace's environment gets the next revision,
+    `<version>-r2`, `-r3`, ... (the unversioned ID resolves to the newest)."""
+    if "version" in entry:
+        base_version = entry["version"]
+        for revision in range(1, 1000):
+            version = base_version if revision == 1 else f"{base_version}-r{revision}"
+            existing = registered(bin_, f"{entry['id']}@{version}")
+            if existing is None:
+                entry = dict(entry, version=version)
+                break
+            if layers_of(existing) == layers_of(entry):
+                return f"{entry['id']}@{version}"
+    else:
+        existing = registered(bin_, entry["id"])
+        if existing and layers_of(existing) == layers_of(entry):
+            return f"{entry['id']}@{existing['version']}"
     lines = [f"{k} = {toml_value(v)}" for k, v in entry.items()]
     for name, table in tables.items():
         lines.append(f"\n[{name}]")
