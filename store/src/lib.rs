@@ -387,36 +387,48 @@ impl Store {
         ObjectPath::from(format!("layers/{id}.prefetch.json"))
     }
 
-    /// Stores the order in which a first run of the layer read its chunks (chunk indexes),
-    /// for later runs to prefetch. A later list replaces an earlier one.
-    pub async fn put_prefetch(&self, id: &Digest, order: &[u32]) -> Result<()> {
-        let key = Self::prefetch_key(id);
-        let body = serde_json::to_vec(order).map_err(|source| StoreError::Json {
+    /// Writes a small mutable JSON record.
+    async fn put_record<T: serde::Serialize>(&self, key: &ObjectPath, value: &T) -> Result<()> {
+        let body = serde_json::to_vec(value).map_err(|source| StoreError::Json {
             key: key.to_string(),
             source,
         })?;
         self.backend
-            .put(&key, PutPayload::from(body))
+            .put(key, PutPayload::from(body))
             .await
-            .map_err(backend_err("put", &key))?;
+            .map_err(backend_err("put", key))?;
         Ok(())
+    }
+
+    /// Reads a small JSON record; `None` when there is none.
+    async fn get_record<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &ObjectPath,
+    ) -> Result<Option<T>> {
+        match self.backend.get(key).await {
+            Ok(r) => {
+                let bytes = r.bytes().await.map_err(backend_err("get", key))?;
+                serde_json::from_slice(&bytes)
+                    .map(Some)
+                    .map_err(|source| StoreError::Json {
+                        key: key.to_string(),
+                        source,
+                    })
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(backend_err("get", key)(e)),
+        }
+    }
+
+    /// Stores the order in which a first run of the layer read its chunks (chunk indexes),
+    /// for later runs to prefetch. A later list replaces an earlier one.
+    pub async fn put_prefetch(&self, id: &Digest, order: &[u32]) -> Result<()> {
+        self.put_record(&Self::prefetch_key(id), &order).await
     }
 
     /// The layer's prefetch list, if one was recorded.
     pub async fn get_prefetch(&self, id: &Digest) -> Result<Option<Vec<u32>>> {
-        let key = Self::prefetch_key(id);
-        match self.backend.get(&key).await {
-            Ok(r) => {
-                let bytes = r.bytes().await.map_err(backend_err("get", &key))?;
-                let order = serde_json::from_slice(&bytes).map_err(|source| StoreError::Json {
-                    key: key.to_string(),
-                    source,
-                })?;
-                Ok(Some(order))
-            }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(backend_err("get", &key)(e)),
-        }
+        self.get_record(&Self::prefetch_key(id)).await
     }
 
     fn build_record_key(build_key: &Digest) -> ObjectPath {
@@ -425,19 +437,11 @@ impl Store {
 
     /// Records that the step build with this key made `layer` (the build cache).
     pub async fn put_build_record(&self, build_key: &Digest, layer: &Digest) -> Result<()> {
-        let key = Self::build_record_key(build_key);
-        let body =
-            serde_json::to_vec(&serde_json::json!({ "layer": layer })).map_err(|source| {
-                StoreError::Json {
-                    key: key.to_string(),
-                    source,
-                }
-            })?;
-        self.backend
-            .put(&key, PutPayload::from(body))
-            .await
-            .map_err(backend_err("put", &key))?;
-        Ok(())
+        self.put_record(
+            &Self::build_record_key(build_key),
+            &serde_json::json!({ "layer": layer }),
+        )
+        .await
     }
 
     /// The layer a step build with this key made, if one is recorded.
@@ -446,20 +450,8 @@ impl Store {
         struct Record {
             layer: Digest,
         }
-        let key = Self::build_record_key(build_key);
-        match self.backend.get(&key).await {
-            Ok(r) => {
-                let bytes = r.bytes().await.map_err(backend_err("get", &key))?;
-                let record: Record =
-                    serde_json::from_slice(&bytes).map_err(|source| StoreError::Json {
-                        key: key.to_string(),
-                        source,
-                    })?;
-                Ok(Some(record.layer))
-            }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(backend_err("get", &key)(e)),
-        }
+        let record: Option<Record> = self.get_record(&Self::build_record_key(build_key)).await?;
+        Ok(record.map(|r| r.layer))
     }
 
     /// Every committed layer ID, sorted.

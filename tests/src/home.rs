@@ -8,7 +8,7 @@ use std::process::{Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::{mounts_under, scratch_root, strata_bin};
+use crate::{have_fuse, have_root, have_tool, mounts_under, scratch_root, strata_bin};
 
 static HOMES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
@@ -34,6 +34,17 @@ extern "C" fn clean_homes_at_exit() {
             }
         }
     }
+}
+
+/// Whether this host can run sandboxes (root, FUSE, the container engine, the tools the
+/// sample's base and uppers need); same failure/skip rule as [`crate::have_root`].
+pub fn can_run_sandboxes(test: &str) -> bool {
+    have_root(test)
+        && have_fuse(test)
+        && have_tool(test, "crun")
+        && have_tool(test, "catatonit")
+        && have_tool(test, "mmdebstrap")
+        && have_tool(test, "mkfs.ext4")
 }
 
 /// A `STRATA_HOME` with its own local store.

@@ -8,8 +8,8 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use strata_tests::home::CliHome;
-use strata_tests::{have_fuse, have_root, have_tool, scratch_root};
+use strata_tests::home::{can_run_sandboxes, CliHome};
+use strata_tests::{have_tool, scratch_root};
 
 const BACKENDS: [&str; 2] = ["fncall", "container"];
 
@@ -20,18 +20,9 @@ struct Env {
 
 static ENV: OnceLock<Option<Env>> = OnceLock::new();
 
-fn capable(test: &str) -> bool {
-    have_root(test)
-        && have_fuse(test)
-        && have_tool(test, "crun")
-        && have_tool(test, "catatonit")
-        && have_tool(test, "mmdebstrap")
-        && have_tool(test, "mkfs.ext4")
-}
-
 /// The shared environment: one store, one STRATA_HOME, the sample registered once.
 fn env(test: &str) -> Option<&'static Env> {
-    if !capable(test) {
+    if !can_run_sandboxes(test) {
         return None;
     }
     ENV.get_or_init(|| {

@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use serde_json::Value;
-use strata_tests::home::CliHome;
-use strata_tests::{have_fuse, have_root, have_tool, scratch_root};
+use strata_tests::home::{can_run_sandboxes, CliHome};
+use strata_tests::scratch_root;
 
 struct Env {
     cli: CliHome,
@@ -29,17 +29,9 @@ fn toolkit_def() -> String {
         .to_string()
 }
 
-fn capable(test: &str) -> bool {
-    have_root(test)
-        && have_fuse(test)
-        && have_tool(test, "crun")
-        && have_tool(test, "mmdebstrap")
-        && have_tool(test, "mkfs.ext4")
-}
-
 /// One home with the sample registered (register.sh builds the toolkit by its steps).
 fn env(test: &str) -> Option<&'static Env> {
-    if !capable(test) {
+    if !can_run_sandboxes(test) {
         return None;
     }
     ENV.get_or_init(|| {
