@@ -115,14 +115,43 @@ def unpack(ws, tarball):
     shutil.rmtree(partial, ignore_errors=True)
     os.makedirs(partial)
     with tarfile.open(tarball) as tar:
-        tar.extractall(partial, filter="data")
+        members = tar.getmembers()
+        for m in members:
+            # What tarfile's "data" filter refuses (Debian 12's Python 3.11.2 lacks it).
+            if m.name.startswith("/") or ".." in m.name.split("/") or m.isdev():
+                sys.exit(f"{tarball}: refusing member {m.name!r}")
+            if (m.issym() or m.islnk()) and (
+                m.linkname.startswith("/") or ".." in m.linkname.split("/")
+            ):
+                sys.exit(f"{tarball}: refusing link {m.name!r} -> {m.linkname!r}")
+        tar.extractall(partial, members=members)
     tops = os.listdir(partial)
     if len(tops) != 1:
         sys.exit(f"{tarball}: expected one top directory, found {tops}")
+    normalize(partial, max((m.mtime for m in members), default=0))
     os.rename(os.path.join(partial, tops[0]), dest)
     os.rmdir(partial)
     open(os.path.join(dest, ".complete"), "w").close()
     return dest
+
+
+def normalize(root, mtime):
+    """Owner root, directories 0755 with the release's newest time, files 0755 or 0644 by
+    their owner's execute bit: the tree (and so the layer ID) must not depend on the
+    release's recorded owners, the umask, when it was unpacked (releases often list no
+    directory entries, so their directories are made at unpack time) or the Python
+    version that unpacked it."""
+    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
+        for name in [dirpath] + [os.path.join(dirpath, n) for n in dirnames + filenames]:
+            os.lchown(name, 0, 0)
+            st = os.lstat(name)
+            if os.path.islink(name):
+                continue
+            if os.path.isdir(name):
+                os.chmod(name, 0o755)
+                os.utime(name, (mtime, mtime))
+            else:
+                os.chmod(name, 0o755 if st.st_mode & 0o100 else 0o644)
 
 
 def registered(bin_, ref):
