@@ -138,12 +138,29 @@ fn merge_whiteout_dirs(
 /// and its result kept in `facts` (NUL-separated paths).
 fn whiteout_dirs(facts: &Path, id: &str, root: &Path) -> Result<Vec<PathBuf>, RuntimeError> {
     let cached = facts.join(format!("{id}.whiteout-dirs"));
-    if let Ok(bytes) = std::fs::read(&cached) {
-        return Ok(bytes
-            .split(|b| *b == 0)
-            .filter(|p| !p.is_empty())
-            .map(|p| PathBuf::from(std::ffi::OsStr::from_bytes(p)))
-            .collect());
+    let read_cached = || {
+        std::fs::read(&cached).ok().map(|bytes| {
+            bytes
+                .split(|b| *b == 0)
+                .filter(|p| !p.is_empty())
+                .map(|p| PathBuf::from(std::ffi::OsStr::from_bytes(p)))
+                .collect::<Vec<_>>()
+        })
+    };
+    if let Some(dirs) = read_cached() {
+        return Ok(dirs);
+    }
+    // A burst of creates on a fresh host would all walk the same layer: one walks, the
+    // others wait for its result (the lock holds across processes).
+    std::fs::create_dir_all(facts).map_err(RuntimeError::io(facts))?;
+    let lock_path = facts.join("walk.lock");
+    let lock = std::fs::File::create(&lock_path).map_err(RuntimeError::io(&lock_path))?;
+    // SAFETY: flock on an owned descriptor; released when `lock` is dropped.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
+        return Err(RuntimeError::io(&lock_path)(std::io::Error::last_os_error()));
+    }
+    if let Some(dirs) = read_cached() {
+        return Ok(dirs);
     }
     let mut dirs = std::collections::BTreeSet::new();
     for entry in walkdir::WalkDir::new(root).follow_links(false).min_depth(1) {
@@ -172,7 +189,6 @@ fn whiteout_dirs(facts: &Path, id: &str, root: &Path) -> Result<Vec<PathBuf>, Ru
         bytes.extend_from_slice(d.as_os_str().as_bytes());
         bytes.push(0);
     }
-    std::fs::create_dir_all(facts).map_err(RuntimeError::io(facts))?;
     let tmp = facts.join(format!("{id}.whiteout-dirs.{}", std::process::id()));
     std::fs::write(&tmp, &bytes).map_err(RuntimeError::io(&tmp))?;
     std::fs::rename(&tmp, &cached).map_err(RuntimeError::io(&cached))?;
