@@ -124,19 +124,7 @@ pub(crate) fn open_runtime(home: &Path, store_url: &str) -> Result<Runtime> {
         },
         bin("strata-agent")?,
     )?;
-    let exe = std::env::current_exe()?;
-    if let (Some(profile), Some(target)) = (
-        exe.parent().and_then(|p| p.file_name()),
-        exe.parent().and_then(|p| p.parent()),
-    ) {
-        let agent = target
-            .join("x86_64-unknown-linux-gnu")
-            .join(profile)
-            .join("strata-agent");
-        if agent.is_file() {
-            cfg.container_agent = Some(agent);
-        }
-    }
+    cfg.container_agent = strata_runtime::container::static_agent_for(&std::env::current_exe()?);
     Ok(Runtime::open(cfg)?)
 }
 

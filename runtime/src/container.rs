@@ -78,6 +78,23 @@ pub struct ContainerBackend {
     pub agent: Option<PathBuf>,
 }
 
+/// The statically linked agent for container init: `STRATA_STATIC_AGENT`, or the one
+/// `cargo build --target x86_64-unknown-linux-gnu` (with crt-static; scripts/test.sh and
+/// scripts/demo.sh do it) put in the same profile as the binary `exe`. Without it
+/// containers keep catatonit as init and run commands with `<oci runtime> exec`.
+pub fn static_agent_for(exe: &Path) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("STRATA_STATIC_AGENT") {
+        return Some(PathBuf::from(p));
+    }
+    let profile_dir = exe.parent()?;
+    let candidate = profile_dir
+        .parent()?
+        .join("x86_64-unknown-linux-gnu")
+        .join(profile_dir.file_name()?)
+        .join("strata-agent");
+    candidate.is_file().then_some(candidate)
+}
+
 /// Where a container's own files (init, agent) are bound, inside the container.
 pub const RUNTIME_DIR: &str = "/.strata";
 const INIT_PATH: &str = "/.strata/init";

@@ -133,10 +133,7 @@ impl SandboxSpec {
     pub fn resolve(reg: &Registered, over: &Overrides) -> Result<SandboxSpec, RuntimeError> {
         let e = &reg.entry;
         let budgets = e.budgets.overridden_by(&over.budgets);
-        let mut env = BTreeMap::from([
-            ("PATH".to_string(), DEFAULT_PATH.to_string()),
-            ("HOME".to_string(), "/root".to_string()),
-        ]);
+        let mut env = base_env();
         env.extend(e.env.clone());
         env.extend(over.env.clone());
         let network = over
@@ -159,6 +156,14 @@ impl SandboxSpec {
             identity: over.identity.clone().unwrap_or_else(local_identity),
         })
     }
+}
+
+/// The environment every sandbox starts from, before its entry's and caller's.
+pub fn base_env() -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("PATH".to_string(), DEFAULT_PATH.to_string()),
+        ("HOME".to_string(), "/root".to_string()),
+    ])
 }
 
 /// The local user, as `name (uid N)`.

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use strata_builder::steps::{StepExit, StepPlan, StepRunner, StepSandbox};
 use strata_builder::BuildError;
 use strata_catalog::{Backend, Budgets, Catalog};
-use strata_runtime::spec::{local_identity, DEFAULT_PATH};
+use strata_runtime::spec::{base_env, local_identity};
 use strata_runtime::{ExecRequest, Limits, NetRule, Runtime, Sandbox, SandboxSpec};
 use strata_store::{Digest, Store};
 
@@ -33,10 +33,17 @@ fn sandbox_err(e: impl std::fmt::Display) -> BuildError {
 /// stand for their entry's whole stack) to layer IDs, top-most first.
 pub async fn resolve_inputs(store: &Store, from: &[String]) -> anyhow::Result<Vec<Digest>> {
     let mut inputs = Vec::new();
+    // Opened once, on the first catalog ID: opening probes the store's conditional writes.
+    let mut catalog = None;
     for reference in from {
         if reference.contains('/') {
-            let catalog = Catalog::open(store).await?;
-            let reg = catalog.get(reference).await?;
+            let opened = match catalog.take() {
+                Some(c) => c,
+                None => Catalog::open(store).await?,
+            };
+            let reg = opened.get(reference).await;
+            catalog = Some(opened);
+            let reg = reg?;
             for layer in reg.entry.layers() {
                 inputs.push(layer.parse::<Digest>().map_err(|e| {
                     anyhow::anyhow!("catalog entry {reference} names layer `{layer}`: {e}")
@@ -89,10 +96,7 @@ impl StepRunner for RuntimeStepRunner {
             .map(|n| NetRule::parse(n))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| BuildError::Definition(format!("network: {e}")))?;
-        let mut env = BTreeMap::from([
-            ("PATH".to_string(), DEFAULT_PATH.to_string()),
-            ("HOME".to_string(), "/root".to_string()),
-        ]);
+        let mut env = base_env();
         let ca_bundle = host_ca_bundle();
         if ca_bundle.is_some() {
             for var in [
@@ -124,34 +128,9 @@ impl StepRunner for RuntimeStepRunner {
             sandbox: Some(sandbox),
             workdir: plan.workdir.clone(),
         };
-        if let Some(bundle) = ca_bundle {
-            let copied = std::fs::read(&bundle)
-                .map_err(|e| sandbox_err(format!("reading CA bundle {}: {e}", bundle.display())))
-                .and_then(|pem| {
-                    step_sandbox
-                        .sandbox()?
-                        .write_file(CA_BUNDLE_PATH, &pem, 0o644)
-                        .map_err(sandbox_err)
-                });
-            if let Err(e) = copied {
-                Box::new(step_sandbox).destroy()?;
-                return Err(e);
-            }
-        }
-        if plan.workdir != "/" {
-            let made = step_sandbox
-                .sandbox()?
-                .exec(&ExecRequest::argv(["mkdir", "-p", "--", &plan.workdir]))
-                .map_err(sandbox_err)?;
-            if !made.success() {
-                let e = BuildError::Definition(format!(
-                    "workdir {}: {}",
-                    plan.workdir,
-                    String::from_utf8_lossy(&made.stderr).trim()
-                ));
-                Box::new(step_sandbox).destroy()?;
-                return Err(e);
-            }
+        if let Err(e) = step_sandbox.prepare(ca_bundle.as_deref(), &plan.workdir) {
+            Box::new(step_sandbox).destroy()?;
+            return Err(e);
         }
         Ok(Box::new(step_sandbox))
     }
@@ -163,6 +142,34 @@ struct RuntimeStepSandbox {
 }
 
 impl RuntimeStepSandbox {
+    /// Puts the host's CA bundle in place and makes the steps' working directory.
+    fn prepare(
+        &self,
+        ca_bundle: Option<&std::path::Path>,
+        workdir: &str,
+    ) -> Result<(), BuildError> {
+        if let Some(bundle) = ca_bundle {
+            let pem = std::fs::read(bundle)
+                .map_err(|e| sandbox_err(format!("reading CA bundle {}: {e}", bundle.display())))?;
+            self.sandbox()?
+                .write_file(CA_BUNDLE_PATH, &pem, 0o644)
+                .map_err(sandbox_err)?;
+        }
+        if workdir != "/" {
+            let made = self
+                .sandbox()?
+                .exec(&ExecRequest::argv(["mkdir", "-p", "--", workdir]))
+                .map_err(sandbox_err)?;
+            if !made.success() {
+                return Err(BuildError::Definition(format!(
+                    "workdir {workdir}: {}",
+                    String::from_utf8_lossy(&made.stderr).trim()
+                )));
+            }
+        }
+        Ok(())
+    }
+
     fn sandbox(&self) -> Result<&Sandbox, BuildError> {
         self.sandbox
             .as_ref()

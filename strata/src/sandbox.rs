@@ -167,31 +167,15 @@ fn agent_path() -> Result<PathBuf> {
     Ok(exe.with_file_name("strata-agent"))
 }
 
-/// The statically linked agent for containers: `STRATA_STATIC_AGENT`, or the one
-/// `cargo build --target x86_64-unknown-linux-gnu` (with crt-static; scripts/test.sh and
-/// scripts/demo.sh do it) put beside this binary's target directory. Without it containers
-/// keep catatonit as init and run commands with `<oci runtime> exec`.
-fn static_agent_path() -> Option<PathBuf> {
-    if let Ok(p) = std::env::var("STRATA_STATIC_AGENT") {
-        return Some(PathBuf::from(p));
-    }
-    let exe = std::env::current_exe().ok()?;
-    let profile_dir = exe.parent()?;
-    let candidate = profile_dir
-        .parent()?
-        .join("x86_64-unknown-linux-gnu")
-        .join(profile_dir.file_name()?)
-        .join("strata-agent");
-    candidate.is_file().then_some(candidate)
-}
-
 pub fn open_runtime(store_url: Option<String>) -> Result<Runtime> {
     let lazyfs = strata_runtime::LazyfsAccess {
         paths: crate::lazy::paths(),
         start: daemon_starter(store_url),
     };
     let mut cfg = RuntimeConfig::new(strata_home().join("runtime"), lazyfs, agent_path()?)?;
-    cfg.container_agent = static_agent_path();
+    cfg.container_agent = std::env::current_exe()
+        .ok()
+        .and_then(|exe| strata_runtime::container::static_agent_for(&exe));
     Ok(Runtime::open(cfg)?)
 }
 

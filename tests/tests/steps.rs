@@ -47,6 +47,16 @@ fn env(test: &str) -> Option<&'static Env> {
     .as_ref()
 }
 
+/// The names in a directory, sorted.
+fn names(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
 fn json(text: &str) -> Value {
     serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
@@ -237,20 +247,15 @@ fn a_step_deleting_base_files_whiteouts_them_in_the_stack_only() {
         .to_string();
     let _remove = RemoveOnDrop(cli, id.clone());
     let root = cli.runtime_dir().join("sandboxes").join(&id).join("rootfs");
-    let names = |dir: &str| -> Vec<String> {
-        let mut v: Vec<String> = std::fs::read_dir(root.join(dir))
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        v.sort();
-        v
-    };
-    let etc = names("etc");
+    let etc = names(&root.join("etc"));
     assert!(
         !etc.contains(&"issue.net".to_string()),
         "the whiteout shows as a file: {etc:?}"
     );
-    assert_eq!(names("etc/apt/apt.conf.d"), vec!["99new".to_string()]);
+    assert_eq!(
+        names(&root.join("etc/apt/apt.conf.d")),
+        vec!["99new".to_string()]
+    );
     assert_eq!(
         std::fs::read_to_string(root.join("opt/added/file")).unwrap(),
         "hi\n"

@@ -78,15 +78,9 @@ impl PathFilter for Filter<'_> {
     }
 }
 
-/// Reads `upper` into a tree, leaving out `excludes` and what `filter` rejects.
-pub fn read_upper(
-    upper: &Path,
-    filter: &UpperFilter,
-    excludes: &Excludes,
-    sink: &dyn ChunkSink,
-) -> Result<Tree, BuildError> {
-    let capture = filter
-        .capture
+/// Capture globs split into per-component patterns.
+fn capture_patterns(capture: &[String]) -> Result<Vec<Vec<glob::Pattern>>, BuildError> {
+    capture
         .iter()
         .map(|c| {
             c.trim_matches('/')
@@ -98,7 +92,17 @@ pub fn read_upper(
                 })
                 .collect::<Result<Vec<_>, _>>()
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect()
+}
+
+/// Reads `upper` into a tree, leaving out `excludes` and what `filter` rejects.
+pub fn read_upper(
+    upper: &Path,
+    filter: &UpperFilter,
+    excludes: &Excludes,
+    sink: &dyn ChunkSink,
+) -> Result<Tree, BuildError> {
+    let capture = capture_patterns(&filter.capture)?;
     let walk_filter = Filter {
         excludes,
         capture,
@@ -127,15 +131,8 @@ mod tests {
     fn filter<'a>(excludes: &'a Excludes, capture: &[&str], lowers: &'a [PathBuf]) -> Filter<'a> {
         Filter {
             excludes,
-            capture: capture
-                .iter()
-                .map(|c| {
-                    c.trim_matches('/')
-                        .split('/')
-                        .map(|p| glob::Pattern::new(p).unwrap())
-                        .collect()
-                })
-                .collect(),
+            capture: capture_patterns(&capture.iter().map(|c| c.to_string()).collect::<Vec<_>>())
+                .unwrap(),
             lowers,
             drop_input_pycache: true,
         }
