@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what Strata needs on a fresh Debian 12 machine: build tools, the kernel-side
 # userspace (FUSE, erofs-utils for fsck), the container engines (crun, runc, catatonit as
-# init), the S3 test server (Ceph radosgw), and the Rust
-# toolchain's components. Idempotent: a second run only checks.
+# init), the VM engine (QEMU) and the guest kernel for microVMs and VMs, the S3 test
+# server (Ceph radosgw), and the Rust toolchain's components. Idempotent: a second run
+# only checks.
 set -euo pipefail
 
 PKGS=(
@@ -12,6 +13,7 @@ PKGS=(
   python3 python3-venv
   mmdebstrap docker-registry skopeo
   crun runc catatonit e2fsprogs util-linux python3-pip nftables iproute2 podman
+  qemu-system-x86
 )
 
 missing=()
@@ -25,6 +27,9 @@ if [ "${#missing[@]}" -gt 0 ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
+
+# The guest kernel (Debian's, as an uncompressed vmlinux) and its modules for VM sandboxes.
+bash "$(dirname "$0")/guest-kernel.sh"
 
 if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found; install the Rust toolchain (rustup) first" >&2

@@ -9,12 +9,17 @@
 //!
 //! The first process prints the agent's host PID on stdout once it serves, then exits.
 //!
+//! As `/init` of a VM guest's initramfs it is the guest's pid 1 (see `guest`); `strata-agent
+//! relay` is the host end of a VM's channel (see `relay`).
+//!
 //! `strata-agent sandbox --pooled --socket PATH` starts the same init ahead of time, in its
 //! cgroups and fresh pid/IPC/UTS namespaces but still in the host's mount namespace, and
 //! waits for one `Setup` message naming the root: a pool of these makes a sandbox start
 //! without the ~10 ms-per-hierarchy cgroup attach and the process start.
 
 mod confine;
+mod guest;
+mod relay;
 mod serve;
 
 use std::io::{Read, Write};
@@ -96,6 +101,17 @@ fn container_init() -> Result<(), String> {
 }
 
 fn main() {
+    if guest::is_guest_init() {
+        guest::main();
+    }
+    if std::env::args().nth(1).as_deref() == Some("relay") {
+        let args: Vec<String> = std::env::args().skip(2).collect();
+        if let Err(e) = relay::main(&args) {
+            eprintln!("strata-agent relay: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if std::env::args().nth(1).as_deref() == Some("init") {
         if let Err(e) = container_init() {
             eprintln!("strata-agent: {e}");

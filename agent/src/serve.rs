@@ -10,13 +10,16 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use strata_agent::{
-    read_frame, write_control, write_frame, AgentMsg, ExecSpec, Frame, FrameKind, HostMsg,
-    ProcessEntry, PROTOCOL_VERSION,
+    read_frame, write_control, write_frame, AgentMsg, DirEntry, ExecSpec, Frame, FrameKind,
+    HostMsg, ProcessEntry, MAX_FRAME, PROTOCOL_VERSION,
 };
+
+/// In a VM guest: the `cgroup.procs` file every command joins (the sandbox's budgets).
+pub static COMMAND_CGROUP: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
 
 /// Exit statuses of our own commands, collected by the reaper.
 #[derive(Default)]
-struct Children {
+pub(crate) struct Children {
     /// Commands being spawned right now: the reaper leaves zombies alone meanwhile, since
     /// one of them may be a command whose PID is not registered yet.
     spawning: usize,
@@ -24,14 +27,18 @@ struct Children {
     exited: HashMap<i32, i32>,
 }
 
-type Shared = Arc<(Mutex<Children>, Condvar)>;
+pub(crate) type Shared = Arc<(Mutex<Children>, Condvar)>;
+
+/// Starts the reaper; the returned state is what every conversation shares.
+pub(crate) fn start_reaper() -> Shared {
+    let shared: Shared = Arc::default();
+    let reaper = shared.clone();
+    std::thread::spawn(move || reap(reaper));
+    shared
+}
 
 pub fn serve(listener: UnixListener) {
-    let shared: Shared = Arc::default();
-    {
-        let shared = shared.clone();
-        std::thread::spawn(move || reap(shared));
-    }
+    let shared = start_reaper();
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
         let shared = shared.clone();
@@ -73,7 +80,7 @@ fn reap(shared: Shared) {
     }
 }
 
-fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
+pub(crate) fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
     let mut reader = conn.try_clone()?;
     let writer = Arc::new(Mutex::new(conn));
     let first = read_frame::<HostMsg>(&mut reader)?;
@@ -88,6 +95,44 @@ fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
         }),
         Some(Frame::Control(HostMsg::Ps)) => reply(&AgentMsg::Processes { list: processes() }),
         Some(Frame::Control(HostMsg::Exec(spec))) => exec(spec, reader, writer, shared),
+        Some(Frame::Control(HostMsg::ReadFile { path })) => match read_file(&path) {
+            Ok((mode, data)) => {
+                reply(&AgentMsg::FileFollows { mode })?;
+                let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+                write_frame(&mut *w, FrameKind::Stdout, &data)
+            }
+            Err(message) => reply(&AgentMsg::Error { message }),
+        },
+        Some(Frame::Control(HostMsg::WriteFile { path, mode })) => {
+            let outcome = match read_frame::<HostMsg>(&mut reader)? {
+                Some(Frame::Data(FrameKind::Stdin, data)) => write_file(&path, &data, mode),
+                other => Err(format!("expected the file's bytes, got {other:?}")),
+            };
+            reply(&match outcome {
+                Ok(()) => AgentMsg::Done,
+                Err(message) => AgentMsg::Error { message },
+            })
+        }
+        Some(Frame::Control(HostMsg::ListDir { path })) => reply(&match list_dir(&path) {
+            Ok(list) => AgentMsg::Entries { list },
+            Err(message) => AgentMsg::Error { message },
+        }),
+        Some(Frame::Control(HostMsg::Stats)) => reply(&match crate::guest::stats() {
+            Ok(stats) => AgentMsg::Stats(stats),
+            Err(message) => AgentMsg::Error { message },
+        }),
+        Some(Frame::Control(HostMsg::GuestSetup(setup))) => {
+            reply(&match crate::guest::setup(&setup) {
+                Ok(()) => AgentMsg::Ready,
+                Err(message) => AgentMsg::Error { message },
+            })
+        }
+        Some(Frame::Control(HostMsg::Reseed { time_ns, seed })) => {
+            reply(&match crate::guest::reseed(time_ns, &seed) {
+                Ok(()) => AgentMsg::Done,
+                Err(message) => AgentMsg::Error { message },
+            })
+        }
         Some(other) => reply(&AgentMsg::Error {
             message: format!("unexpected first frame {other:?}"),
         }),
@@ -125,6 +170,31 @@ fn exec(
         })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
+    if let Some(procs) = COMMAND_CGROUP.get() {
+        let procs = procs.clone();
+        // SAFETY: between fork and exec only open/write/close run, all async-signal-safe.
+        unsafe {
+            cmd.pre_exec(move || {
+                // Join the budget cgroup, and be an OOM victim again (the agent is not).
+                for (path, value) in [
+                    (procs.as_ptr(), &b"0"[..]),
+                    (c"/proc/self/oom_score_adj".as_ptr(), &b"0"[..]),
+                ] {
+                    let fd = libc::open(path, libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    let ok =
+                        libc::write(fd, value.as_ptr().cast(), value.len()) == value.len() as isize;
+                    libc::close(fd);
+                    if !ok {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+    }
     let (lock, cv) = &*shared;
     lock.lock().unwrap_or_else(|p| p.into_inner()).spawning += 1;
     let spawned = cmd.spawn();
@@ -232,16 +302,84 @@ fn exec(
     })
 }
 
+/// A whole file of the agent's root, with its permission bits.
+fn read_file(path: &str) -> Result<(u32, Vec<u8>), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).map_err(|e| format!("{path}: {e}"))?;
+    if meta.len() > MAX_FRAME as u64 {
+        return Err(format!(
+            "{path}: {} bytes is more than the {MAX_FRAME} one read returns; copy it out with a command",
+            meta.len()
+        ));
+    }
+    let data = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
+    Ok((meta.permissions().mode() & 0o7777, data))
+}
+
+/// Writes a whole file (parent directories made as needed), replacing it atomically.
+fn write_file(path: &str, data: &[u8], mode: u32) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt;
+    let target = std::path::Path::new(path);
+    if let Some(parent) = target.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    }
+    let tmp = format!("{path}.strata-tmp");
+    std::fs::write(&tmp, data).map_err(|e| format!("{path}: {e}"))?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
+        .and_then(|()| std::fs::rename(&tmp, target))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("{path}: {e}")
+        })
+}
+
+fn list_dir(path: &str) -> Result<Vec<DirEntry>, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(path).map_err(|e| format!("{path}: {e}"))? {
+        let e = e.map_err(|e| format!("{path}: {e}"))?;
+        let Ok(meta) = e.metadata() else { continue };
+        let ft = meta.file_type();
+        let kind = if ft.is_dir() {
+            "dir"
+        } else if ft.is_symlink() {
+            "symlink"
+        } else if ft.is_file() {
+            "file"
+        } else {
+            "other"
+        };
+        out.push(DirEntry {
+            name: e.file_name().to_string_lossy().into_owned(),
+            kind: kind.into(),
+            size: meta.len(),
+            mode: meta.permissions().mode() & 0o7777,
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
 /// Every process in the sandbox, read from /proc (the sandbox's own pid namespace).
+///
+/// In a VM guest (no pid namespace) only the sandbox cgroup's processes count.
 pub fn processes() -> Vec<ProcessEntry> {
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return out;
+    let pids: Vec<u32> = match COMMAND_CGROUP.get() {
+        Some(procs) => std::fs::read_to_string(procs.to_string_lossy().as_ref())
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect(),
+        None => match std::fs::read_dir("/proc") {
+            Ok(rd) => rd
+                .flatten()
+                .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse().ok()))
+                .collect(),
+            Err(_) => return out,
+        },
     };
-    for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
+    for pid in pids {
         if let Some(p) = read_process(pid) {
             out.push(p);
         }

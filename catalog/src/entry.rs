@@ -19,6 +19,17 @@ pub enum Backend {
     Vm,
 }
 
+impl Backend {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Backend::Fncall => "fncall",
+            Backend::Container => "container",
+            Backend::Microvm => "microvm",
+            Backend::Vm => "vm",
+        }
+    }
+}
+
 impl std::str::FromStr for Backend {
     type Err = CatalogError;
     fn from_str(s: &str) -> Result<Self, Self::Err> {

@@ -108,6 +108,50 @@ impl Cgroup {
         Ok(())
     }
 
+    /// Makes `cmd` join this cgroup between fork and exec, so everything it starts is
+    /// inside from its first instruction.
+    pub fn join_on_exec(&self, cmd: &mut std::process::Command) -> Result<(), RuntimeError> {
+        use std::os::unix::process::CommandExt;
+        let procs: Vec<std::ffi::CString> = CONTROLLERS
+            .iter()
+            .map(|c| {
+                std::ffi::CString::new(
+                    self.dir(c)
+                        .join("cgroup.procs")
+                        .as_os_str()
+                        .as_encoded_bytes(),
+                )
+                .map_err(|_| RuntimeError::Invalid("cgroup path has a NUL".into()))
+            })
+            .collect::<Result<_, _>>()?;
+        // SAFETY: only open/write/close between fork and exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                for p in &procs {
+                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+                    libc::close(fd);
+                    if r != 1 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+
+    /// Stops (`true`) or resumes every process inside through the freezer.
+    pub fn freeze(&self, frozen: bool) -> Result<(), RuntimeError> {
+        write(
+            &self.dir("freezer").join("freezer.state"),
+            if frozen { "FROZEN" } else { "THAWED" },
+        )
+    }
+
     /// Moves a process in (costs an RCU grace period per hierarchy on v1).
     pub fn attach(&self, pid: u32) -> Result<(), RuntimeError> {
         for c in CONTROLLERS {

@@ -4,9 +4,7 @@
 //! inside, so they inherit namespaces, confinement and cgroups without paying a cgroup
 //! attach each.
 
-use std::ffi::CString;
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -16,7 +14,7 @@ use strata_agent::{
     read_frame, write_control, write_frame, AgentMsg, ExecSpec, Frame, FrameKind, HostMsg,
 };
 
-use crate::cgroup::{Cgroup, CONTROLLERS};
+use crate::cgroup::Cgroup;
 use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
 use crate::sandbox::{process_start, ExecEnv, SandboxBackend, SandboxRecord, StartContext};
 use crate::spec::{DEFAULT_MEMORY, DEFAULT_PIDS};
@@ -45,42 +43,13 @@ impl FncallBackend {
     /// Starts the agent inside `cgroup` (joined between fork and exec, so everything it
     /// starts is inside from its first instruction); returns its host PID.
     fn spawn_agent(&self, cgroup: &Cgroup, args: &[&std::ffi::OsStr]) -> Result<u32, RuntimeError> {
-        let procs: Vec<CString> = CONTROLLERS
-            .iter()
-            .map(|c| {
-                CString::new(
-                    cgroup
-                        .dir(c)
-                        .join("cgroup.procs")
-                        .as_os_str()
-                        .as_encoded_bytes(),
-                )
-                .map_err(|_| RuntimeError::Invalid("cgroup path has a NUL".into()))
-            })
-            .collect::<Result<_, _>>()?;
         let mut cmd = Command::new(&self.agent);
         cmd.arg("sandbox")
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        // SAFETY: only open/write/close between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                for p in &procs {
-                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let r = libc::write(fd, b"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                    if r != 1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
+        cgroup.join_on_exec(&mut cmd)?;
         let out = cmd.output().map_err(|e| {
             RuntimeError::Setup(format!(
                 "cannot run the sandbox agent {}: {e} (build it with `cargo build -p strata-agent`)",

@@ -19,6 +19,7 @@ pub mod quota;
 pub mod rootfs;
 pub mod sandbox;
 pub mod spec;
+pub mod vm;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -64,7 +65,7 @@ pub enum RuntimeError {
     Backend(String),
     #[error("exec: {0}")]
     Exec(String),
-    #[error("backend `{0}` is not available in this runtime yet (use fncall or container)")]
+    #[error("{0} is not supported yet (use the container backend for it)")]
     Unsupported(String),
     #[error(transparent)]
     Lazyfs(#[from] LazyError),
@@ -186,8 +187,10 @@ pub struct RuntimeConfig {
     /// A static init for containers (catatonit), used without a static agent.
     pub container_init: PathBuf,
     /// A statically linked `strata-agent` to be every container's init, so commands run
-    /// through it instead of `<oci runtime> exec`.
+    /// through it instead of `<oci runtime> exec`, and every VM guest's init.
     pub container_agent: Option<PathBuf>,
+    /// How microVMs and VMs run here.
+    pub vm: vm::VmConfig,
 }
 
 impl RuntimeConfig {
@@ -205,6 +208,7 @@ impl RuntimeConfig {
             agent,
             container_init: PathBuf::from("/usr/bin/catatonit"),
             container_agent: None,
+            vm: vm::VmConfig::from_env(),
         })
     }
 }
@@ -215,6 +219,8 @@ struct Inner {
     cgroup_parent: String,
     container: container::ContainerBackend,
     fncall: fncall::FncallBackend,
+    microvm: vm::VmBackend,
+    vm: vm::VmBackend,
     /// What the reap at open removed, until someone asks.
     opened_with: std::sync::Mutex<ReapReport>,
 }
@@ -282,6 +288,17 @@ impl Runtime {
             pool: cfg.state_dir.join("pool"),
             cgroup_parent: cgroup_parent.clone(),
         };
+        let vm_backend = |machine| vm::VmBackend {
+            machine,
+            cfg: cfg.vm.clone(),
+            agent: cfg.agent.clone(),
+            guest_agent: cfg.container_agent.clone(),
+            dir: cfg.state_dir.join("vm"),
+        };
+        let (microvm, vm) = (
+            vm_backend(vm::Machine::Microvm),
+            vm_backend(vm::Machine::Q35),
+        );
         let rt = Runtime {
             inner: Arc::new(Inner {
                 cgroup_parent,
@@ -289,6 +306,8 @@ impl Runtime {
                 uppers,
                 container,
                 fncall,
+                microvm,
+                vm,
                 opened_with: Default::default(),
             }),
         };
@@ -333,8 +352,8 @@ impl Runtime {
         match b {
             Backend::Container => Ok(&self.inner.container),
             Backend::Fncall => Ok(&self.inner.fncall),
-            Backend::Microvm => Err(RuntimeError::Unsupported("microvm".into())),
-            Backend::Vm => Err(RuntimeError::Unsupported("vm".into())),
+            Backend::Microvm => Ok(&self.inner.microvm),
+            Backend::Vm => Ok(&self.inner.vm),
         }
     }
 
@@ -373,7 +392,22 @@ impl Runtime {
 
     /// Creates and starts a sandbox that lives until destroyed or idle past its TTL.
     pub fn create(&self, spec: SandboxSpec) -> Result<Sandbox, RuntimeError> {
-        self.create_inner(spec, None)
+        self.create_inner(spec, None, None)
+    }
+
+    /// Starts a new sandbox from a VM snapshot (`Sandbox::snapshot`): the same processes,
+    /// memory and files as when it was taken. `owned` ties it to this process, as
+    /// [`Runtime::create_owned`] does.
+    pub fn restore(&self, snapshot: &Path, owned: bool) -> Result<Sandbox, RuntimeError> {
+        let record = vm::read_snapshot(snapshot)?;
+        let snapshot = std::fs::canonicalize(snapshot).map_err(RuntimeError::io(snapshot))?;
+        let owner = if owned {
+            let me = std::process::id();
+            sandbox::process_start(me).map(|start| (me, start))
+        } else {
+            None
+        };
+        self.create_inner(record.spec, owner, Some(snapshot))
     }
 
     /// Creates a sandbox owned by this process: if the process dies without destroying
@@ -381,13 +415,14 @@ impl Runtime {
     pub fn create_owned(&self, spec: SandboxSpec) -> Result<Sandbox, RuntimeError> {
         let me = std::process::id();
         let owner = sandbox::process_start(me).map(|start| (me, start));
-        self.create_inner(spec, owner)
+        self.create_inner(spec, owner, None)
     }
 
     fn create_inner(
         &self,
         spec: SandboxSpec,
         owner: Option<(u32, u64)>,
+        restore: Option<PathBuf>,
     ) -> Result<Sandbox, RuntimeError> {
         let backend = self.backend(spec.backend)?;
         if spec.layers.is_empty() {
@@ -405,7 +440,7 @@ impl Runtime {
             json!({"identity": spec.identity, "catalog": spec.catalog_ref, "layers": spec.layers,
                    "backend": spec.backend, "limits": spec.limits, "network": spec.network}),
         )?;
-        match self.build(&id, &dir, spec, backend, owner) {
+        match self.build(&id, &dir, spec, backend, owner, restore) {
             Ok(record) => {
                 drop(lock);
                 Ok(Sandbox {
@@ -431,7 +466,11 @@ impl Runtime {
         spec: SandboxSpec,
         backend: &dyn SandboxBackend,
         owner: Option<(u32, u64)>,
+        restore: Option<PathBuf>,
     ) -> Result<SandboxRecord, RuntimeError> {
+        if backend.in_guest() {
+            return self.build_guest(id, dir, spec, backend, owner, restore);
+        }
         let t = std::time::Instant::now();
         let upper_dir = match self.uppers().claim(id, spec.limits.disk_bytes) {
             Some(dir) => dir,
@@ -467,6 +506,8 @@ impl Runtime {
             hostname: format!("sandbox-{id}"),
             spec: &spec,
             cgroup: self.cgroup(id),
+            guest: None,
+            restore: None,
         };
         let init_pid = backend.start(&ctx)?;
         tracing::debug!(
@@ -476,6 +517,67 @@ impl Runtime {
             start_ms = (t.elapsed() - t_root).as_secs_f64() * 1e3,
             "created"
         );
+        self.save_record(id, dir, spec, init_pid, owner)
+    }
+
+    /// A sandbox whose root lives in a guest: its layers' files and an unmounted upper
+    /// image become the guest's disks; nothing is mounted on the host but the layer binds
+    /// that keep the layers attached.
+    fn build_guest(
+        &self,
+        id: &str,
+        dir: &Path,
+        spec: SandboxSpec,
+        backend: &dyn SandboxBackend,
+        owner: Option<(u32, u64)>,
+        restore: Option<PathBuf>,
+    ) -> Result<SandboxRecord, RuntimeError> {
+        let t = std::time::Instant::now();
+        let from = restore.as_ref().map(|r| r.join("upper.img"));
+        let upper_image =
+            self.uppers()
+                .create_image(id, spec.limits.disk_bytes, from.as_deref())?;
+        let paths = rootfs::RootfsPaths::new(dir, &self.uppers().dir(id), spec.layers.len());
+        let layers = rootfs::bind_layers(&self.inner.cfg.lazyfs, &spec.layers, &paths)?;
+        let merge_dirs = rootfs::merge_dirs(
+            &spec.layers,
+            &paths,
+            &self.inner.cfg.state_dir.join("layer-facts"),
+        )?;
+        let t_disks = t.elapsed();
+        let ctx = StartContext {
+            netns: None,
+            id: id.to_string(),
+            dir: dir.to_path_buf(),
+            rootfs: paths.merged.clone(),
+            hostname: format!("sandbox-{id}"),
+            spec: &spec,
+            cgroup: self.cgroup(id),
+            guest: Some(vm::GuestDisks {
+                layers,
+                upper_image,
+                merge_dirs,
+            }),
+            restore,
+        };
+        let init_pid = backend.start(&ctx)?;
+        tracing::debug!(
+            sandbox = id,
+            disks_ms = t_disks.as_secs_f64() * 1e3,
+            start_ms = (t.elapsed() - t_disks).as_secs_f64() * 1e3,
+            "created"
+        );
+        self.save_record(id, dir, spec, init_pid, owner)
+    }
+
+    fn save_record(
+        &self,
+        id: &str,
+        dir: &Path,
+        spec: SandboxSpec,
+        init_pid: u32,
+        owner: Option<(u32, u64)>,
+    ) -> Result<SandboxRecord, RuntimeError> {
         let record = SandboxRecord {
             id: id.to_string(),
             created_ms: audit::now_ms(),

@@ -121,7 +121,8 @@ impl Uppers {
         self.mounts.join(id)
     }
 
-    fn image(&self, id: &str) -> PathBuf {
+    /// The image file of sandbox `id`'s upper.
+    pub fn image(&self, id: &str) -> PathBuf {
         self.images.join(format!("{id}.img"))
     }
 
@@ -154,6 +155,26 @@ impl Uppers {
             ))
         })?;
         Ok(dir)
+    }
+
+    /// Makes an upper image of `bytes` for sandbox `id` without mounting it (a VM mounts
+    /// it inside its guest), or one copied from `from` (a VM snapshot's disk); its path.
+    pub fn create_image(
+        &self,
+        id: &str,
+        bytes: u64,
+        from: Option<&Path>,
+    ) -> Result<PathBuf, RuntimeError> {
+        let image = self.image(id);
+        self.remove(id)?;
+        match from {
+            Some(src) => {
+                let len = std::fs::metadata(src).map_err(RuntimeError::io(src))?.len();
+                copy_sparse(src, &image, len)?;
+            }
+            None => copy_sparse(&self.template(bytes)?, &image, bytes)?,
+        }
+        Ok(image)
     }
 
     /// The formatted, never-mounted ext4 image of `bytes` new uppers are copied from.
@@ -245,7 +266,7 @@ impl Uppers {
 }
 
 /// Copies the data extents of `from` into a new `to` of `size` bytes; holes stay holes.
-fn copy_sparse(from: &Path, to: &Path, size: u64) -> Result<(), RuntimeError> {
+pub(crate) fn copy_sparse(from: &Path, to: &Path, size: u64) -> Result<(), RuntimeError> {
     let src = File::open(from).map_err(RuntimeError::io(from))?;
     let dst = File::create(to).map_err(RuntimeError::io(to))?;
     dst.set_len(size).map_err(RuntimeError::io(to))?;

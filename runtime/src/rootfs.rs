@@ -7,7 +7,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use strata_lazyfs::{mounts, Request, Response};
+use strata_lazyfs::{mounts, Attached, Request, Response};
 
 use crate::{LazyfsAccess, RuntimeError};
 
@@ -43,29 +43,22 @@ pub fn assemble(
     facts: &Path,
 ) -> Result<(), RuntimeError> {
     let t = std::time::Instant::now();
-    let mut client = lazyfs.client()?;
-    let t_connect = t.elapsed();
-    for dir in &paths.layers {
-        std::fs::create_dir_all(dir).map_err(RuntimeError::io(dir))?;
-    }
-    let binds = layer_ids
-        .iter()
-        .cloned()
-        .zip(paths.layers.iter().cloned())
-        .collect();
-    match client.call(&Request::MountMany { binds })? {
-        Response::AttachedMany { .. } => {}
-        other => {
-            return Err(RuntimeError::Setup(format!(
-                "lazyfs answered {other:?} to mounting the layers"
-            )))
-        }
-    }
+    bind_layers(lazyfs, layer_ids, paths)?;
     let t_binds = t.elapsed();
     for d in [&paths.upper, &paths.work, &paths.merged] {
         std::fs::create_dir_all(d).map_err(RuntimeError::io(d))?;
     }
-    merge_whiteout_dirs(layer_ids, paths, facts)?;
+    for dir in merge_dirs(layer_ids, paths, facts)? {
+        let target = paths.upper.join(&dir.path);
+        if std::fs::symlink_metadata(&target).is_ok() {
+            continue;
+        }
+        std::fs::create_dir(&target).map_err(RuntimeError::io(&target))?;
+        std::os::unix::fs::lchown(&target, Some(dir.uid), Some(dir.gid))
+            .map_err(RuntimeError::io(&target))?;
+        std::fs::set_permissions(&target, std::fs::Permissions::from_mode(dir.mode))
+            .map_err(RuntimeError::io(&target))?;
+    }
     let lower = paths
         .layers
         .iter()
@@ -79,37 +72,71 @@ pub fn assemble(
     );
     mount_overlay(&paths.merged, &data)?;
     tracing::debug!(
-        connect_ms = t_connect.as_secs_f64() * 1e3,
-        binds_ms = (t_binds - t_connect).as_secs_f64() * 1e3,
+        binds_ms = t_binds.as_secs_f64() * 1e3,
         overlay_ms = (t.elapsed() - t_binds).as_secs_f64() * 1e3,
         "root assembled"
     );
     Ok(())
 }
 
-/// Makes every directory that holds a whiteout a merged directory.
+/// Binds each layer's shared lazyfs mount read-only at `paths.layers` (the binds hold the
+/// layers attached); returns where lazyfs serves each layer's files, top-most first.
+pub fn bind_layers(
+    lazyfs: &LazyfsAccess,
+    layer_ids: &[String],
+    paths: &RootfsPaths,
+) -> Result<Vec<Attached>, RuntimeError> {
+    let mut client = lazyfs.client()?;
+    for dir in &paths.layers {
+        std::fs::create_dir_all(dir).map_err(RuntimeError::io(dir))?;
+    }
+    let binds = layer_ids
+        .iter()
+        .cloned()
+        .zip(paths.layers.iter().cloned())
+        .collect();
+    match client.call(&Request::MountMany { binds })? {
+        Response::AttachedMany { layers } => Ok(layers),
+        other => Err(RuntimeError::Setup(format!(
+            "lazyfs answered {other:?} to mounting the layers"
+        ))),
+    }
+}
+
+/// A directory to create in the upper before the overlay is mounted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MergeDir {
+    /// Relative to the root; parents come before their children.
+    pub path: PathBuf,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// The directories that must exist in the upper so every directory holding a whiteout is
+/// a merged one, with the metadata of the top-most layer that has them.
 ///
 /// overlayfs filters whiteouts only when it merges a directory from several layers; a
 /// directory found in one layer alone is listed straight from it, whiteouts included (as
 /// `c?????????` entries that cannot be opened). That happens when a layer with whiteouts
 /// (a step-built one) is the bottom of a stack, or deletes from a directory no layer under
-/// it has. Creating such directories in the sandbox's upper, with the metadata of the
-/// top-most layer that has them, makes them merged, so the whiteouts hide as they should.
-fn merge_whiteout_dirs(
+/// it has. Creating such directories in the sandbox's upper makes them merged, so the
+/// whiteouts hide as they should.
+pub fn merge_dirs(
     layer_ids: &[String],
     paths: &RootfsPaths,
     facts: &Path,
-) -> Result<(), RuntimeError> {
+) -> Result<Vec<MergeDir>, RuntimeError> {
     let mut needed = std::collections::BTreeSet::new();
     for (id, root) in layer_ids.iter().zip(&paths.layers) {
         needed.extend(whiteout_dirs(facts, id, root)?);
     }
+    let mut out: Vec<MergeDir> = Vec::new();
     for dir in needed {
         let mut rel = PathBuf::new();
         for part in dir.components() {
             rel.push(part);
-            let target = paths.upper.join(&rel);
-            if std::fs::symlink_metadata(&target).is_ok() {
+            if out.iter().any(|d| d.path == rel) {
                 continue;
             }
             let Some(meta) = paths
@@ -120,17 +147,15 @@ fn merge_whiteout_dirs(
             else {
                 break;
             };
-            std::fs::create_dir(&target).map_err(RuntimeError::io(&target))?;
-            std::os::unix::fs::lchown(&target, Some(meta.uid()), Some(meta.gid()))
-                .map_err(RuntimeError::io(&target))?;
-            std::fs::set_permissions(
-                &target,
-                std::fs::Permissions::from_mode(meta.mode() & 0o7777),
-            )
-            .map_err(RuntimeError::io(&target))?;
+            out.push(MergeDir {
+                path: rel.clone(),
+                mode: meta.mode() & 0o7777,
+                uid: meta.uid(),
+                gid: meta.gid(),
+            });
         }
     }
-    Ok(())
+    Ok(out)
 }
 
 /// The directories (relative to the layer root) holding overlayfs whiteouts in layer `id`,

@@ -46,6 +46,10 @@ pub struct StartContext<'a> {
     /// A prepared network namespace to join (allowlisted network); none means a fresh,
     /// empty one.
     pub netns: Option<PathBuf>,
+    /// For a backend whose root lives in a guest: the disks to build it from.
+    pub guest: Option<crate::vm::GuestDisks>,
+    /// A VM snapshot to restore instead of starting fresh.
+    pub restore: Option<PathBuf>,
 }
 
 /// A command, fully resolved against the sandbox's defaults.
@@ -75,6 +79,28 @@ pub trait SandboxBackend: Send + Sync {
     fn stop(&self, rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError>;
     /// Drops whatever state the backend keeps for `id` outside the sandbox directory.
     fn forget(&self, id: &str);
+    /// Whether the sandbox's root lives inside a guest kernel, reachable only through its
+    /// agent (files, processes and budget counters then come from the agent).
+    fn in_guest(&self) -> bool {
+        false
+    }
+    /// Stops (`true`) or resumes every process of the sandbox.
+    fn pause(&self, _dir: &Path, cgroup: &Cgroup, paused: bool) -> Result<(), RuntimeError> {
+        cgroup.freeze(paused)
+    }
+    /// Saves the whole sandbox to `dest`, to be restored into a new one.
+    fn snapshot(
+        &self,
+        rec: &SandboxRecord,
+        _dir: &Path,
+        _upper_image: &Path,
+        _dest: &Path,
+    ) -> Result<crate::vm::SnapshotInfo, RuntimeError> {
+        Err(RuntimeError::Invalid(format!(
+            "snapshots are for microvm and vm sandboxes; this one is a {} sandbox",
+            rec.spec.backend.as_str()
+        )))
+    }
 }
 
 /// Forwards a pipe to the event channel in chunks.
@@ -277,12 +303,12 @@ impl Sandbox {
             timeout: req.timeout.unwrap_or(spec.limits.timeout),
         };
         let cgroup = self.cgroup();
-        let before = cgroup.counters();
+        let backend = self.rt.backend(spec.backend)?;
+        let before = self.counters(backend);
         let started_ms = crate::audit::now_ms();
         let started = Instant::now();
-        let backend = self.rt.backend(spec.backend)?;
         let outcome = backend.exec(&self.record, &dir, &cgroup, &exec_env, req, sink);
-        let after = cgroup.counters();
+        let after = self.counters(backend);
         tracing::debug!(
             sandbox = %self.record.id,
             backend_ms = started.elapsed().as_secs_f64() * 1e3,
@@ -347,8 +373,27 @@ impl Sandbox {
         self.exec_streaming(req, &mut |_, _| {})
     }
 
+    /// The budget counters: the sandbox's cgroup on the host, or the guest's own.
+    fn counters(&self, backend: &dyn SandboxBackend) -> crate::cgroup::Counters {
+        if backend.in_guest() {
+            let s = crate::vm::stats(&self.dir()).unwrap_or_default();
+            return crate::cgroup::Counters {
+                oom_kills: s.oom_kills,
+                pids_max_hits: s.pids_max_hits,
+                memory_peak: s.memory_bytes,
+            };
+        }
+        self.cgroup().counters()
+    }
+
+    fn in_guest(&self) -> bool {
+        self.rt
+            .backend(self.record.spec.backend)
+            .is_ok_and(|b| b.in_guest())
+    }
+
     fn disk_full(&self) -> bool {
-        match self.rt.uppers().usage(&self.record.id) {
+        match self.disk_usage() {
             // Within 256 KiB of the limit counts as full: the write that failed never landed.
             Ok((used, limit)) => limit > 0 && used + (256 << 10) >= limit,
             Err(_) => false,
@@ -357,7 +402,53 @@ impl Sandbox {
 
     /// Bytes used in the sandbox's writable upper, and its quota.
     pub fn disk_usage(&self) -> Result<(u64, u64), RuntimeError> {
+        if self.in_guest() {
+            let s = crate::vm::stats(&self.dir())?;
+            return Ok((s.disk_used, s.disk_size));
+        }
         self.rt.uppers().usage(&self.record.id)
+    }
+
+    /// Stops every process of the sandbox where it is (a VM's whole machine), until
+    /// [`Sandbox::resume`].
+    pub fn pause(&self) -> Result<(), RuntimeError> {
+        self.set_paused(true)
+    }
+
+    pub fn resume(&self) -> Result<(), RuntimeError> {
+        self.set_paused(false)
+    }
+
+    fn set_paused(&self, paused: bool) -> Result<(), RuntimeError> {
+        let backend = self.rt.backend(self.record.spec.backend)?;
+        let t = Instant::now();
+        backend.pause(&self.dir(), &self.cgroup(), paused)?;
+        self.rt.touch(&self.record.id);
+        self.rt.audit(&self.record.id).record(
+            if paused { "paused" } else { "resumed" },
+            json!({"ms": t.elapsed().as_secs_f64() * 1e3}),
+        )
+    }
+
+    /// Saves a VM sandbox (machine state and writable disk) into directory `dest`; the
+    /// sandbox keeps running. [`crate::Runtime::restore`] starts a new sandbox from it.
+    pub fn snapshot(&self, dest: &Path) -> Result<crate::vm::SnapshotInfo, RuntimeError> {
+        let dir = self.dir();
+        // No command runs meanwhile: the disk copy and the memory state must agree.
+        let _lock = DirLock::take(&dir, true, true)?;
+        let backend = self.rt.backend(self.record.spec.backend)?;
+        let info = backend.snapshot(
+            &self.record,
+            &dir,
+            &self.rt.uppers().image(&self.record.id),
+            dest,
+        )?;
+        self.rt.audit(&self.record.id).record(
+            "snapshot",
+            json!({"dir": dest, "state_bytes": info.state_bytes, "disk_bytes": info.disk_bytes,
+                   "ms": info.millis}),
+        )?;
+        Ok(info)
     }
 
     fn resolve_user(&self, user: &str) -> Result<(u32, u32), RuntimeError> {
@@ -368,7 +459,7 @@ impl Sandbox {
         let uid_gid = if let Ok(uid) = name.parse::<u32>() {
             (uid, uid)
         } else {
-            let passwd = files::read_file(&self.rootfs(), "/etc/passwd").unwrap_or_default();
+            let passwd = self.read_file("/etc/passwd").unwrap_or_default();
             String::from_utf8_lossy(&passwd)
                 .lines()
                 .find_map(|l| {
@@ -395,12 +486,19 @@ impl Sandbox {
 
     pub fn read_file(&self, path: &str) -> Result<Vec<u8>, RuntimeError> {
         self.rt.touch(&self.record.id);
+        if self.in_guest() {
+            return crate::vm::read_file(&self.dir(), path);
+        }
         files::read_file(&self.rootfs(), path)
     }
 
     pub fn write_file(&self, path: &str, data: &[u8], mode: u32) -> Result<(), RuntimeError> {
         self.rt.touch(&self.record.id);
-        let r = files::write_file(&self.rootfs(), path, data, mode);
+        let r = if self.in_guest() {
+            crate::vm::write_file(&self.dir(), path, data, mode)
+        } else {
+            files::write_file(&self.rootfs(), path, data, mode)
+        };
         self.rt.audit(&self.record.id).record(
             "file-write",
             json!({"path": path, "bytes": data.len(), "ok": r.is_ok()}),
@@ -410,11 +508,36 @@ impl Sandbox {
 
     pub fn list_dir(&self, path: &str) -> Result<Vec<FileEntry>, RuntimeError> {
         self.rt.touch(&self.record.id);
+        if self.in_guest() {
+            return Ok(crate::vm::list_dir(&self.dir(), path)?
+                .into_iter()
+                .map(|e| FileEntry {
+                    name: e.name,
+                    kind: e.kind,
+                    size: e.size,
+                    mode: e.mode,
+                })
+                .collect());
+        }
         files::list_dir(&self.rootfs(), path)
     }
 
-    /// Every process in the sandbox, read from its cgroup.
+    /// Every process in the sandbox, read from its cgroup (or, in a VM, by its agent;
+    /// their host PID is then 0).
     pub fn processes(&self) -> Vec<ProcessInfo> {
+        if self.in_guest() {
+            return crate::vm::processes(&self.dir())
+                .unwrap_or_default()
+                .into_iter()
+                .map(|p| ProcessInfo {
+                    pid: p.pid,
+                    host_pid: 0,
+                    state: p.state,
+                    rss_bytes: p.rss_bytes,
+                    cmdline: p.cmdline,
+                })
+                .collect();
+        }
         let mut out: Vec<ProcessInfo> = self
             .cgroup()
             .pids()

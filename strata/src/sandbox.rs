@@ -20,7 +20,7 @@ use crate::output::{human_bytes, print_json};
 /// Per-sandbox overrides of the catalog entry.
 #[derive(Args, Clone, Default)]
 pub struct SandboxOptions {
-    /// fncall | container (default: the entry's backend).
+    /// fncall | container | microvm | vm (default: the entry's backend).
     #[arg(long)]
     backend: Option<Backend>,
     /// Memory budget (512M, 2G).
@@ -138,6 +138,23 @@ pub enum SandboxCommand {
         #[arg(required = true)]
         ids: Vec<String>,
     },
+    /// Stop every process of a sandbox where it is (a VM's whole machine).
+    Pause { id: String },
+    /// Continue a paused sandbox.
+    Resume { id: String },
+    /// Save a microvm or vm sandbox (memory, processes, files) into DIR; it keeps running.
+    Snapshot {
+        id: String,
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Start a new sandbox from a snapshot DIR; prints its ID as the last line.
+    Restore {
+        dir: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
     /// A sandbox's audit record (JSON lines), also after it is gone.
     Audit { id: String },
     /// The pool of function-call agents waiting in their cgroups (fast fncall starts).
@@ -209,8 +226,11 @@ fn top_up_pool(rt: &Runtime, spec: &SandboxSpec) {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(2);
-    if let Err(e) = rt.fill_uppers(spec.limits.disk_bytes, target) {
-        tracing::warn!("filling the upper pool: {e}");
+    // VMs take an unmounted disk image, not a mounted upper.
+    if matches!(spec.backend, Backend::Fncall | Backend::Container) {
+        if let Err(e) = rt.fill_uppers(spec.limits.disk_bytes, target) {
+            tracing::warn!("filling the upper pool: {e}");
+        }
     }
     if spec.backend == Backend::Fncall {
         if let Err(e) = rt.fill_pool(target) {
@@ -389,7 +409,7 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
                         println!(
                             "{:<14} {:<10} {:>7}s  {}",
                             r.id,
-                            format!("{:?}", r.spec.backend).to_lowercase(),
+                            r.spec.backend.as_str(),
                             rt.idle_for(&r.id).as_secs(),
                             r.spec.catalog_ref
                         );
@@ -409,6 +429,37 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
                     }
                 }
                 Ok(if failed > 0 { 1 } else { 0 })
+            }
+            SandboxCommand::Pause { id } => {
+                rt.get(&id)?.pause()?;
+                Ok(0)
+            }
+            SandboxCommand::Resume { id } => {
+                rt.get(&id)?.resume()?;
+                Ok(0)
+            }
+            SandboxCommand::Snapshot { id, dir, json } => {
+                let info = rt.get(&id)?.snapshot(&dir)?;
+                if json {
+                    print_json(&info)?;
+                } else {
+                    println!(
+                        "{}: state {}, disk {}, {:.0} ms",
+                        dir.display(),
+                        human_bytes(info.state_bytes),
+                        human_bytes(info.disk_bytes),
+                        info.millis
+                    );
+                }
+                Ok(0)
+            }
+            SandboxCommand::Restore { dir, json } => {
+                let sb = rt.restore(&dir, false)?;
+                if json {
+                    print_json(sb.record())?;
+                }
+                println!("{}", sb.id());
+                Ok(0)
             }
             SandboxCommand::Audit { id } => {
                 let log = rt.audit(&id);

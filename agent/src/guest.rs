@@ -1,0 +1,437 @@
+//! Pid 1 of a microVM or VM guest (`/init` of the initramfs the runtime builds).
+//!
+//! Boot: mount the kernel filesystems, load the modules the initramfs carries (all but the
+//! disk driver), find the host's virtio-serial port, and serve conversations multiplexed
+//! over it. The guest then waits, disk-less, for `GuestSetup`: that is the state a template
+//! snapshot captures, so a restored template probes the disks of *its* sandbox when the
+//! setup loads the disk driver. Setup mounts each layer's EROFS image (data blob as its
+//! `device=`), the writable ext4 disk, overlayfs over them, and switches into that root;
+//! commands then run in a cgroup holding the sandbox's memory and process budgets.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::mount::{mount, MsFlags};
+use strata_agent::{mux, GuestSetup, GuestStats};
+
+/// The name the host gives the agent's virtio-serial port.
+pub const PORT_NAME: &str = "strata.agent";
+/// Loaded by setup, not at boot: the disks are probed only once they are the sandbox's.
+const DEFERRED_MODULE: &str = "virtio_blk";
+const MODULES: &str = "/lib/modules";
+const RUN: &str = "/run/strata";
+const SANDBOX_CGROUP: &str = "/sys/fs/cgroup/sandbox";
+
+static SET_UP: Mutex<bool> = Mutex::new(false);
+
+/// Whether this process is a guest's init: the kernel runs `/init` as pid 1.
+pub fn is_guest_init() -> bool {
+    std::process::id() == 1 && std::env::args().next().as_deref() == Some("/init")
+}
+
+pub fn main() -> ! {
+    if let Err(e) = boot() {
+        console(&format!("strata-agent: boot failed: {e}"));
+    }
+    // Pid 1 must not exit (the kernel panics); a failed boot leaves the host's timeout to
+    // end the VM.
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+fn console(line: &str) {
+    if let Ok(mut c) = std::fs::OpenOptions::new().write(true).open("/dev/console") {
+        let _ = writeln!(c, "{line}");
+    }
+}
+
+fn boot() -> Result<(), String> {
+    for (src, dir, fstype) in [
+        ("proc", "/proc", "proc"),
+        ("sysfs", "/sys", "sysfs"),
+        ("devtmpfs", "/dev", "devtmpfs"),
+    ] {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{dir}: {e}"))?;
+        mount(Some(src), dir, Some(fstype), MsFlags::empty(), None::<&str>)
+            .map_err(|e| format!("mounting {dir}: {e}"))?;
+    }
+    // The guest's OOM killer picks a command, never the agent.
+    let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
+    let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
+    load_modules(|name| name != DEFERRED_MODULE)?;
+    if cmdline.split_whitespace().any(|w| w == "strata.probe") {
+        // The accelerator probe: reaching here proves the guest boots.
+        console("strata-probe-ok");
+        // SAFETY: reboot(2) ends the VM (QEMU runs with -no-reboot).
+        unsafe { libc::reboot(libc::LINUX_REBOOT_CMD_RESTART) };
+    }
+    let port = find_port(Duration::from_secs(30))?;
+    console(&format!("strata-agent: serving on {}", port.display()));
+    serve_port(&port)
+}
+
+/// Loads the initramfs's modules in `modules.load` order (dependencies first).
+fn load_modules(wanted: impl Fn(&str) -> bool) -> Result<(), String> {
+    let order = std::fs::read_to_string(format!("{MODULES}/modules.load"))
+        .map_err(|e| format!("{MODULES}/modules.load: {e}"))?;
+    for name in order.lines().map(str::trim).filter(|n| !n.is_empty()) {
+        if !wanted(name) {
+            continue;
+        }
+        let path = format!("{MODULES}/{name}.ko");
+        let f = File::open(&path).map_err(|e| format!("{path}: {e}"))?;
+        // SAFETY: finit_module with a descriptor we own and an empty parameter string.
+        let r = unsafe { libc::syscall(libc::SYS_finit_module, f.as_raw_fd(), c"".as_ptr(), 0) };
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EEXIST) {
+                return Err(format!("loading module {name}: {e}"));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn find_port(within: Duration) -> Result<std::path::PathBuf, String> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(rd) = std::fs::read_dir("/sys/class/virtio-ports") {
+            for e in rd.flatten() {
+                let name = std::fs::read_to_string(e.path().join("name")).unwrap_or_default();
+                let dev = Path::new("/dev").join(e.file_name());
+                if name.trim() == PORT_NAME && dev.exists() {
+                    return Ok(dev);
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(format!("no virtio-serial port named {PORT_NAME}"));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Serves the host's conversations over the port, forever. A read of EOF means no host is
+/// connected (between relays, or before a restored VM's host attaches): the conversations
+/// in flight end, the agent waits for the next host.
+fn serve_port(path: &Path) -> Result<(), String> {
+    let port = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let out = Arc::new(Mutex::new(
+        port.try_clone().map_err(|e| format!("port: {e}"))?,
+    ));
+    let mut input = std::io::BufReader::with_capacity(256 << 10, port);
+    let shared = crate::serve::start_reaper();
+    let mut conns: HashMap<u32, mux::Inbox> = HashMap::new();
+    loop {
+        match mux::read(&mut input) {
+            Ok(Some((id, mux::OPEN, _))) => {
+                let (ours, theirs) = UnixStream::pair().map_err(|e| format!("socketpair: {e}"))?;
+                let shared = shared.clone();
+                std::thread::spawn(move || {
+                    let _ = crate::serve::handle(theirs, shared);
+                });
+                match mux::join(id, ours, out.clone()) {
+                    Ok(inbox) => {
+                        conns.insert(id, inbox);
+                    }
+                    Err(e) => console(&format!("strata-agent: conversation {id}: {e}")),
+                }
+            }
+            Ok(Some((id, mux::DATA, data))) => {
+                if let Some(inbox) = conns.get(&id) {
+                    let _ = inbox.send(Some(data));
+                }
+            }
+            Ok(Some((id, _, _))) => {
+                if let Some(inbox) = conns.remove(&id) {
+                    let _ = inbox.send(None);
+                }
+            }
+            Ok(None) => {
+                end_all(&mut conns);
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => {
+                // A host that went away mid-envelope, or garbage: drop what is in flight and
+                // wait for a host to start a clean stream.
+                if e.kind() != std::io::ErrorKind::UnexpectedEof {
+                    console(&format!("strata-agent: port: {e}"));
+                }
+                end_all(&mut conns);
+                input = std::io::BufReader::with_capacity(256 << 10, input.into_inner());
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+}
+
+fn end_all(conns: &mut HashMap<u32, mux::Inbox>) {
+    for (_, inbox) in conns.drain() {
+        let _ = inbox.send(None);
+    }
+}
+
+/// Mounts the sandbox's root from its disks and enters it (once per boot).
+pub fn setup(s: &GuestSetup) -> Result<(), String> {
+    let mut done = SET_UP.lock().unwrap_or_else(|p| p.into_inner());
+    if *done {
+        return Err("this guest is already set up".into());
+    }
+    let t = Instant::now();
+    let mut marks = Vec::new();
+    let mut mark = |what: &str| marks.push(format!("{what} {}ms", t.elapsed().as_millis()));
+    reseed(s.time_ns, &s.seed)?;
+    load_modules(|name| name == DEFERRED_MODULE)?;
+    mark("driver");
+    let mut wanted: Vec<&str> = vec![s.upper.as_str()];
+    for (meta, blob) in &s.layers {
+        wanted.push(meta);
+        wanted.extend(blob.as_deref());
+    }
+    let disks = disks_by_serial(&wanted, Duration::from_secs(20))?;
+    let dev = |serial: &str| disks[serial].clone();
+    mark("disks");
+
+    let mut lower = Vec::new();
+    for (i, (meta, blob)) in s.layers.iter().enumerate() {
+        let dir = format!("{RUN}/layers/{i}");
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{dir}: {e}"))?;
+        let data = blob.as_deref().map(|b| format!("device={}", dev(b)));
+        mount(
+            Some(dev(meta).as_str()),
+            dir.as_str(),
+            Some("erofs"),
+            MsFlags::MS_RDONLY,
+            data.as_deref(),
+        )
+        .map_err(|e| format!("mounting layer {i} ({meta}) at {dir}: {e}"))?;
+        lower.push(dir);
+    }
+    mark("layers");
+    let disk = format!("{RUN}/disk");
+    std::fs::create_dir_all(&disk).map_err(|e| format!("{disk}: {e}"))?;
+    mount(
+        Some(dev(&s.upper).as_str()),
+        disk.as_str(),
+        Some("ext4"),
+        MsFlags::MS_NOATIME,
+        None::<&str>,
+    )
+    .map_err(|e| format!("mounting the writable disk at {disk}: {e}"))?;
+    let (upper, work) = (format!("{disk}/upper"), format!("{disk}/work"));
+    for d in [&upper, &work] {
+        std::fs::create_dir_all(d).map_err(|e| format!("{d}: {e}"))?;
+    }
+    for (rel, mode, uid, gid) in &s.merge_dirs {
+        let p = Path::new(&upper).join(rel);
+        if p.exists() {
+            continue;
+        }
+        std::fs::create_dir_all(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode));
+        let _ = std::os::unix::fs::lchown(&p, Some(*uid), Some(*gid));
+    }
+    let root = format!("{RUN}/root");
+    std::fs::create_dir_all(&root).map_err(|e| format!("{root}: {e}"))?;
+    let opts = format!(
+        "lowerdir={},upperdir={upper},workdir={work}",
+        lower.join(":")
+    );
+    mount(
+        Some("overlay"),
+        root.as_str(),
+        Some("overlay"),
+        MsFlags::empty(),
+        Some(opts.as_str()),
+    )
+    .map_err(|e| format!("mounting the overlay: {e}"))?;
+    mark("overlay");
+    enter_root(&root)?;
+    nix::unistd::sethostname(&s.hostname).map_err(|e| format!("sethostname: {e}"))?;
+    loopback_up();
+    budgets(s.memory_bytes, s.pids)?;
+    mark("root");
+    console(&format!("strata-agent: set up: {}", marks.join(", ")));
+    *done = true;
+    Ok(())
+}
+
+/// Waits for the disks with these serial numbers; their device paths by serial.
+fn disks_by_serial(serials: &[&str], within: Duration) -> Result<HashMap<String, String>, String> {
+    let deadline = Instant::now() + within;
+    loop {
+        let mut found = HashMap::new();
+        if let Ok(rd) = std::fs::read_dir("/sys/block") {
+            for e in rd.flatten() {
+                let serial = std::fs::read_to_string(e.path().join("serial")).unwrap_or_default();
+                let dev = format!("/dev/{}", e.file_name().to_string_lossy());
+                if Path::new(&dev).exists() {
+                    found.insert(serial.trim().to_string(), dev);
+                }
+            }
+        }
+        if serials.iter().all(|s| found.contains_key(*s)) {
+            return Ok(found);
+        }
+        if Instant::now() > deadline {
+            let missing: Vec<_> = serials
+                .iter()
+                .filter(|s| !found.contains_key(**s))
+                .collect();
+            return Err(format!("disks {missing:?} never appeared"));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Makes `root` the root of the whole guest (as switch_root does: the initramfs cannot be
+/// pivoted away), with fresh kernel filesystems inside.
+fn enter_root(root: &str) -> Result<(), String> {
+    let sub = |p: &str| format!("{root}{p}");
+    for (src, dir, fstype, flags, data) in [
+        ("proc", "/proc", "proc", MsFlags::empty(), None),
+        ("sysfs", "/sys", "sysfs", MsFlags::empty(), None),
+        ("devtmpfs", "/dev", "devtmpfs", MsFlags::empty(), None),
+        (
+            "devpts",
+            "/dev/pts",
+            "devpts",
+            MsFlags::empty(),
+            Some("newinstance,ptmxmode=0666"),
+        ),
+        ("tmpfs", "/dev/shm", "tmpfs", MsFlags::empty(), None),
+        (
+            "cgroup2",
+            "/sys/fs/cgroup",
+            "cgroup2",
+            MsFlags::empty(),
+            None,
+        ),
+        (
+            "tmpfs",
+            "/run",
+            "tmpfs",
+            MsFlags::empty(),
+            Some("mode=0755"),
+        ),
+    ] {
+        let target = sub(dir);
+        std::fs::create_dir_all(&target).map_err(|e| format!("{target}: {e}"))?;
+        mount(Some(src), target.as_str(), Some(fstype), flags, data)
+            .map_err(|e| format!("mounting {dir} in the sandbox root: {e}"))?;
+    }
+    nix::unistd::chdir(root).map_err(|e| format!("chdir {root}: {e}"))?;
+    mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
+        .map_err(|e| format!("moving the root: {e}"))?;
+    nix::unistd::chroot(".").map_err(|e| format!("chroot: {e}"))?;
+    nix::unistd::chdir("/").map_err(|e| format!("chdir /: {e}"))?;
+    Ok(())
+}
+
+/// Brings up `lo`: programs expect localhost even without a network.
+fn loopback_up() {
+    // SAFETY: a datagram socket and SIOCGIFFLAGS/SIOCSIFFLAGS on a zeroed ifreq naming lo.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return;
+        }
+        let mut req: libc::ifreq = std::mem::zeroed();
+        for (i, b) in b"lo\0".iter().enumerate() {
+            req.ifr_name[i] = *b as libc::c_char;
+        }
+        if libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut req) == 0 {
+            req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+            libc::ioctl(fd, libc::SIOCSIFFLAGS, &req);
+        }
+        libc::close(fd);
+    }
+}
+
+/// The cgroup every command joins: the sandbox's memory and process budgets, enforced by
+/// the guest kernel (the guest has some memory beyond the budget for itself and the agent).
+fn budgets(memory: u64, pids: u32) -> Result<(), String> {
+    let write = |p: &str, v: &str| std::fs::write(p, v).map_err(|e| format!("{p}: {e}"));
+    write("/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids")?;
+    std::fs::create_dir_all(SANDBOX_CGROUP).map_err(|e| format!("{SANDBOX_CGROUP}: {e}"))?;
+    write(&format!("{SANDBOX_CGROUP}/memory.max"), &memory.to_string())?;
+    let _ = write(&format!("{SANDBOX_CGROUP}/memory.swap.max"), "0");
+    write(&format!("{SANDBOX_CGROUP}/pids.max"), &pids.to_string())?;
+    let procs = CString::new(format!("{SANDBOX_CGROUP}/cgroup.procs"))
+        .map_err(|_| "cgroup path".to_string())?;
+    let _ = crate::serve::COMMAND_CGROUP.set(procs);
+    Ok(())
+}
+
+/// Sets the clock and credits the host's entropy to the guest's pool.
+pub fn reseed(time_ns: u64, seed: &[u8]) -> Result<(), String> {
+    if !is_guest_init() {
+        return Err("only a VM guest's agent takes clock and entropy from the host".into());
+    }
+    let ts = libc::timespec {
+        tv_sec: (time_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (time_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: clock_settime with a valid timespec.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+        return Err(format!(
+            "setting the clock: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    if seed.is_empty() {
+        return Ok(());
+    }
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + seed.len());
+    info.extend_from_slice(&((seed.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(seed.len() as i32).to_ne_bytes());
+    info.extend_from_slice(seed);
+    let f = File::open("/dev/urandom").map_err(|e| format!("/dev/urandom: {e}"))?;
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    // SAFETY: RNDADDENTROPY reads a rand_pool_info of the length its header states.
+    if unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) } != 0 {
+        return Err(format!(
+            "adding entropy: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+/// The sandbox cgroup's budget counters and the writable disk's use.
+pub fn stats() -> Result<GuestStats, String> {
+    if !*SET_UP.lock().unwrap_or_else(|p| p.into_inner()) {
+        return Err("no sandbox is set up in this agent".into());
+    }
+    let read =
+        |f: &str| std::fs::read_to_string(format!("{SANDBOX_CGROUP}/{f}")).unwrap_or_default();
+    let field = |text: &str, key: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key)?.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let st = nix::sys::statvfs::statvfs("/").map_err(|e| format!("statvfs /: {e}"))?;
+    let size = st.blocks() * st.fragment_size();
+    let free = st.blocks_available() * st.fragment_size();
+    Ok(GuestStats {
+        oom_kills: field(&read("memory.events"), "oom_kill "),
+        pids_max_hits: field(&read("pids.events"), "max "),
+        memory_bytes: read("memory.current").trim().parse().unwrap_or(0),
+        disk_used: size.saturating_sub(free),
+        disk_size: size,
+    })
+}

@@ -1,0 +1,788 @@
+//! MicroVM and full-VM sandboxes: QEMU machines whose guest kernel is the boundary.
+//!
+//! Layers reach the guest as read-only virtio disks backed by lazyfs's files (each
+//! layer's metadata image and data blob), so a VM loads lazily like a container; the
+//! guest's agent mounts EROFS over them with `device=`, and overlayfs under a writable
+//! disk (a sparse ext4 image sized to the disk budget). The host talks to the agent over
+//! virtio-serial through a relay process ([`strata_agent`]'s `relay`), on the same
+//! socket path and protocol as a function-call sandbox, so exec is shared code.
+//!
+//! Fast start: per machine shape a template (a booted guest whose agent waits for its
+//! disks, saved to a file) is restored instead of booting; the guest probes its disks
+//! only at setup, so one template serves every sandbox of that shape.
+
+pub mod initramfs;
+pub mod qemu;
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use strata_agent::{
+    read_frame, write_control, write_frame, AgentMsg, DirEntry, Frame, FrameKind, GuestSetup,
+    GuestStats, HostMsg,
+};
+use strata_lazyfs::Attached;
+
+use crate::cgroup::Cgroup;
+use crate::exec::{Collected, ExecRequest, Stream};
+use crate::fncall::{agent_exec, socket_path};
+use crate::rootfs::MergeDir;
+use crate::sandbox::{ExecEnv, SandboxBackend, SandboxRecord, StartContext};
+use crate::RuntimeError;
+pub use qemu::{Accel, Machine, MachineShape};
+
+/// Guest memory beyond the sandbox's budget: the guest kernel and the agent live there,
+/// so the budget is what the sandbox's commands get.
+const GUEST_RESERVE_MIB: u64 = 128;
+/// Host memory QEMU itself needs beyond the guest's RAM (TCG's translation cache, device
+/// buffers); the VM's host cgroup allows this much more than the guest has.
+const VMM_OVERHEAD: u64 = 512 << 20;
+/// How long a booting guest may take to answer (TCG on a busy host is slow).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// How VMs run on this host.
+#[derive(Debug, Clone)]
+pub struct VmConfig {
+    /// The guest kernel and its modules (`scripts/guest-kernel.sh`).
+    pub guest_dir: PathBuf,
+    /// `auto`, `kvm` or `tcg`.
+    pub accel: String,
+    /// Start from a template snapshot instead of booting.
+    pub templates: bool,
+}
+
+impl VmConfig {
+    /// From `STRATA_GUEST_DIR`, `STRATA_VM_ACCEL` and `STRATA_VM_TEMPLATES` (default: the
+    /// setup script's directory, `auto`, templates on).
+    pub fn from_env() -> VmConfig {
+        VmConfig {
+            guest_dir: std::env::var_os("STRATA_GUEST_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from("/usr/local/lib/strata/guest")),
+            accel: std::env::var("STRATA_VM_ACCEL").unwrap_or_else(|_| "auto".into()),
+            templates: std::env::var("STRATA_VM_TEMPLATES").map_or(true, |v| v != "0"),
+        }
+    }
+}
+
+/// What a VM sandbox's guest is built from, found by the runtime before the start.
+pub struct GuestDisks {
+    /// Top-most first.
+    pub layers: Vec<Attached>,
+    pub upper_image: PathBuf,
+    pub merge_dirs: Vec<MergeDir>,
+}
+
+/// A saved VM (`Sandbox::snapshot`): `state` (the machine), `upper.img` (its writable
+/// disk at that instant) and this record.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub spec: crate::SandboxSpec,
+    pub shape: MachineShape,
+    pub taken_ms: u64,
+}
+
+/// What a snapshot took.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotInfo {
+    pub dir: PathBuf,
+    /// Bytes of the machine state file.
+    pub state_bytes: u64,
+    /// Bytes the writable disk's copy occupies on the host.
+    pub disk_bytes: u64,
+    pub millis: f64,
+}
+
+pub struct VmBackend {
+    pub machine: Machine,
+    pub cfg: VmConfig,
+    /// The host-side agent binary (runs the relay).
+    pub agent: PathBuf,
+    /// The static agent, the guest's init.
+    pub guest_agent: Option<PathBuf>,
+    /// `$state/vm`: initramfs, templates, the empty disk.
+    pub dir: PathBuf,
+}
+
+fn rt_io(context: &str) -> impl Fn(std::io::Error) -> RuntimeError + '_ {
+    move |e| RuntimeError::Backend(format!("{context}: {e}"))
+}
+
+impl VmBackend {
+    /// The machine shape for these budgets on this host.
+    pub fn shape(&self, limits: &crate::Limits) -> Result<MachineShape, RuntimeError> {
+        let kernel = self.cfg.guest_dir.join("vmlinux");
+        if !kernel.is_file() {
+            return Err(RuntimeError::Setup(format!(
+                "no guest kernel at {} (run scripts/guest-kernel.sh, or set STRATA_GUEST_DIR)",
+                kernel.display()
+            )));
+        }
+        let agent = self.guest_agent.as_ref().ok_or_else(|| {
+            RuntimeError::Setup(
+                "VM sandboxes need the statically linked strata-agent as the guest's init \
+                 (build it as scripts/test.sh does, or set STRATA_STATIC_AGENT)"
+                    .into(),
+            )
+        })?;
+        let initramfs = initramfs::build(agent, &self.cfg.guest_dir, &self.dir)?;
+        let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        let vcpus = limits
+            .cpus
+            .map_or(1, |c| (c.ceil() as u32).clamp(1, host_cpus));
+        let mut shape = MachineShape {
+            machine: self.machine,
+            accel: Accel::Tcg,
+            memory_mib: limits.memory_bytes.div_ceil(1 << 20) + GUEST_RESERVE_MIB,
+            vcpus,
+            kernel,
+            initramfs,
+        };
+        shape.accel = self.accel(&shape)?;
+        Ok(shape)
+    }
+
+    /// The accelerator: as configured, or for `auto` KVM when the probe (once per host
+    /// boot, remembered in /run) shows a stock guest boots on it, else TCG.
+    fn accel(&self, shape: &MachineShape) -> Result<Accel, RuntimeError> {
+        match self.cfg.accel.as_str() {
+            "kvm" => return Ok(Accel::Kvm),
+            "tcg" => return Ok(Accel::Tcg),
+            "auto" => {}
+            other => {
+                return Err(RuntimeError::Invalid(format!(
+                    "STRATA_VM_ACCEL={other}: use auto, kvm or tcg"
+                )))
+            }
+        }
+        let boot_id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+            .unwrap_or_default()
+            .trim()
+            .to_string();
+        let memo = Path::new("/run/strata").join("kvm-probe");
+        if let Ok(text) = std::fs::read_to_string(&memo) {
+            if let Some(answer) = text.strip_prefix(&format!("{boot_id} ")) {
+                return Ok(if answer.trim() == "kvm" {
+                    Accel::Kvm
+                } else {
+                    Accel::Tcg
+                });
+            }
+        }
+        let t = Instant::now();
+        let kvm = qemu::kvm_works(shape, &self.dir.join("probe"));
+        let accel = if kvm { Accel::Kvm } else { Accel::Tcg };
+        tracing::info!(
+            accel = accel.as_str(),
+            probe_ms = t.elapsed().as_millis() as u64,
+            "VM accelerator: {}",
+            if kvm {
+                "KVM boots a standard guest"
+            } else {
+                "KVM cannot boot a standard guest here (or /dev/kvm is missing); using TCG"
+            }
+        );
+        let _ = std::fs::create_dir_all("/run/strata");
+        let _ = std::fs::write(&memo, format!("{boot_id} {}\n", accel.as_str()));
+        Ok(accel)
+    }
+
+    /// A 1 MiB empty file behind the disk slots a sandbox does not use.
+    fn empty_disk(&self) -> Result<PathBuf, RuntimeError> {
+        let path = self.dir.join("empty.img");
+        if !path.exists() {
+            std::fs::create_dir_all(&self.dir).map_err(RuntimeError::io(&self.dir))?;
+            let tmp = self.dir.join(format!("empty.img.{}", std::process::id()));
+            std::fs::File::create(&tmp)
+                .and_then(|f| f.set_len(1 << 20))
+                .map_err(RuntimeError::io(&tmp))?;
+            std::fs::rename(&tmp, &path).map_err(RuntimeError::io(&path))?;
+        }
+        Ok(path)
+    }
+
+    /// The disk slots for a sandbox: its writable disk, each layer's metadata image and
+    /// blob, the empty file elsewhere.
+    fn slots(&self, disks: &GuestDisks) -> Result<Vec<PathBuf>, RuntimeError> {
+        if disks.layers.len() > qemu::MAX_LAYERS {
+            return Err(RuntimeError::Invalid(format!(
+                "a VM sandbox stacks at most {} layers; this one has {}",
+                qemu::MAX_LAYERS,
+                disks.layers.len()
+            )));
+        }
+        let empty = self.empty_disk()?;
+        let mut slots = vec![empty; qemu::DISK_SLOTS];
+        slots[0] = disks.upper_image.clone();
+        for (i, layer) in disks.layers.iter().enumerate() {
+            slots[qemu::meta_slot(i)] = layer.meta_path.clone();
+            if let Some(blob) = &layer.blob_path {
+                slots[qemu::meta_slot(i) + 1] = blob.clone();
+            }
+        }
+        Ok(slots)
+    }
+
+    fn files(dir: &Path, disks: Vec<PathBuf>, incoming: Option<PathBuf>) -> qemu::MachineFiles {
+        qemu::MachineFiles {
+            disks,
+            port_socket: dir.join("port.sock"),
+            qmp_socket: dir.join("qmp.sock"),
+            console_log: dir.join("console.log"),
+            incoming,
+            extra_append: String::new(),
+            netdev: None,
+            vnc_socket: None,
+        }
+    }
+
+    /// Starts QEMU (in `cgroup` when given) detached from the caller; its PID.
+    fn spawn_qemu(
+        shape: &MachineShape,
+        files: &qemu::MachineFiles,
+        log: &Path,
+        cgroup: Option<&Cgroup>,
+    ) -> Result<std::process::Child, RuntimeError> {
+        let mut cmd = qemu::command(shape, files);
+        let out = std::fs::File::create(log).map_err(RuntimeError::io(log))?;
+        let err = out.try_clone().map_err(RuntimeError::io(log))?;
+        cmd.stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .process_group(0);
+        if let Some(cg) = cgroup {
+            cg.join_on_exec(&mut cmd)?;
+        }
+        cmd.spawn().map_err(|e| {
+            RuntimeError::Setup(format!(
+                "cannot run {}: {e} (install qemu-system-x86 with scripts/setup.sh)",
+                qemu::binary().display()
+            ))
+        })
+    }
+
+    /// Starts the relay between the VM's port and the agent socket, and waits until it
+    /// listens.
+    fn spawn_relay(&self, dir: &Path, cgroup: &Cgroup) -> Result<(), RuntimeError> {
+        let sock = socket_path(dir);
+        let _ = std::fs::remove_file(&sock);
+        let log = dir.join("relay.log");
+        let out = std::fs::File::create(&log).map_err(RuntimeError::io(&log))?;
+        let mut cmd = Command::new(&self.agent);
+        cmd.arg("relay")
+            .arg("--port")
+            .arg(dir.join("port.sock"))
+            .arg("--listen")
+            .arg(&sock)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(out)
+            .process_group(0);
+        cgroup.join_on_exec(&mut cmd)?;
+        let mut child = cmd.spawn().map_err(|e| {
+            RuntimeError::Setup(format!(
+                "cannot run the agent relay {}: {e}",
+                self.agent.display()
+            ))
+        })?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Err(RuntimeError::Backend(format!(
+                    "the agent relay exited ({status}): {}",
+                    std::fs::read_to_string(&log).unwrap_or_default().trim()
+                )));
+            }
+            if Instant::now() > deadline {
+                return Err(RuntimeError::Backend(
+                    "the agent relay did not come up within 30 s".into(),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // Reaped by whoever outlives it; the cgroup holds it either way.
+        std::thread::spawn(move || child.wait());
+        Ok(())
+    }
+
+    /// The template snapshot for `shape`, made now if there is none: a guest booted to
+    /// its agent, waiting for disks, saved and stopped.
+    pub fn template(&self, shape: &MachineShape) -> Result<PathBuf, RuntimeError> {
+        let key = {
+            // Everything a restore must match: the shape, the device layout, the kernel.
+            let mut h = blake3::Hasher::new();
+            h.update(&serde_json::to_vec(shape).unwrap_or_default());
+            h.update(&(qemu::DISK_SLOTS as u64).to_le_bytes());
+            h.update(qemu::binary().as_os_str().as_encoded_bytes());
+            h.update(
+                std::fs::read_to_string(self.cfg.guest_dir.join("kernel.version"))
+                    .unwrap_or_default()
+                    .as_bytes(),
+            );
+            h.finalize().to_hex()[..16].to_string()
+        };
+        let root = self.dir.join("templates");
+        let state = root.join(format!("{key}.state"));
+        if state.exists() {
+            return Ok(state);
+        }
+        std::fs::create_dir_all(&root).map_err(RuntimeError::io(&root))?;
+        let lock_path = root.join(format!("{key}.lock"));
+        let lock = std::fs::File::create(&lock_path).map_err(RuntimeError::io(&lock_path))?;
+        // SAFETY: flock on an owned descriptor; one process makes a template at a time.
+        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
+            return Err(RuntimeError::io(&lock_path)(std::io::Error::last_os_error()));
+        }
+        if state.exists() {
+            return Ok(state);
+        }
+        let t = Instant::now();
+        let work = root.join(format!("{key}.{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&work);
+        std::fs::create_dir_all(&work).map_err(RuntimeError::io(&work))?;
+        let made = self.make_template(shape, &work, &state);
+        let _ = std::fs::remove_dir_all(&work);
+        made?;
+        tracing::info!(
+            template = %state.display(),
+            ms = t.elapsed().as_millis() as u64,
+            "made a VM template"
+        );
+        Ok(state)
+    }
+
+    fn make_template(
+        &self,
+        shape: &MachineShape,
+        work: &Path,
+        state: &Path,
+    ) -> Result<(), RuntimeError> {
+        let upper = work.join("upper.img");
+        std::fs::File::create(&upper)
+            .and_then(|f| f.set_len(1 << 20))
+            .map_err(RuntimeError::io(&upper))?;
+        let mut disks = vec![self.empty_disk()?; qemu::DISK_SLOTS];
+        disks[0] = upper;
+        let files = Self::files(work, disks, None);
+        let mut child = Self::spawn_qemu(shape, &files, &work.join("qemu.log"), None)?;
+        let outcome = (|| {
+            guest_ping(&files.port_socket, BOOT_TIMEOUT)?;
+            let mut qmp = qemu::Qmp::connect(&files.qmp_socket, Duration::from_secs(10))?;
+            qmp.execute("stop", serde_json::Value::Null)?;
+            let tmp = state.with_extension("tmp");
+            qmp.save(&tmp)?;
+            let _ = qmp.execute("quit", serde_json::Value::Null);
+            std::fs::rename(&tmp, state).map_err(RuntimeError::io(state))
+        })();
+        let _ = child.kill();
+        let _ = child.wait();
+        outcome.map_err(|e| {
+            RuntimeError::Backend(format!(
+                "making the VM template: {e}; console: {}",
+                tail(&files.console_log)
+            ))
+        })
+    }
+}
+
+/// The last lines of a log, for error messages.
+fn tail(path: &Path) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(8)..].join(" | ")
+}
+
+/// A ping straight over the port's socket (no relay): the guest's agent is up.
+fn guest_ping(port: &Path, within: Duration) -> Result<(), RuntimeError> {
+    use strata_agent::mux;
+    let deadline = Instant::now() + within;
+    let stream = loop {
+        match std::os::unix::net::UnixStream::connect(port) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() > deadline => {
+                return Err(RuntimeError::Backend(format!("{}: {e}", port.display())))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(5)),
+        }
+    };
+    stream
+        .set_read_timeout(Some(deadline.saturating_duration_since(Instant::now())))
+        .ok();
+    let mut w = stream.try_clone().map_err(rt_io("port"))?;
+    let mut r = std::io::BufReader::new(stream);
+    let mut ping = Vec::new();
+    write_control(&mut ping, &HostMsg::Ping).map_err(rt_io("ping"))?;
+    mux::write(&mut w, 1, mux::OPEN, b"").map_err(rt_io("port"))?;
+    mux::write(&mut w, 1, mux::DATA, &ping).map_err(rt_io("port"))?;
+    let mut got = Vec::new();
+    loop {
+        match mux::read(&mut r).map_err(rt_io("waiting for the guest's agent"))? {
+            Some((1, mux::DATA, data)) => {
+                got.extend_from_slice(&data);
+                if let Ok(Some(Frame::Control(AgentMsg::Pong { .. }))) =
+                    read_frame::<AgentMsg>(&mut &got[..])
+                {
+                    let _ = mux::write(&mut w, 1, mux::CLOSE, b"");
+                    return Ok(());
+                }
+            }
+            Some(_) => {}
+            None => return Err(RuntimeError::Backend("the guest closed its port".into())),
+        }
+    }
+}
+
+/// One request to the guest's agent through the relay: the reply, and the data frame
+/// that follows a `FileFollows`.
+fn converse(
+    dir: &Path,
+    msg: &HostMsg,
+    data: Option<&[u8]>,
+    timeout: Duration,
+) -> Result<(AgentMsg, Option<Vec<u8>>), RuntimeError> {
+    let sock = socket_path(dir);
+    let conn = std::os::unix::net::UnixStream::connect(&sock).map_err(|e| {
+        RuntimeError::Backend(format!("the VM's agent relay at {}: {e}", sock.display()))
+    })?;
+    conn.set_read_timeout(Some(timeout)).ok();
+    let mut w = conn.try_clone().map_err(rt_io("guest agent"))?;
+    let mut r = std::io::BufReader::new(conn);
+    write_control(&mut w, msg).map_err(rt_io("guest agent"))?;
+    if let Some(d) = data {
+        write_frame(&mut w, FrameKind::Stdin, d).map_err(rt_io("guest agent"))?;
+    }
+    let reply = match read_frame::<AgentMsg>(&mut r).map_err(rt_io("guest agent"))? {
+        Some(Frame::Control(m)) => m,
+        Some(other) => {
+            return Err(RuntimeError::Backend(format!(
+                "the guest's agent sent {other:?}"
+            )))
+        }
+        None => {
+            return Err(RuntimeError::Backend(
+                "the guest's agent closed the conversation".into(),
+            ))
+        }
+    };
+    let follows = if matches!(reply, AgentMsg::FileFollows { .. }) {
+        match read_frame::<AgentMsg>(&mut r).map_err(rt_io("guest agent"))? {
+            Some(Frame::Data(_, d)) => Some(d),
+            _ => {
+                return Err(RuntimeError::Backend(
+                    "the guest's agent sent no file data".into(),
+                ))
+            }
+        }
+    } else {
+        None
+    };
+    Ok((reply, follows))
+}
+
+fn file_error(path: &str, message: String) -> RuntimeError {
+    let kind = if message.contains("No such file") {
+        std::io::ErrorKind::NotFound
+    } else if message.contains("ermission denied") {
+        std::io::ErrorKind::PermissionDenied
+    } else {
+        std::io::ErrorKind::Other
+    };
+    RuntimeError::File {
+        path: path.to_string(),
+        source: std::io::Error::new(kind, message),
+    }
+}
+
+const FILE_TIMEOUT: Duration = Duration::from_secs(60);
+
+pub(crate) fn read_file(dir: &Path, path: &str) -> Result<Vec<u8>, RuntimeError> {
+    let msg = HostMsg::ReadFile { path: path.into() };
+    match converse(dir, &msg, None, FILE_TIMEOUT)? {
+        (AgentMsg::FileFollows { .. }, Some(data)) => Ok(data),
+        (AgentMsg::Error { message }, _) => Err(file_error(path, message)),
+        (other, _) => Err(RuntimeError::Backend(format!("read {path}: {other:?}"))),
+    }
+}
+
+pub(crate) fn write_file(
+    dir: &Path,
+    path: &str,
+    data: &[u8],
+    mode: u32,
+) -> Result<(), RuntimeError> {
+    if data.len() > strata_agent::MAX_FRAME {
+        return Err(RuntimeError::Invalid(format!(
+            "{path}: a VM sandbox takes files of at most {} bytes in one write",
+            strata_agent::MAX_FRAME
+        )));
+    }
+    let msg = HostMsg::WriteFile {
+        path: path.into(),
+        mode,
+    };
+    match converse(dir, &msg, Some(data), FILE_TIMEOUT)? {
+        (AgentMsg::Done, _) => Ok(()),
+        (AgentMsg::Error { message }, _) => Err(file_error(path, message)),
+        (other, _) => Err(RuntimeError::Backend(format!("write {path}: {other:?}"))),
+    }
+}
+
+pub(crate) fn list_dir(dir: &Path, path: &str) -> Result<Vec<DirEntry>, RuntimeError> {
+    let msg = HostMsg::ListDir { path: path.into() };
+    match converse(dir, &msg, None, FILE_TIMEOUT)? {
+        (AgentMsg::Entries { list }, _) => Ok(list),
+        (AgentMsg::Error { message }, _) => Err(file_error(path, message)),
+        (other, _) => Err(RuntimeError::Backend(format!("list {path}: {other:?}"))),
+    }
+}
+
+pub(crate) fn processes(dir: &Path) -> Result<Vec<strata_agent::ProcessEntry>, RuntimeError> {
+    match converse(dir, &HostMsg::Ps, None, FILE_TIMEOUT)? {
+        (AgentMsg::Processes { list }, _) => Ok(list),
+        (other, _) => Err(RuntimeError::Backend(format!("ps: {other:?}"))),
+    }
+}
+
+pub(crate) fn stats(dir: &Path) -> Result<GuestStats, RuntimeError> {
+    match converse(dir, &HostMsg::Stats, None, FILE_TIMEOUT)? {
+        (AgentMsg::Stats(s), _) => Ok(s),
+        (AgentMsg::Error { message }, _) => Err(RuntimeError::Backend(message)),
+        (other, _) => Err(RuntimeError::Backend(format!("stats: {other:?}"))),
+    }
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
+fn fresh_seed() -> Vec<u8> {
+    let mut seed = vec![0u8; 64];
+    // SAFETY: getrandom into a buffer we own, of the length we pass.
+    let n = unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), 0) };
+    seed.truncate(n.max(0) as usize);
+    seed
+}
+
+impl SandboxBackend for VmBackend {
+    fn start(&self, ctx: &StartContext) -> Result<u32, RuntimeError> {
+        let disks = ctx.guest.as_ref().ok_or_else(|| {
+            RuntimeError::Setup("a VM sandbox needs its disks from the runtime".into())
+        })?;
+        if !ctx.spec.network.is_empty() {
+            return Err(RuntimeError::Unsupported(format!(
+                "{} with a network allowlist",
+                self.machine.as_str()
+            )));
+        }
+        let l = &ctx.spec.limits;
+        let shape = self.shape(l)?;
+        let incoming = match &ctx.restore {
+            Some(snapshot) => {
+                let rec: SnapshotRecord = read_snapshot(snapshot)?;
+                if rec.shape != shape {
+                    return Err(RuntimeError::Invalid(format!(
+                        "snapshot {} was taken on a different machine ({:?}); this host would run {:?}",
+                        snapshot.display(),
+                        rec.shape,
+                        shape
+                    )));
+                }
+                Some(snapshot.join("state"))
+            }
+            None if self.cfg.templates => Some(self.template(&shape)?),
+            None => None,
+        };
+        std::fs::write(
+            ctx.dir.join("machine.json"),
+            serde_json::to_vec(&shape).unwrap_or_default(),
+        )
+        .map_err(RuntimeError::io(&ctx.dir))?;
+        // QEMU and the relay live in the sandbox's cgroup: its memory limit leaves room
+        // for the VMM, the guest enforces the budget itself, and a kill of the cgroup
+        // ends the whole VM.
+        ctx.cgroup
+            .create(shape.memory_mib * (1 << 20) + VMM_OVERHEAD, l.cpus, 512)?;
+        let t = Instant::now();
+        let files = Self::files(&ctx.dir, self.slots(disks)?, incoming.clone());
+        let child = Self::spawn_qemu(&shape, &files, &ctx.dir.join("qemu.log"), Some(&ctx.cgroup))?;
+        let pid = child.id();
+        std::thread::spawn(move || {
+            let mut child = child;
+            child.wait()
+        });
+        let fail = |e: RuntimeError| {
+            RuntimeError::Backend(format!(
+                "{e}; QEMU: {}; console: {}",
+                tail(&ctx.dir.join("qemu.log")),
+                tail(&files.console_log)
+            ))
+        };
+        self.spawn_relay(&ctx.dir, &ctx.cgroup).map_err(fail)?;
+        let t_relay = t.elapsed();
+        if incoming.is_some() {
+            let mut qmp =
+                qemu::Qmp::connect(&files.qmp_socket, Duration::from_secs(30)).map_err(fail)?;
+            qmp.wait_while("inmigrate", Duration::from_secs(120))
+                .map_err(fail)?;
+            qmp.execute("cont", serde_json::Value::Null).map_err(fail)?;
+        }
+        let t_loaded = t.elapsed();
+        let (msg, what) = if ctx.restore.is_some() {
+            (
+                HostMsg::Reseed {
+                    time_ns: now_ns(),
+                    seed: fresh_seed(),
+                },
+                "reseed",
+            )
+        } else {
+            let mut layers = Vec::new();
+            for (i, layer) in disks.layers.iter().enumerate() {
+                let meta = format!("s{}", qemu::meta_slot(i));
+                let blob = layer
+                    .blob_path
+                    .as_ref()
+                    .map(|_| format!("s{}", qemu::meta_slot(i) + 1));
+                layers.push((meta, blob));
+            }
+            (
+                HostMsg::GuestSetup(GuestSetup {
+                    layers,
+                    upper: "s0".into(),
+                    merge_dirs: disks
+                        .merge_dirs
+                        .iter()
+                        .map(|d| (d.path.display().to_string(), d.mode, d.uid, d.gid))
+                        .collect(),
+                    hostname: ctx.hostname.clone(),
+                    memory_bytes: l.memory_bytes,
+                    pids: l.pids,
+                    time_ns: now_ns(),
+                    seed: fresh_seed(),
+                }),
+                "setup",
+            )
+        };
+        let reply = converse(&ctx.dir, &msg, None, BOOT_TIMEOUT).map_err(fail)?;
+        tracing::debug!(
+            sandbox = %ctx.id,
+            relay_ms = t_relay.as_secs_f64() * 1e3,
+            loaded_ms = (t_loaded - t_relay).as_secs_f64() * 1e3,
+            guest_ms = (t.elapsed() - t_loaded).as_secs_f64() * 1e3,
+            restored = incoming.is_some(),
+            "VM started"
+        );
+        match reply {
+            (AgentMsg::Ready | AgentMsg::Done, _) => Ok(pid),
+            (AgentMsg::Error { message }, _) => Err(fail(RuntimeError::Backend(format!(
+                "guest {what}: {message}"
+            )))),
+            (other, _) => Err(fail(RuntimeError::Backend(format!(
+                "guest {what}: unexpected {other:?}"
+            )))),
+        }
+    }
+
+    fn exec(
+        &self,
+        _rec: &SandboxRecord,
+        dir: &Path,
+        cgroup: &Cgroup,
+        env: &ExecEnv,
+        req: &ExecRequest,
+        sink: &mut dyn FnMut(Stream, &[u8]),
+    ) -> Result<Collected, RuntimeError> {
+        agent_exec(&socket_path(dir), cgroup, env, req, sink)
+    }
+
+    fn stop(&self, _rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
+        cgroup.kill_all();
+        Ok(())
+    }
+
+    fn forget(&self, _id: &str) {}
+
+    fn in_guest(&self) -> bool {
+        true
+    }
+
+    fn pause(&self, dir: &Path, _cgroup: &Cgroup, paused: bool) -> Result<(), RuntimeError> {
+        let mut qmp = qemu::Qmp::connect(&dir.join("qmp.sock"), Duration::from_secs(5))?;
+        qmp.execute(
+            if paused { "stop" } else { "cont" },
+            serde_json::Value::Null,
+        )?;
+        Ok(())
+    }
+
+    fn snapshot(
+        &self,
+        rec: &SandboxRecord,
+        dir: &Path,
+        upper_image: &Path,
+        dest: &Path,
+    ) -> Result<SnapshotInfo, RuntimeError> {
+        let t = Instant::now();
+        let shape: MachineShape = serde_json::from_slice(
+            &std::fs::read(dir.join("machine.json")).map_err(RuntimeError::io(dir))?,
+        )
+        .map_err(|e| RuntimeError::Invalid(format!("machine.json: {e}")))?;
+        std::fs::create_dir_all(dest).map_err(RuntimeError::io(dest))?;
+        let mut qmp = qemu::Qmp::connect(&dir.join("qmp.sock"), Duration::from_secs(5))?;
+        let was_running = qmp.status()? == "running";
+        qmp.execute("stop", serde_json::Value::Null)?;
+        let saved = (|| {
+            let disk = dest.join("upper.img");
+            crate::quota::copy_sparse(upper_image, &disk, file_len(upper_image))?;
+            qmp.save(&dest.join("state"))?;
+            let record = SnapshotRecord {
+                spec: rec.spec.clone(),
+                shape,
+                taken_ms: crate::audit::now_ms(),
+            };
+            let path = dest.join("snapshot.json");
+            std::fs::write(
+                &path,
+                serde_json::to_vec_pretty(&record).unwrap_or_default(),
+            )
+            .map_err(RuntimeError::io(&path))?;
+            Ok::<_, RuntimeError>(disk)
+        })();
+        if was_running {
+            qmp.execute("cont", serde_json::Value::Null)?;
+        }
+        let disk = saved?;
+        Ok(SnapshotInfo {
+            dir: dest.to_path_buf(),
+            state_bytes: file_len(&dest.join("state")),
+            disk_bytes: allocated(&disk),
+            millis: t.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+}
+
+pub fn read_snapshot(dir: &Path) -> Result<SnapshotRecord, RuntimeError> {
+    let path = dir.join("snapshot.json");
+    let bytes = std::fs::read(&path).map_err(|e| {
+        RuntimeError::Invalid(format!(
+            "{} is not a VM snapshot ({e}); make one with `strata sandbox snapshot`",
+            dir.display()
+        ))
+    })?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))
+}
+
+fn file_len(p: &Path) -> u64 {
+    std::fs::metadata(p).map_or(0, |m| m.len())
+}
+
+fn allocated(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).map_or(0, |m| m.blocks() * 512)
+}

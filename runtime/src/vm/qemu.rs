@@ -1,0 +1,419 @@
+//! QEMU as the VM engine: the command line of a sandbox's machine, its QMP control socket,
+//! and the accelerator probe.
+//!
+//! A machine's devices are the same whatever it runs: the agent's virtio-serial port, an
+//! entropy device, and a fixed set of disk slots (slot 0 the writable disk, then a
+//! metadata image and a data blob per layer, spare slots on an empty file). Fixed slots
+//! keep a template snapshot restorable under any sandbox's disks: migration needs the
+//! same devices on both ends, and only the files behind them change.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::RuntimeError;
+
+/// Layers a VM sandbox may stack (two disk slots each).
+pub const MAX_LAYERS: usize = 6;
+/// Disk slots: the writable disk, then a metadata image and a data blob per layer.
+pub const DISK_SLOTS: usize = 1 + 2 * MAX_LAYERS;
+
+/// The machine type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Machine {
+    /// `-M microvm`: no firmware, no PCI, virtio-mmio devices.
+    Microvm,
+    /// `-M q35`: firmware (qboot), PCI devices.
+    Q35,
+}
+
+impl Machine {
+    fn device(&self, kind: &str) -> String {
+        match self {
+            Machine::Microvm => format!("{kind}-device"),
+            Machine::Q35 => format!("{kind}-pci"),
+        }
+    }
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Machine::Microvm => "microvm",
+            Machine::Q35 => "q35",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl Accel {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+/// What decides a machine's shape (and so which template snapshot fits it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MachineShape {
+    pub machine: Machine,
+    pub accel: Accel,
+    pub memory_mib: u64,
+    pub vcpus: u32,
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+}
+
+/// The files and sockets of one machine.
+pub struct MachineFiles {
+    /// One file per disk slot; slot 0 is writable.
+    pub disks: Vec<PathBuf>,
+    pub port_socket: PathBuf,
+    pub qmp_socket: PathBuf,
+    pub console_log: PathBuf,
+    /// A migration stream to restore from instead of booting.
+    pub incoming: Option<PathBuf>,
+    /// Extra kernel command line words (the accelerator probe's marker).
+    pub extra_append: String,
+    /// `-netdev user,...` options when the sandbox may reach some destinations.
+    pub netdev: Option<String>,
+    /// A VNC display on this Unix socket (full VMs).
+    pub vnc_socket: Option<PathBuf>,
+}
+
+/// The QEMU binary (`STRATA_QEMU` or Debian's).
+pub fn binary() -> PathBuf {
+    std::env::var_os("STRATA_QEMU")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("qemu-system-x86_64"))
+}
+
+/// The host TSC frequency in kHz: a TCG guest told it skips calibration, which otherwise
+/// often hangs under emulation.
+fn host_khz() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    let mhz: f64 = info.lines().find_map(|l| {
+        l.strip_prefix("cpu MHz")?
+            .split(':')
+            .nth(1)?
+            .trim()
+            .parse()
+            .ok()
+    })?;
+    Some((mhz * 1000.0) as u64)
+}
+
+/// The full command line.
+pub fn command(shape: &MachineShape, files: &MachineFiles) -> Command {
+    let mut cmd = Command::new(binary());
+    let m = shape.machine;
+    let machine = match m {
+        Machine::Microvm => "microvm,x-option-roms=off,rtc=on",
+        Machine::Q35 => "q35,vmport=off",
+    };
+    cmd.args(["-machine", machine, "-accel", shape.accel.as_str()]);
+    cmd.args([
+        "-cpu",
+        if shape.accel == Accel::Kvm {
+            "host"
+        } else {
+            "max"
+        },
+    ]);
+    if m == Machine::Q35 {
+        cmd.args(["-bios", "/usr/share/qemu/qboot.rom"]);
+    }
+    cmd.args([
+        "-m",
+        &format!("{}M", shape.memory_mib),
+        "-smp",
+        &shape.vcpus.to_string(),
+        "-nodefaults",
+        "-no-user-config",
+        "-no-reboot",
+    ]);
+    match &files.vnc_socket {
+        Some(sock) => {
+            cmd.args(["-device", "VGA", "-vnc"]);
+            cmd.arg(format!("unix:{}", sock.display()));
+        }
+        None => {
+            cmd.args(["-display", "none"]);
+        }
+    }
+    cmd.arg("-kernel").arg(&shape.kernel);
+    cmd.arg("-initrd").arg(&shape.initramfs);
+    let mut append = String::from("console=ttyS0 reboot=t panic=-1 quiet loglevel=3");
+    if shape.accel == Accel::Tcg {
+        if let Some(khz) = host_khz() {
+            append.push_str(&format!(" tsc_early_khz={khz} tsc=reliable no_timer_check"));
+        }
+    }
+    if !files.extra_append.is_empty() {
+        append.push(' ');
+        append.push_str(&files.extra_append);
+    }
+    cmd.args(["-append", &append]);
+    cmd.arg("-serial")
+        .arg(format!("file:{}", files.console_log.display()));
+    cmd.arg("-qmp").arg(format!(
+        "unix:{},server=on,wait=off",
+        files.qmp_socket.display()
+    ));
+    cmd.args(["-device", &format!("{},id=vser", m.device("virtio-serial"))]);
+    cmd.arg("-chardev").arg(format!(
+        "socket,id=agent,path={},server=on,wait=off",
+        files.port_socket.display()
+    ));
+    cmd.args([
+        "-device",
+        "virtserialport,bus=vser.0,chardev=agent,name=strata.agent",
+    ]);
+    cmd.args(["-object", "rng-random,id=rng,filename=/dev/urandom"]);
+    cmd.args(["-device", &format!("{},rng=rng", m.device("virtio-rng"))]);
+    for (slot, file) in files.disks.iter().enumerate() {
+        let ro = if slot == 0 { "off" } else { "on" };
+        cmd.arg("-drive").arg(format!(
+            "file={},format=raw,if=none,id=d{slot},readonly={ro},cache=none,aio=threads,discard=unmap",
+            escape(file)
+        ));
+        cmd.args([
+            "-device",
+            &format!("{},drive=d{slot},serial=s{slot}", m.device("virtio-blk")),
+        ]);
+    }
+    match &files.netdev {
+        Some(opts) => {
+            cmd.args(["-netdev", &format!("user,id=net,{opts}")]);
+            cmd.args(["-device", &format!("{},netdev=net", m.device("virtio-net"))]);
+        }
+        None => {
+            cmd.arg("-nic").arg("none");
+        }
+    }
+    if let Some(state) = &files.incoming {
+        // Paused after loading, until the host's channel is attached.
+        cmd.arg("-S");
+        cmd.arg("-incoming")
+            .arg(format!("exec:cat {}", shell_quote(state)));
+    }
+    cmd
+}
+
+/// QEMU option values escape ',' by doubling it.
+fn escape(p: &Path) -> String {
+    p.display().to_string().replace(',', ",,")
+}
+
+fn shell_quote(p: &Path) -> String {
+    format!("'{}'", p.display().to_string().replace('\'', "'\\''"))
+}
+
+/// The disk slot of layer `i`'s metadata image (its blob is the next one).
+pub fn meta_slot(i: usize) -> usize {
+    1 + 2 * i
+}
+
+/// A QMP connection (JSON commands on the machine's control socket).
+pub struct Qmp {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl Qmp {
+    /// Connects (QEMU creates the socket early in its start) and negotiates capabilities.
+    pub fn connect(socket: &Path, within: Duration) -> Result<Qmp, RuntimeError> {
+        let deadline = Instant::now() + within;
+        let stream = loop {
+            match UnixStream::connect(socket) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() > deadline => {
+                    return Err(RuntimeError::Backend(format!(
+                        "QMP socket {}: {e}",
+                        socket.display()
+                    )))
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(2)),
+            }
+        };
+        stream.set_read_timeout(Some(Duration::from_secs(60))).ok();
+        let writer = stream
+            .try_clone()
+            .map_err(|e| RuntimeError::Backend(format!("QMP: {e}")))?;
+        let mut qmp = Qmp {
+            reader: BufReader::new(stream),
+            writer,
+        };
+        qmp.read_message()?; // the greeting
+        qmp.execute("qmp_capabilities", Value::Null)?;
+        Ok(qmp)
+    }
+
+    fn read_message(&mut self) -> Result<Value, RuntimeError> {
+        let mut line = String::new();
+        let n = self
+            .reader
+            .read_line(&mut line)
+            .map_err(|e| RuntimeError::Backend(format!("QMP: {e}")))?;
+        if n == 0 {
+            return Err(RuntimeError::Backend("QMP: QEMU closed the socket".into()));
+        }
+        serde_json::from_str(&line)
+            .map_err(|e| RuntimeError::Backend(format!("QMP: {e} in {line:?}")))
+    }
+
+    /// Runs a command; its `return` value.
+    pub fn execute(&mut self, command: &str, arguments: Value) -> Result<Value, RuntimeError> {
+        let mut msg = json!({ "execute": command });
+        if !arguments.is_null() {
+            msg["arguments"] = arguments;
+        }
+        let mut text = msg.to_string();
+        text.push('\n');
+        self.writer
+            .write_all(text.as_bytes())
+            .map_err(|e| RuntimeError::Backend(format!("QMP {command}: {e}")))?;
+        loop {
+            let reply = self.read_message()?;
+            if let Some(r) = reply.get("return") {
+                return Ok(r.clone());
+            }
+            if let Some(e) = reply.get("error") {
+                return Err(RuntimeError::Backend(format!(
+                    "QMP {command}: {}",
+                    e.get("desc").and_then(Value::as_str).unwrap_or("failed")
+                )));
+            }
+            // An asynchronous event: not our answer.
+        }
+    }
+
+    /// The run state (`running`, `paused`, `inmigrate`, `postmigrate`, ...).
+    pub fn status(&mut self) -> Result<String, RuntimeError> {
+        let r = self.execute("query-status", Value::Null)?;
+        Ok(r.get("status")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string())
+    }
+
+    /// Waits until the state is no longer `from` (an incoming migration, a save).
+    pub fn wait_while(&mut self, from: &str, within: Duration) -> Result<String, RuntimeError> {
+        let deadline = Instant::now() + within;
+        loop {
+            let s = self.status()?;
+            if s != from {
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                return Err(RuntimeError::Backend(format!(
+                    "the VM stayed `{from}` for {within:?}"
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Saves the paused machine's state to `path` (a migration to a file, throttle off).
+    pub fn save(&mut self, path: &Path) -> Result<(), RuntimeError> {
+        self.execute(
+            "migrate-set-parameters",
+            json!({ "max-bandwidth": 64u64 << 30 }),
+        )?;
+        self.execute(
+            "migrate",
+            json!({ "uri": format!("exec:cat > {}", shell_quote(path)) }),
+        )?;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let r = self.execute("query-migrate", Value::Null)?;
+            match r.get("status").and_then(Value::as_str) {
+                Some("completed") => return Ok(()),
+                Some("failed") | Some("cancelled") => {
+                    return Err(RuntimeError::Backend(format!(
+                        "saving the VM state to {} failed: {}",
+                        path.display(),
+                        r.get("error-desc").and_then(Value::as_str).unwrap_or("?")
+                    )))
+                }
+                _ if Instant::now() > deadline => {
+                    return Err(RuntimeError::Backend(
+                        "saving the VM state timed out".into(),
+                    ))
+                }
+                _ => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    }
+}
+
+/// Whether KVM can run a standard guest here: boots the guest kernel under KVM with the
+/// probe marker and waits for the agent's line on the console. Some hosts expose a
+/// `/dev/kvm` a stock kernel cannot boot on (PVM); they hang, so the probe has a deadline.
+pub fn kvm_works(shape: &MachineShape, scratch: &Path) -> bool {
+    if !Path::new("/dev/kvm").exists() {
+        return false;
+    }
+    let _ = std::fs::create_dir_all(scratch);
+    let console = scratch.join("probe-console.log");
+    let _ = std::fs::remove_file(&console);
+    let empty = scratch.join("probe-disk.img");
+    if std::fs::File::create(&empty)
+        .and_then(|f| f.set_len(1 << 20))
+        .is_err()
+    {
+        return false;
+    }
+    let files = MachineFiles {
+        disks: vec![empty.clone(); DISK_SLOTS],
+        port_socket: scratch.join("probe-port.sock"),
+        qmp_socket: scratch.join("probe-qmp.sock"),
+        console_log: console.clone(),
+        incoming: None,
+        extra_append: "strata.probe".into(),
+        netdev: None,
+        vnc_socket: None,
+    };
+    let shape = MachineShape {
+        accel: Accel::Kvm,
+        ..shape.clone()
+    };
+    let mut cmd = command(&shape, &files);
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let Ok(mut child) = cmd.spawn() else {
+        return false;
+    };
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut ok = false;
+    while Instant::now() < deadline {
+        if std::fs::read_to_string(&console).is_ok_and(|t| t.contains("strata-probe-ok")) {
+            ok = true;
+            break;
+        }
+        if matches!(child.try_wait(), Ok(Some(_))) {
+            ok = std::fs::read_to_string(&console).is_ok_and(|t| t.contains("strata-probe-ok"));
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    for f in [&console, &empty, &files.port_socket, &files.qmp_socket] {
+        let _ = std::fs::remove_file(f);
+    }
+    ok
+}
