@@ -47,6 +47,30 @@ pub fn can_run_sandboxes(test: &str) -> bool {
         && have_tool(test, "mkfs.ext4")
 }
 
+/// Whether this host can run microVM and VM sandboxes too: QEMU and the guest kernel
+/// `scripts/setup.sh` prepares (same failure/skip rule as [`crate::have_root`]).
+pub fn can_run_vms(test: &str) -> bool {
+    if !can_run_sandboxes(test) || !have_tool(test, "qemu-system-x86_64") {
+        return false;
+    }
+    let dir = std::env::var_os("STRATA_GUEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/local/lib/strata/guest"));
+    let ready = dir.join("vmlinux").is_file() && dir.join("modules.load").is_file();
+    if !ready {
+        assert!(
+            !crate::privileged_required(),
+            "{test}: no guest kernel in {} (run scripts/setup.sh)",
+            dir.display()
+        );
+        eprintln!(
+            "SKIPPED {test}: no guest kernel in {} (run scripts/setup.sh)",
+            dir.display()
+        );
+    }
+    ready
+}
+
 /// A `STRATA_HOME` with its own local store.
 pub struct CliHome {
     pub home: PathBuf,

@@ -1,0 +1,383 @@
+//! MicroVM and full-VM sandboxes end to end through the CLI, under whatever accelerator
+//! this host has (TCG here): the sample environment's real test suite by catalog ID,
+//! budgets and network isolation inside the guest, pause/resume, snapshot/restore into a
+//! new QEMU process, and cleanup after a killed runtime.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use strata_tests::home::{can_run_vms, CliHome};
+
+struct Env {
+    cli: CliHome,
+    reference: String,
+}
+
+static ENV: OnceLock<Option<Env>> = OnceLock::new();
+
+/// One home and store for every test here: the sample registered once, and the VM
+/// template of each machine shape made once.
+fn env(test: &str) -> Option<&'static Env> {
+    if !can_run_vms(test) {
+        return None;
+    }
+    ENV.get_or_init(|| {
+        let cli = CliHome::new("vm-");
+        let reference = cli.register_sample();
+        Some(Env { cli, reference })
+    })
+    .as_ref()
+}
+
+fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+impl Env {
+    fn cmd(&self, args: &[&str]) -> Command {
+        self.cli.cmd(args)
+    }
+
+    fn cli(&self, args: &[&str]) -> Output {
+        self.cli.cli(args)
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        self.cli.ok(args)
+    }
+
+    fn create(&self, extra: &[&str]) -> String {
+        let mut args = vec!["sandbox", "create"];
+        args.extend_from_slice(extra);
+        args.push(&self.reference);
+        self.ok(&args).lines().last().unwrap().trim().to_string()
+    }
+
+    fn sh(&self, id: &str, script: &str) -> Output {
+        self.cli(&["sandbox", "exec", id, "--", "sh", "-c", script])
+    }
+
+    fn sandboxes(&self) -> Vec<serde_json::Value> {
+        serde_json::from_str(&self.ok(&["sandbox", "ls", "--json"])).unwrap()
+    }
+
+    /// Host processes of a sandbox (QEMU and the relay), from its cgroup.
+    fn host_pids(&self, id: &str) -> Vec<u32> {
+        let mut pids = Vec::new();
+        for e in std::fs::read_dir("/sys/fs/cgroup/pids").unwrap().flatten() {
+            let procs = e.path().join(id).join("cgroup.procs");
+            if let Ok(t) = std::fs::read_to_string(procs) {
+                pids.extend(t.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
+            }
+        }
+        pids
+    }
+}
+
+/// QEMU processes whose command line names `needle`.
+fn qemu_processes(needle: &str) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd);
+            cmd.contains("qemu-system") && cmd.contains(needle)
+        })
+        .collect()
+}
+
+#[test]
+fn the_sample_test_suite_passes_in_a_microvm_and_a_vm() {
+    let Some(env) = env("vm_sample_suite") else {
+        return;
+    };
+    for backend in ["microvm", "vm"] {
+        let o = env.cli(&["run", "--backend", backend, "-c", "test", &env.reference]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{backend}: {out}{err}");
+        assert!(out.contains("4 passed"), "{backend}: {out}{err}");
+        // The guest runs its own kernel, not the host's.
+        let o = env.cli(&[
+            "run",
+            "--backend",
+            backend,
+            &env.reference,
+            "--",
+            "cat",
+            "/proc/version",
+        ]);
+        let (out, err) = text(&o);
+        let host = std::fs::read_to_string("/proc/version").unwrap();
+        assert!(o.status.success(), "{backend}: {err}");
+        assert_ne!(out.trim(), host.trim(), "{backend} shares the host kernel");
+        assert!(out.contains("Debian"), "{backend}: {out}");
+    }
+}
+
+#[test]
+fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
+    let Some(env) = env("vm_budgets") else {
+        return;
+    };
+    let id = env.create(&[
+        "--backend",
+        "microvm",
+        "--memory",
+        "256M",
+        "--disk",
+        "64M",
+        "--pids",
+        "64",
+    ]);
+
+    // Memory: a command growing past the budget is killed by the guest's OOM killer;
+    // the agent and the sandbox live on.
+    let o = env.cli(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "python3",
+        "-c",
+        "a = [bytearray(8 << 20) for _ in range(100)]",
+    ]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(137), "{err}");
+    assert!(err.contains("budget exceeded: memory"), "{err}");
+
+    // Disk: the writable disk is the budget's size; filling it is ENOSPC inside.
+    let o = env.sh(&id, "dd if=/dev/zero of=/root/fill bs=1M count=200");
+    let (_, err) = text(&o);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("No space left"), "{err}");
+    assert!(err.contains("budget exceeded: disk"), "{err}");
+    let df = env.sh(&id, "df -k / | tail -1");
+    let size_kib: u64 = text(&df).0.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!(size_kib <= 64 * 1024, "{}", text(&df).0);
+    env.sh(&id, "rm -f /root/fill");
+
+    // Processes: a fork bomb stops at the budget.
+    let o = env.sh(&id, "for i in $(seq 100); do sleep 30 & done; exit 0");
+    let (_, err) = text(&o);
+    assert!(err.contains("budget exceeded: pids"), "{err}");
+    // One process is free again: enough for a shell that kills the rest.
+    env.sh(&id, "kill -9 -1; true");
+    assert!(env.sh(&id, "true").status.success());
+
+    // Network: no interface but loopback, and nothing reachable.
+    let o = env.sh(&id, "cat /proc/net/dev");
+    let ifaces: Vec<String> = text(&o)
+        .0
+        .lines()
+        .skip(2)
+        .filter_map(|l| Some(l.split(':').next()?.trim().to_string()))
+        .collect();
+    assert_eq!(ifaces, vec!["lo".to_string()], "{}", text(&o).0);
+    let o = env.cli(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "python3",
+        "-c",
+        "import socket; socket.create_connection(('1.1.1.1', 80), timeout=5)",
+    ]);
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("unreachable"), "{err}");
+
+    // Files in and out go through the guest's agent.
+    let local = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(local.path(), b"from the host\n").unwrap();
+    env.ok(&["sandbox", "cp", local.path().to_str().unwrap(), &format!("{id}:/work/in.txt")]);
+    let o = env.sh(&id, "cat /work/in.txt && echo from the guest > /work/out.txt");
+    assert_eq!(text(&o).0, "from the host\n");
+    let out = env.ok(&["sandbox", "cp", &format!("{id}:/work/out.txt"), "-"]);
+    assert_eq!(out, "from the guest\n");
+    let o = env.cli(&["sandbox", "cp", &format!("{id}:/no/such/file"), "-"]);
+    assert!(text(&o).1.contains("/no/such/file"), "{}", text(&o).1);
+    env.ok(&["sandbox", "rm", &id]);
+    env.cli.assert_sandbox_gone(&id, &[]);
+}
+
+#[test]
+fn pause_resume_and_snapshot_restore_keep_processes_and_files() {
+    let Some(env) = env("vm_lifecycle") else {
+        return;
+    };
+    let id = env.create(&["--backend", "microvm", "--memory", "256M"]);
+    env.sh(
+        &id,
+        "echo kept > /work/state.txt; \
+         (while true; do date +%s%N >> /work/ticks; sleep 0.2; done) >/dev/null 2>&1 &",
+    );
+    let ticks = |sb: &str| -> usize {
+        let o = env.sh(sb, "wc -l < /work/ticks");
+        text(&o).0.trim().parse().unwrap()
+    };
+    std::thread::sleep(Duration::from_secs(1));
+
+    // Paused: the guest's processes stop where they are; resumed, they go on.
+    env.ok(&["sandbox", "pause", &id]);
+    let frozen = std::fs::read_to_string(env.cli.runtime_dir().join("audit").join(format!("{id}.jsonl")))
+        .unwrap();
+    assert!(frozen.contains("\"paused\""), "{frozen}");
+    let qmp_status = |sb: &str| -> String {
+        let sock = env.cli.runtime_dir().join("sandboxes").join(sb).join("qmp.sock");
+        qmp_query_status(&sock)
+    };
+    assert_eq!(qmp_status(&id), "paused");
+    std::thread::sleep(Duration::from_secs(1));
+    env.ok(&["sandbox", "resume", &id]);
+    assert_eq!(qmp_status(&id), "running");
+    let before = ticks(&id);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(ticks(&id) > before, "the loop did not go on after resume");
+
+    // Snapshot, then restore into a new sandbox (a new QEMU process): the loop and the
+    // file are there, and the original runs on unchanged.
+    let snap = tempfile::tempdir_in(strata_tests::scratch_root()).unwrap();
+    let dir = snap.path().join("s1");
+    let info: serde_json::Value = serde_json::from_str(&env.ok(&[
+        "sandbox",
+        "snapshot",
+        &id,
+        dir.to_str().unwrap(),
+        "--json",
+    ]))
+    .unwrap();
+    assert!(info["state_bytes"].as_u64().unwrap() > 1 << 20, "{info}");
+    let restored = env
+        .ok(&["sandbox", "restore", dir.to_str().unwrap()])
+        .lines()
+        .last()
+        .unwrap()
+        .trim()
+        .to_string();
+    assert_ne!(restored, id);
+    let o = env.sh(&restored, "cat /work/state.txt; ps -eo args 2>/dev/null || true");
+    assert!(text(&o).0.starts_with("kept\n"), "{}", text(&o).0);
+    let ps: Vec<serde_json::Value> =
+        serde_json::from_str(&env.ok(&["sandbox", "ps", &restored, "--json"])).unwrap();
+    assert!(
+        ps.iter().any(|p| p["cmdline"].as_str().unwrap().contains("while true")),
+        "{ps:?}"
+    );
+    let after_restore = ticks(&restored);
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(ticks(&restored) > after_restore, "the restored loop is stopped");
+    // Each sandbox has its own QEMU and its own writable disk.
+    env.sh(&restored, "echo only-restored > /work/mine.txt");
+    assert!(!env.sh(&id, "test -e /work/mine.txt").status.success());
+    assert_eq!(qemu_processes(&format!("sandboxes/{id}/")).len(), 1);
+    assert_eq!(qemu_processes(&format!("sandboxes/{restored}/")).len(), 1);
+    env.ok(&["sandbox", "rm", &id, &restored]);
+    env.cli.assert_sandbox_gone(&id, &[]);
+    env.cli.assert_sandbox_gone(&restored, &[]);
+    assert!(qemu_processes(&format!("sandboxes/{restored}/")).is_empty());
+}
+
+/// `query-status` over a VM's QMP socket.
+fn qmp_query_status(sock: &Path) -> String {
+    use std::io::{BufRead, BufReader, Write};
+    let s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).unwrap();
+    w.write_all(b"{\"execute\":\"qmp_capabilities\"}\n{\"execute\":\"query-status\"}\n")
+        .unwrap();
+    loop {
+        line.clear();
+        r.read_line(&mut line).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        if let Some(status) = v["return"]["status"].as_str() {
+            return status.to_string();
+        }
+    }
+}
+
+#[test]
+fn a_killed_runtime_leaves_no_vm_behind() {
+    let Some(env) = env("vm_reap") else {
+        return;
+    };
+    let mark = format!("MARK=vm-reap-{}", std::process::id());
+    let mut child = env
+        .cmd(&[
+            "run",
+            "--backend",
+            "microvm",
+            "--memory",
+            "256M",
+            "-e",
+            &mark,
+            &env.reference,
+            "--",
+            "sleep",
+            "300",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let id = loop {
+        let marked =
+            |s: &serde_json::Value| s["spec"]["env"]["MARK"].as_str() == mark.strip_prefix("MARK=");
+        if let Some(s) = env.sandboxes().into_iter().find(marked) {
+            break s["id"].as_str().unwrap().to_string();
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+            panic!("strata run ended early ({status}): {err}");
+        }
+        assert!(Instant::now() < deadline, "the sandbox never appeared");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // The command runs in the guest; then the CLI dies without cleaning up.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !env
+        .ok(&["sandbox", "ps", &id])
+        .contains("sleep 300")
+    {
+        assert!(Instant::now() < deadline, "sleep never started in the guest");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let host_pids = env.host_pids(&id);
+    assert!(host_pids.len() >= 2, "QEMU and the relay: {host_pids:?}");
+    let dir: PathBuf = env.cli.runtime_dir().join("sandboxes").join(&id);
+    assert!(dir.join("qmp.sock").exists());
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The VM outlives its CLI until the next runtime reaps it.
+    assert_eq!(qemu_processes(&format!("sandboxes/{id}/")).len(), 1);
+    env.ok(&["sandbox", "reap"]);
+    env.cli.assert_sandbox_gone(&id, &host_pids);
+    assert!(qemu_processes(&format!("sandboxes/{id}/")).is_empty());
+    let audit = env.ok(&["sandbox", "audit", &id]);
+    assert!(audit.contains("\"reason\":\"owner-gone\""), "{audit}");
+}
+
+#[test]
+fn a_bad_accelerator_setting_is_refused_by_name() {
+    let Some(env) = env("vm_accel") else {
+        return;
+    };
+    let o = env
+        .cmd(&["run", "--backend", "microvm", &env.reference, "--", "true"])
+        .env("STRATA_VM_ACCEL", "fast")
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert!(!o.status.success());
+    assert!(err.contains("STRATA_VM_ACCEL=fast") && err.contains("auto, kvm or tcg"), "{err}");
+}
