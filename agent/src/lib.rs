@@ -116,10 +116,22 @@ pub struct GuestSetup {
     /// The host's clock and fresh entropy (a restored guest has stale ones).
     pub time_ns: u64,
     pub seed: Vec<u8>,
+    /// The allowlisted network, when the sandbox has one: the address of the guest's
+    /// one interface (`10.0.2.15/24`) and the /etc/hosts lines naming its destinations.
+    #[serde(default)]
+    pub network: Option<GuestNetwork>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GuestNetwork {
+    pub address: String,
+    pub prefix: u8,
+    /// (address, host name) pairs for /etc/hosts.
+    pub hosts: Vec<(String, String)>,
 }
 
 /// Budget counters of a VM guest's sandbox cgroup and upper disk.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct GuestStats {
     pub oom_kills: u64,
     pub pids_max_hits: u64,
@@ -161,6 +173,11 @@ pub enum AgentMsg {
     Exited {
         code: Option<i32>,
         signal: Option<i32>,
+        /// In a VM guest: the budget counters over the command's run (OOM kills and
+        /// process-limit hits it caused) and the writable disk's use at its end, so the
+        /// host needs no extra round trips to attribute budgets.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        guest: Option<GuestStats>,
     },
     Processes {
         list: Vec<ProcessEntry>,

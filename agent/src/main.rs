@@ -104,6 +104,14 @@ fn main() {
     if guest::is_guest_init() {
         guest::main();
     }
+    if std::env::args().nth(1).as_deref() == Some("connect") {
+        let args: Vec<String> = std::env::args().skip(2).collect();
+        if let Err(e) = relay::connect(&args) {
+            eprintln!("strata-agent connect: {e}");
+            std::process::exit(1);
+        }
+        return;
+    }
     if std::env::args().nth(1).as_deref() == Some("relay") {
         let args: Vec<String> = std::env::args().skip(2).collect();
         if let Err(e) = relay::main(&args) {

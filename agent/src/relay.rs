@@ -5,6 +5,10 @@
 //! with a function-call sandbox's agent. The relay holds the port's one connection and
 //! accepts conversations on `--listen`, multiplexing them over the port. It exits when
 //! QEMU closes the port (the VM is gone).
+//!
+//! `strata-agent connect HOST PORT` is the other host-side helper of a VM: QEMU runs it
+//! for each connection the guest opens to an allowlisted destination, and it joins the
+//! connection (its stdin and stdout) to that destination.
 
 use std::collections::HashMap;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -89,4 +93,42 @@ pub fn main(args: &[String]) -> Result<(), String> {
             Err(e) => return Err(format!("port: {e}")),
         }
     }
+}
+
+/// Joins stdin/stdout to a TCP connection to HOST:PORT until either side ends.
+pub fn connect(args: &[String]) -> Result<(), String> {
+    use std::io::{Read, Write};
+    let [host, port] = args else {
+        return Err("usage: strata-agent connect HOST PORT".into());
+    };
+    let port: u16 = port.parse().map_err(|_| format!("bad port {port}"))?;
+    let addrs: Vec<std::net::SocketAddr> =
+        std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port))
+            .map_err(|e| format!("resolving {host}: {e}"))?
+            .collect();
+    let stream = addrs
+        .iter()
+        .find_map(|a| std::net::TcpStream::connect_timeout(a, Duration::from_secs(10)).ok())
+        .ok_or_else(|| format!("cannot reach {host}:{port}"))?;
+    let mut upstream = stream.try_clone().map_err(|e| e.to_string())?;
+    let writer = std::thread::spawn(move || {
+        let mut stdin = std::io::stdin().lock();
+        let mut buf = vec![0u8; 64 << 10];
+        while let Ok(n) = stdin.read(&mut buf) {
+            if n == 0 || upstream.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        let _ = upstream.shutdown(std::net::Shutdown::Write);
+    });
+    let mut downstream = stream;
+    let mut out = std::io::stdout().lock();
+    let mut buf = vec![0u8; 64 << 10];
+    while let Ok(n) = downstream.read(&mut buf) {
+        if n == 0 || out.write_all(&buf[..n]).and_then(|()| out.flush()).is_err() {
+            break;
+        }
+    }
+    drop(writer);
+    Ok(())
 }

@@ -216,6 +216,9 @@ fn exec(
         }
     };
     let pid = child.id() as i32;
+    let before = COMMAND_CGROUP
+        .get()
+        .and_then(|_| crate::guest::stats().ok());
     send(&AgentMsg::Started { pid: pid as u32 })?;
 
     let pumps: Vec<_> = [
@@ -296,9 +299,18 @@ fn exec(
         }
     }
     let st = std::process::ExitStatus::from_raw(status);
+    let guest = before.and_then(|b| {
+        let a = crate::guest::stats().ok()?;
+        Some(strata_agent::GuestStats {
+            oom_kills: a.oom_kills.saturating_sub(b.oom_kills),
+            pids_max_hits: a.pids_max_hits.saturating_sub(b.pids_max_hits),
+            ..a
+        })
+    });
     send(&AgentMsg::Exited {
         code: st.code(),
         signal: st.signal(),
+        guest,
     })
 }
 

@@ -9,7 +9,8 @@ pub struct Machine {
     pub memory_bytes: u64,
     pub kernel: String,
     pub cpu: String,
-    /// `kvm` if /dev/kvm can run a standard guest, else `tcg`, once VM suites exist.
+    /// What the VM suite ran under: `kvm` if the runtime's probe found /dev/kvm boots a
+    /// standard guest, else `tcg`.
     pub accelerator: String,
 }
 
@@ -39,11 +40,23 @@ pub fn facts() -> Machine {
             .trim()
             .to_string(),
         cpu,
-        // No suite runs a VM yet; say so rather than leave a blank a reader could fill in.
-        accelerator: if std::path::Path::new("/dev/kvm").exists() {
-            "not used: no VM suite yet (/dev/kvm present)".into()
-        } else {
-            "not used: no VM suite yet (no /dev/kvm)".into()
-        },
+        accelerator: accelerator(),
+    }
+}
+
+/// The runtime's accelerator probe result for this boot (`/run/strata/kvm-probe`).
+fn accelerator() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let memo = std::fs::read_to_string("/run/strata/kvm-probe").unwrap_or_default();
+    match memo.split_once(' ') {
+        Some((id, accel)) if id == boot.trim() => {
+            let accel = accel.trim();
+            if accel == "tcg" && std::path::Path::new("/dev/kvm").exists() {
+                "tcg (/dev/kvm is present but cannot boot a standard guest)".into()
+            } else {
+                accel.to_string()
+            }
+        }
+        _ => "not used (no VM ran this boot)".into(),
     }
 }

@@ -8,6 +8,7 @@ mod lazy;
 mod machine;
 mod report;
 mod runtime;
+mod vm;
 
 use std::path::PathBuf;
 
@@ -17,8 +18,8 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(name = "strata-bench")]
 struct Args {
-    /// Which suite to run: `build`, `lazyfs`, `runtime`, `datasets`, or `quick` (every
-    /// suite, small sizes).
+    /// Which suite to run: `build`, `lazyfs`, `runtime`, `datasets`, `vm`, or `quick`
+    /// (every suite, small sizes).
     /// Run from the repository root, as root (mounts, drop_caches).
     #[arg(long, default_value = "quick")]
     suite: String,
@@ -44,13 +45,17 @@ fn main() -> Result<()> {
         "lazyfs" => sections.push(lazy::run(&rt, &args.scratch, &repo)?),
         "runtime" => sections.push(runtime::run(&rt, &args.scratch, &repo, false)?),
         "datasets" => sections.push(datasets::run(&args.scratch, &repo, false)?),
+        "vm" => sections.push(vm::run(&rt, &args.scratch, &repo, false)?),
         "quick" => {
             sections.push(build::run(&rt, &args.scratch)?);
             sections.push(lazy::run(&rt, &args.scratch, &repo)?);
             sections.push(runtime::run(&rt, &args.scratch, &repo, true)?);
             sections.push(datasets::run(&args.scratch, &repo, true)?);
+            sections.push(vm::run(&rt, &args.scratch, &repo, true)?);
         }
-        other => anyhow::bail!("unknown suite `{other}` (build, lazyfs, runtime, datasets, quick)"),
+        other => {
+            anyhow::bail!("unknown suite `{other}` (build, lazyfs, runtime, datasets, vm, quick)")
+        }
     }
     let results = report::Results {
         suite: args.suite.clone(),

@@ -29,7 +29,7 @@ pub(crate) fn bin(name: &str) -> Result<PathBuf> {
     Ok(p)
 }
 
-fn percentile(samples: &mut [f64], p: f64) -> f64 {
+pub(crate) fn percentile(samples: &mut [f64], p: f64) -> f64 {
     samples.sort_by(|a, b| a.total_cmp(b));
     if samples.is_empty() {
         return 0.0;
@@ -38,16 +38,16 @@ fn percentile(samples: &mut [f64], p: f64) -> f64 {
     samples[idx]
 }
 
-struct Setup {
-    home: PathBuf,
-    store_url: String,
-    spec: SandboxSpec,
-    runtime: Runtime,
+pub(crate) struct Setup {
+    pub(crate) home: PathBuf,
+    pub(crate) store_url: String,
+    pub(crate) spec: SandboxSpec,
+    pub(crate) runtime: Runtime,
     /// The environment's layers exported and merged into one directory.
     rootfs: PathBuf,
 }
 
-fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Setup> {
+pub(crate) fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Setup> {
     std::fs::create_dir_all(scratch)?;
     let dir = std::fs::canonicalize(scratch)?.join("runtime");
     let home = dir.join("home");
@@ -99,6 +99,11 @@ fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Se
 /// The runtime of a benchmark's own STRATA_HOME, starting its own lazyfs daemon on
 /// demand, with the static agent as container init where `cargo build --target ...` put it.
 pub(crate) fn open_runtime(home: &Path, store_url: &str) -> Result<Runtime> {
+    Ok(Runtime::open(runtime_config(home, store_url)?)?)
+}
+
+/// The configuration [`open_runtime`] opens, for a suite that changes it first.
+pub(crate) fn runtime_config(home: &Path, store_url: &str) -> Result<RuntimeConfig> {
     let starter_home = home.to_path_buf();
     let starter_store = store_url.to_string();
     let start: strata_runtime::StartDaemon = Arc::new(move || {
@@ -125,7 +130,7 @@ pub(crate) fn open_runtime(home: &Path, store_url: &str) -> Result<Runtime> {
         bin("strata-agent")?,
     )?;
     cfg.container_agent = strata_runtime::container::static_agent_for(&std::env::current_exe()?);
-    Ok(Runtime::open(cfg)?)
+    Ok(cfg)
 }
 
 /// Exports a layer and copies it over `into` (export wants an empty target; a stack is

@@ -541,6 +541,7 @@ impl SandboxBackend for ContainerBackend {
                     Event::Exited(RawExit {
                         code: s.code(),
                         signal: s.signal(),
+                        guest: None,
                     })
                 }
                 Err(e) => Event::Failed(format!("waiting for the exec: {e}")),

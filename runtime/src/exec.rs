@@ -105,10 +105,12 @@ impl ExecResult {
 }
 
 /// How a backend's process ended, before budgets are attributed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RawExit {
     pub code: Option<i32>,
     pub signal: Option<i32>,
+    /// A VM guest's own budget counters over the run (see `AgentMsg::Exited`).
+    pub guest: Option<strata_agent::GuestStats>,
 }
 
 /// What a backend's reader threads report.

@@ -344,8 +344,16 @@ pub(crate) fn agent_exec(
         let event = match read_frame::<AgentMsg>(&mut reader) {
             Ok(Some(Frame::Data(FrameKind::Stdout, d))) => Event::Output(Stream::Stdout, d),
             Ok(Some(Frame::Data(FrameKind::Stderr, d))) => Event::Output(Stream::Stderr, d),
-            Ok(Some(Frame::Control(AgentMsg::Exited { code, signal }))) => {
-                let _ = tx.send(Event::Exited(RawExit { code, signal }));
+            Ok(Some(Frame::Control(AgentMsg::Exited {
+                code,
+                signal,
+                guest,
+            }))) => {
+                let _ = tx.send(Event::Exited(RawExit {
+                    code,
+                    signal,
+                    guest,
+                }));
                 return;
             }
             Ok(Some(other)) => Event::Failed(format!("unexpected frame {other:?}")),

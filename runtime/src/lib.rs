@@ -561,6 +561,13 @@ impl Runtime {
             restore,
         };
         let init_pid = backend.start(&ctx)?;
+        // Which machine, accelerator and start path this sandbox got.
+        if let Ok(machine) = std::fs::read(dir.join("machine.json")) {
+            if let Ok(mut m) = serde_json::from_slice::<serde_json::Value>(&machine) {
+                m["start_ms"] = json!(t.elapsed().as_secs_f64() * 1e3);
+                self.audit(id).record("machine", m)?;
+            }
+        }
         tracing::debug!(
             sandbox = id,
             disks_ms = t_disks.as_secs_f64() * 1e3,

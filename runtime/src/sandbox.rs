@@ -171,6 +171,11 @@ impl EndReason {
     }
 }
 
+/// Within 256 KiB of the limit counts as full: the write that failed never landed.
+fn disk_full(used: u64, limit: u64) -> bool {
+    limit > 0 && used + (256 << 10) >= limit
+}
+
 /// An advisory lock on a sandbox directory: execs share it, destroy and reap take it
 /// exclusively, so an idle reaper never tears down a sandbox mid-command.
 pub struct DirLock {
@@ -304,11 +309,21 @@ impl Sandbox {
         };
         let cgroup = self.cgroup();
         let backend = self.rt.backend(spec.backend)?;
-        let before = self.counters(backend);
+        // A guest reports its own counters with the exit; the host's cgroup holds the
+        // others' (a VM's host cgroup is QEMU's, not the commands').
+        let in_guest = backend.in_guest();
+        let host_counters = || {
+            if in_guest {
+                Default::default()
+            } else {
+                cgroup.counters()
+            }
+        };
+        let before = host_counters();
         let started_ms = crate::audit::now_ms();
         let started = Instant::now();
         let outcome = backend.exec(&self.record, &dir, &cgroup, &exec_env, req, sink);
-        let after = self.counters(backend);
+        let after = host_counters();
         tracing::debug!(
             sandbox = %self.record.id,
             backend_ms = started.elapsed().as_secs_f64() * 1e3,
@@ -326,13 +341,25 @@ impl Sandbox {
             }
         };
         let mut budgets = Vec::new();
-        if after.oom_kills > before.oom_kills {
+        let guest = collected.exit.guest;
+        let (oom, pids_hit) = match guest {
+            Some(g) => (g.oom_kills > 0, g.pids_max_hits > 0),
+            None => (
+                after.oom_kills > before.oom_kills,
+                after.pids_max_hits > before.pids_max_hits,
+            ),
+        };
+        if oom {
             budgets.push(Budget::Memory);
         }
-        if after.pids_max_hits > before.pids_max_hits {
+        if pids_hit {
             budgets.push(Budget::Pids);
         }
-        if self.disk_full() {
+        let disk = match guest {
+            Some(g) => Ok((g.disk_used, g.disk_size)),
+            None => self.disk_usage(),
+        };
+        if disk.is_ok_and(|(used, limit)| disk_full(used, limit)) {
             budgets.push(Budget::Disk);
         }
         if collected.timed_out {
@@ -373,31 +400,10 @@ impl Sandbox {
         self.exec_streaming(req, &mut |_, _| {})
     }
 
-    /// The budget counters: the sandbox's cgroup on the host, or the guest's own.
-    fn counters(&self, backend: &dyn SandboxBackend) -> crate::cgroup::Counters {
-        if backend.in_guest() {
-            let s = crate::vm::stats(&self.dir()).unwrap_or_default();
-            return crate::cgroup::Counters {
-                oom_kills: s.oom_kills,
-                pids_max_hits: s.pids_max_hits,
-                memory_peak: s.memory_bytes,
-            };
-        }
-        self.cgroup().counters()
-    }
-
     fn in_guest(&self) -> bool {
         self.rt
             .backend(self.record.spec.backend)
             .is_ok_and(|b| b.in_guest())
-    }
-
-    fn disk_full(&self) -> bool {
-        match self.disk_usage() {
-            // Within 256 KiB of the limit counts as full: the write that failed never landed.
-            Ok((used, limit)) => limit > 0 && used + (256 << 10) >= limit,
-            Err(_) => false,
-        }
     }
 
     /// Bytes used in the sandbox's writable upper, and its quota.
@@ -458,6 +464,8 @@ impl Sandbox {
         };
         let uid_gid = if let Ok(uid) = name.parse::<u32>() {
             (uid, uid)
+        } else if name == "root" {
+            (0, 0)
         } else {
             let passwd = self.read_file("/etc/passwd").unwrap_or_default();
             String::from_utf8_lossy(&passwd)

@@ -300,3 +300,38 @@ pub fn mounts_under(p: &Path) -> Vec<String> {
         .map(str::to_string)
         .collect()
 }
+
+/// A TCP server on every host address, on a free port, that greets each connection
+/// with `hello from the host`; stops when dropped.
+pub struct HostServer {
+    pub port: u16,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl HostServer {
+    pub fn start() -> HostServer {
+        let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        std::thread::spawn(move || {
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        use std::io::Write;
+                        let _ = s.write_all(b"hello from the host\n");
+                    }
+                    Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+                }
+            }
+        });
+        HostServer { port, stop }
+    }
+}
+
+impl Drop for HostServer {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}

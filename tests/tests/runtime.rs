@@ -9,7 +9,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use strata_tests::home::{can_run_sandboxes, CliHome};
-use strata_tests::{have_tool, scratch_root};
+use strata_tests::{have_tool, scratch_root, HostServer};
 
 const BACKENDS: [&str; 2] = ["fncall", "container"];
 
@@ -442,40 +442,6 @@ fn an_idle_sandbox_expires_after_its_ttl() {
     assert!(audit.contains("\"reason\":\"idle-ttl\""), "{audit}");
     assert!(env.sandboxes().iter().any(|s| s["id"] == busy.as_str()));
     env.ok(&["sandbox", "rm", &busy]);
-}
-
-/// A TCP listener on the host that accepts and closes connections until dropped.
-struct HostServer {
-    port: u16,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl HostServer {
-    fn start() -> HostServer {
-        let listener = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let flag = stop.clone();
-        std::thread::spawn(move || {
-            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((mut s, _)) => {
-                        use std::io::Write;
-                        let _ = s.write_all(b"hello from the host\n");
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
-                }
-            }
-        });
-        HostServer { port, stop }
-    }
-}
-
-impl Drop for HostServer {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
 }
 
 #[test]

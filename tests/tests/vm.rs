@@ -159,7 +159,13 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     assert!(err.contains("No space left"), "{err}");
     assert!(err.contains("budget exceeded: disk"), "{err}");
     let df = env.sh(&id, "df -k / | tail -1");
-    let size_kib: u64 = text(&df).0.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let size_kib: u64 = text(&df)
+        .0
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(size_kib <= 64 * 1024, "{}", text(&df).0);
     env.sh(&id, "rm -f /root/fill");
 
@@ -196,8 +202,16 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     // Files in and out go through the guest's agent.
     let local = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(local.path(), b"from the host\n").unwrap();
-    env.ok(&["sandbox", "cp", local.path().to_str().unwrap(), &format!("{id}:/work/in.txt")]);
-    let o = env.sh(&id, "cat /work/in.txt && echo from the guest > /work/out.txt");
+    env.ok(&[
+        "sandbox",
+        "cp",
+        local.path().to_str().unwrap(),
+        &format!("{id}:/work/in.txt"),
+    ]);
+    let o = env.sh(
+        &id,
+        "cat /work/in.txt && echo from the guest > /work/out.txt",
+    );
     assert_eq!(text(&o).0, "from the host\n");
     let out = env.ok(&["sandbox", "cp", &format!("{id}:/work/out.txt"), "-"]);
     assert_eq!(out, "from the guest\n");
@@ -226,11 +240,21 @@ fn pause_resume_and_snapshot_restore_keep_processes_and_files() {
 
     // Paused: the guest's processes stop where they are; resumed, they go on.
     env.ok(&["sandbox", "pause", &id]);
-    let frozen = std::fs::read_to_string(env.cli.runtime_dir().join("audit").join(format!("{id}.jsonl")))
-        .unwrap();
+    let frozen = std::fs::read_to_string(
+        env.cli
+            .runtime_dir()
+            .join("audit")
+            .join(format!("{id}.jsonl")),
+    )
+    .unwrap();
     assert!(frozen.contains("\"paused\""), "{frozen}");
     let qmp_status = |sb: &str| -> String {
-        let sock = env.cli.runtime_dir().join("sandboxes").join(sb).join("qmp.sock");
+        let sock = env
+            .cli
+            .runtime_dir()
+            .join("sandboxes")
+            .join(sb)
+            .join("qmp.sock");
         qmp_query_status(&sock)
     };
     assert_eq!(qmp_status(&id), "paused");
@@ -262,17 +286,24 @@ fn pause_resume_and_snapshot_restore_keep_processes_and_files() {
         .trim()
         .to_string();
     assert_ne!(restored, id);
-    let o = env.sh(&restored, "cat /work/state.txt; ps -eo args 2>/dev/null || true");
+    let o = env.sh(
+        &restored,
+        "cat /work/state.txt; ps -eo args 2>/dev/null || true",
+    );
     assert!(text(&o).0.starts_with("kept\n"), "{}", text(&o).0);
     let ps: Vec<serde_json::Value> =
         serde_json::from_str(&env.ok(&["sandbox", "ps", &restored, "--json"])).unwrap();
     assert!(
-        ps.iter().any(|p| p["cmdline"].as_str().unwrap().contains("while true")),
+        ps.iter()
+            .any(|p| p["cmdline"].as_str().unwrap().contains("while true")),
         "{ps:?}"
     );
     let after_restore = ticks(&restored);
     std::thread::sleep(Duration::from_secs(2));
-    assert!(ticks(&restored) > after_restore, "the restored loop is stopped");
+    assert!(
+        ticks(&restored) > after_restore,
+        "the restored loop is stopped"
+    );
     // Each sandbox has its own QEMU and its own writable disk.
     env.sh(&restored, "echo only-restored > /work/mine.txt");
     assert!(!env.sh(&id, "test -e /work/mine.txt").status.success());
@@ -345,11 +376,11 @@ fn a_killed_runtime_leaves_no_vm_behind() {
     };
     // The command runs in the guest; then the CLI dies without cleaning up.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while !env
-        .ok(&["sandbox", "ps", &id])
-        .contains("sleep 300")
-    {
-        assert!(Instant::now() < deadline, "sleep never started in the guest");
+    while !env.ok(&["sandbox", "ps", &id]).contains("sleep 300") {
+        assert!(
+            Instant::now() < deadline,
+            "sleep never started in the guest"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
     let host_pids = env.host_pids(&id);
@@ -379,5 +410,63 @@ fn a_bad_accelerator_setting_is_refused_by_name() {
         .unwrap();
     let (_, err) = text(&o);
     assert!(!o.status.success());
-    assert!(err.contains("STRATA_VM_ACCEL=fast") && err.contains("auto, kvm or tcg"), "{err}");
+    assert!(
+        err.contains("STRATA_VM_ACCEL=fast") && err.contains("auto, kvm or tcg"),
+        "{err}"
+    );
+}
+
+#[test]
+fn an_allowlist_opens_exactly_its_destinations_in_a_microvm() {
+    let Some(env) = env("vm_allowlist") else {
+        return;
+    };
+    // The guest reaches destinations by name: this host's own name, resolved on the host.
+    let host = strata_tests::sh("hostname").trim().to_string();
+    let (allowed, other) = (
+        strata_tests::HostServer::start(),
+        strata_tests::HostServer::start(),
+    );
+    let probe = format!(
+        "import socket\n\
+         for host, port in [('{host}', {a}), ('{host}', {b}), ('1.1.1.1', 80), ('10.0.2.2', {a})]:\n\
+         \x20   try:\n\
+         \x20       s = socket.create_connection((host, port), timeout=3)\n\
+         \x20       print(host, port, 'open', s.recv(64).decode().strip())\n\
+         \x20   except OSError as e:\n\
+         \x20       print(host, port, 'blocked')\n",
+        a = allowed.port,
+        b = other.port
+    );
+    let net = format!("{host}:{}", allowed.port);
+    let id = env.create(&["--backend", "microvm", "--memory", "256M", "--net", &net]);
+    let out = env.ok(&["sandbox", "exec", &id, "--", "python3", "-c", &probe]);
+    assert!(
+        out.contains(&format!("{host} {} open hello from the host", allowed.port)),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("{host} {} blocked", other.port)),
+        "{out}"
+    );
+    assert!(out.contains("1.1.1.1 80 blocked"), "{out}");
+    assert!(
+        out.contains(&format!("10.0.2.2 {} blocked", allowed.port)),
+        "{out}"
+    );
+    env.ok(&["sandbox", "rm", &id]);
+    env.cli.assert_sandbox_gone(&id, &[]);
+    // Addresses are refused by name for VMs (they cannot be forwarded by name).
+    let o = env.cli(&[
+        "run",
+        "--backend",
+        "microvm",
+        "--net",
+        "1.1.1.1:80",
+        &env.reference,
+        "--",
+        "true",
+    ]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("by host name"), "{}", text(&o).1);
 }

@@ -65,7 +65,10 @@ impl Writer {
 /// already there; its path.
 pub fn build(agent: &Path, guest_dir: &Path, cache: &Path) -> Result<PathBuf, RuntimeError> {
     let read = |p: &Path| std::fs::read(p).map_err(RuntimeError::io(p));
-    let agent_bytes = read(agent)?;
+    let agent_bytes = match stripped(agent, cache) {
+        Some(bytes) => bytes,
+        None => read(agent)?,
+    };
     let order_path = guest_dir.join("modules.load");
     let order = String::from_utf8_lossy(&read(&order_path)?).into_owned();
     let names: Vec<&str> = order
@@ -113,6 +116,25 @@ pub fn build(agent: &Path, guest_dir: &Path, cache: &Path) -> Result<PathBuf, Ru
     std::fs::write(&tmp, &w.out).map_err(RuntimeError::io(&tmp))?;
     std::fs::rename(&tmp, &path).map_err(RuntimeError::io(&path))?;
     Ok(path)
+}
+
+/// The agent without symbols and debug info (a third of its size or less): every byte
+/// of the initramfs is copied into each guest's memory and into every template and
+/// snapshot. `None` when binutils' `strip` is not there.
+fn stripped(agent: &Path, cache: &Path) -> Option<Vec<u8>> {
+    std::fs::create_dir_all(cache).ok()?;
+    let out = cache.join(format!("agent.{}.stripped", std::process::id()));
+    let ok = std::process::Command::new("strip")
+        .arg("--strip-all")
+        .arg("-o")
+        .arg(&out)
+        .arg(agent)
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    let bytes = ok.then(|| std::fs::read(&out).ok()).flatten();
+    let _ = std::fs::remove_file(&out);
+    bytes
 }
 
 #[cfg(test)]

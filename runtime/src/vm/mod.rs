@@ -113,7 +113,17 @@ fn rt_io(context: &str) -> impl Fn(std::io::Error) -> RuntimeError + '_ {
 
 impl VmBackend {
     /// The machine shape for these budgets on this host.
-    pub fn shape(&self, limits: &crate::Limits) -> Result<MachineShape, RuntimeError> {
+    pub fn shape(
+        &self,
+        limits: &crate::Limits,
+        layers: usize,
+    ) -> Result<MachineShape, RuntimeError> {
+        if layers > qemu::MAX_LAYERS {
+            return Err(RuntimeError::Invalid(format!(
+                "a VM sandbox stacks at most {} layers; this one has {layers}",
+                qemu::MAX_LAYERS
+            )));
+        }
         let kernel = self.cfg.guest_dir.join("vmlinux");
         if !kernel.is_file() {
             return Err(RuntimeError::Setup(format!(
@@ -138,6 +148,8 @@ impl VmBackend {
             accel: Accel::Tcg,
             memory_mib: limits.memory_bytes.div_ceil(1 << 20) + GUEST_RESERVE_MIB,
             vcpus,
+            layers,
+            network: false,
             kernel,
             initramfs,
         };
@@ -190,6 +202,61 @@ impl VmBackend {
         Ok(accel)
     }
 
+    /// The user-mode network of a sandbox with an allowlist: nothing is reachable
+    /// (`restrict=on`) but one forwarder per allowed destination, an address in the
+    /// guest's network that the host's `strata-agent connect` joins to the destination,
+    /// named in the guest's /etc/hosts. `None` without an allowlist (no NIC at all).
+    fn network(
+        &self,
+        rules: &[crate::NetRule],
+    ) -> Result<Option<(String, strata_agent::GuestNetwork)>, RuntimeError> {
+        if rules.is_empty() {
+            return Ok(None);
+        }
+        let mut opts = String::from("restrict=on,net=10.0.2.0/24,dhcpstart=10.0.2.15");
+        let mut hosts: Vec<(String, String)> = Vec::new();
+        for rule in rules {
+            if rule.host.parse::<std::net::IpAddr>().is_ok() || rule.host.contains('/') {
+                return Err(RuntimeError::Invalid(format!(
+                    "network destination {}:{}: a {} sandbox reaches destinations by host name                      (addresses and ranges are for fncall and container sandboxes)",
+                    rule.host,
+                    rule.port,
+                    self.machine.as_str()
+                )));
+            }
+            let ip = match hosts.iter().find(|(_, name)| *name == rule.host) {
+                Some((ip, _)) => ip.clone(),
+                None => {
+                    let ip = format!("10.0.2.{}", 100 + hosts.len());
+                    hosts.push((ip.clone(), rule.host.clone()));
+                    ip
+                }
+            };
+            // QEMU runs the command for each connection; commas are doubled in options.
+            let cmd = format!(
+                "{} connect {} {}",
+                self.agent.display(),
+                rule.host,
+                rule.port
+            )
+            .replace(',', ",,");
+            opts.push_str(&format!(",guestfwd=tcp:{ip}:{}-cmd:{cmd}", rule.port));
+        }
+        if hosts.len() > 100 {
+            return Err(RuntimeError::Invalid(
+                "a VM sandbox allows at most 100 destination hosts".into(),
+            ));
+        }
+        Ok(Some((
+            opts,
+            strata_agent::GuestNetwork {
+                address: "10.0.2.15".into(),
+                prefix: 24,
+                hosts,
+            },
+        )))
+    }
+
     /// A 1 MiB empty file behind the disk slots a sandbox does not use.
     fn empty_disk(&self) -> Result<PathBuf, RuntimeError> {
         let path = self.dir.join("empty.img");
@@ -206,16 +273,13 @@ impl VmBackend {
 
     /// The disk slots for a sandbox: its writable disk, each layer's metadata image and
     /// blob, the empty file elsewhere.
-    fn slots(&self, disks: &GuestDisks) -> Result<Vec<PathBuf>, RuntimeError> {
-        if disks.layers.len() > qemu::MAX_LAYERS {
-            return Err(RuntimeError::Invalid(format!(
-                "a VM sandbox stacks at most {} layers; this one has {}",
-                qemu::MAX_LAYERS,
-                disks.layers.len()
-            )));
-        }
+    fn slots(
+        &self,
+        shape: &MachineShape,
+        disks: &GuestDisks,
+    ) -> Result<Vec<PathBuf>, RuntimeError> {
         let empty = self.empty_disk()?;
-        let mut slots = vec![empty; qemu::DISK_SLOTS];
+        let mut slots = vec![empty; shape.disk_slots()];
         slots[0] = disks.upper_image.clone();
         for (i, layer) in disks.layers.iter().enumerate() {
             slots[qemu::meta_slot(i)] = layer.meta_path.clone();
@@ -253,8 +317,21 @@ impl VmBackend {
             .stdout(out)
             .stderr(err)
             .process_group(0);
-        if let Some(cg) = cgroup {
-            cg.join_on_exec(&mut cmd)?;
+        match cgroup {
+            Some(cg) => cg.join_on_exec(&mut cmd)?,
+            // A helper machine (a template being made) has no sandbox to be reaped with:
+            // it dies with the process that started it.
+            None => {
+                // SAFETY: prctl(PR_SET_PDEATHSIG) between fork and exec.
+                unsafe {
+                    cmd.pre_exec(|| {
+                        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+            }
         }
         cmd.spawn().map_err(|e| {
             RuntimeError::Setup(format!(
@@ -315,7 +392,8 @@ impl VmBackend {
             // Everything a restore must match: the shape, the device layout, the kernel.
             let mut h = blake3::Hasher::new();
             h.update(&serde_json::to_vec(shape).unwrap_or_default());
-            h.update(&(qemu::DISK_SLOTS as u64).to_le_bytes());
+            // Bumped when the guest's device layout changes in a way the shape misses.
+            h.update(b"layout-2");
             h.update(qemu::binary().as_os_str().as_encoded_bytes());
             h.update(
                 std::fs::read_to_string(self.cfg.guest_dir.join("kernel.version"))
@@ -338,6 +416,19 @@ impl VmBackend {
         }
         if state.exists() {
             return Ok(state);
+        }
+        // Work directories of makers that died (their QEMU died with them).
+        if let Ok(rd) = std::fs::read_dir(&root) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let dead = name
+                    .rsplit_once('.')
+                    .and_then(|(_, pid)| pid.parse::<u32>().ok())
+                    .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+                if dead && e.path().is_dir() {
+                    let _ = std::fs::remove_dir_all(e.path());
+                }
+            }
         }
         let t = Instant::now();
         let work = root.join(format!("{key}.{}", std::process::id()));
@@ -364,14 +455,15 @@ impl VmBackend {
         std::fs::File::create(&upper)
             .and_then(|f| f.set_len(1 << 20))
             .map_err(RuntimeError::io(&upper))?;
-        let mut disks = vec![self.empty_disk()?; qemu::DISK_SLOTS];
+        let mut disks = vec![self.empty_disk()?; shape.disk_slots()];
         disks[0] = upper;
         let files = Self::files(work, disks, None);
         let mut child = Self::spawn_qemu(shape, &files, &work.join("qemu.log"), None)?;
         let outcome = (|| {
             guest_ping(&files.port_socket, BOOT_TIMEOUT)?;
+            // Saved while running (the save stops it at the end), so a restore runs as
+            // soon as the state is loaded.
             let mut qmp = qemu::Qmp::connect(&files.qmp_socket, Duration::from_secs(10))?;
-            qmp.execute("stop", serde_json::Value::Null)?;
             let tmp = state.with_extension("tmp");
             qmp.save(&tmp)?;
             let _ = qmp.execute("quit", serde_json::Value::Null);
@@ -573,14 +665,10 @@ impl SandboxBackend for VmBackend {
         let disks = ctx.guest.as_ref().ok_or_else(|| {
             RuntimeError::Setup("a VM sandbox needs its disks from the runtime".into())
         })?;
-        if !ctx.spec.network.is_empty() {
-            return Err(RuntimeError::Unsupported(format!(
-                "{} with a network allowlist",
-                self.machine.as_str()
-            )));
-        }
         let l = &ctx.spec.limits;
-        let shape = self.shape(l)?;
+        let mut shape = self.shape(l, disks.layers.len())?;
+        let network = self.network(&ctx.spec.network)?;
+        shape.network = network.is_some();
         let incoming = match &ctx.restore {
             Some(snapshot) => {
                 let rec: SnapshotRecord = read_snapshot(snapshot)?;
@@ -597,18 +685,24 @@ impl SandboxBackend for VmBackend {
             None if self.cfg.templates => Some(self.template(&shape)?),
             None => None,
         };
-        std::fs::write(
-            ctx.dir.join("machine.json"),
-            serde_json::to_vec(&shape).unwrap_or_default(),
-        )
-        .map_err(RuntimeError::io(&ctx.dir))?;
+        let started_from = match (&ctx.restore, &incoming) {
+            (Some(_), _) => "snapshot",
+            (None, Some(_)) => "template",
+            (None, None) => "boot",
+        };
+        let mut machine = serde_json::to_value(&shape).unwrap_or_default();
+        machine["started_from"] = started_from.into();
+        let machine_path = ctx.dir.join("machine.json");
+        std::fs::write(&machine_path, machine.to_string())
+            .map_err(RuntimeError::io(&machine_path))?;
         // QEMU and the relay live in the sandbox's cgroup: its memory limit leaves room
         // for the VMM, the guest enforces the budget itself, and a kill of the cgroup
         // ends the whole VM.
         ctx.cgroup
             .create(shape.memory_mib * (1 << 20) + VMM_OVERHEAD, l.cpus, 512)?;
         let t = Instant::now();
-        let files = Self::files(&ctx.dir, self.slots(disks)?, incoming.clone());
+        let mut files = Self::files(&ctx.dir, self.slots(&shape, disks)?, incoming.clone());
+        files.netdev = network.as_ref().map(|(opts, _)| opts.clone());
         let child = Self::spawn_qemu(&shape, &files, &ctx.dir.join("qemu.log"), Some(&ctx.cgroup))?;
         let pid = child.id();
         std::thread::spawn(move || {
@@ -624,14 +718,15 @@ impl SandboxBackend for VmBackend {
         };
         self.spawn_relay(&ctx.dir, &ctx.cgroup).map_err(fail)?;
         let t_relay = t.elapsed();
-        if incoming.is_some() {
+        if ctx.restore.is_some() {
+            // A snapshot is saved paused (its disk is copied meanwhile): continue it once
+            // loaded. A template is saved running and runs by itself.
             let mut qmp =
                 qemu::Qmp::connect(&files.qmp_socket, Duration::from_secs(30)).map_err(fail)?;
             qmp.wait_while("inmigrate", Duration::from_secs(120))
                 .map_err(fail)?;
             qmp.execute("cont", serde_json::Value::Null).map_err(fail)?;
         }
-        let t_loaded = t.elapsed();
         let (msg, what) = if ctx.restore.is_some() {
             (
                 HostMsg::Reseed {
@@ -664,6 +759,7 @@ impl SandboxBackend for VmBackend {
                     pids: l.pids,
                     time_ns: now_ns(),
                     seed: fresh_seed(),
+                    network: network.map(|(_, guest)| guest),
                 }),
                 "setup",
             )
@@ -672,9 +768,8 @@ impl SandboxBackend for VmBackend {
         tracing::debug!(
             sandbox = %ctx.id,
             relay_ms = t_relay.as_secs_f64() * 1e3,
-            loaded_ms = (t_loaded - t_relay).as_secs_f64() * 1e3,
-            guest_ms = (t.elapsed() - t_loaded).as_secs_f64() * 1e3,
-            restored = incoming.is_some(),
+            guest_ms = (t.elapsed() - t_relay).as_secs_f64() * 1e3,
+            started_from,
             "VM started"
         );
         match reply {

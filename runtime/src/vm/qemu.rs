@@ -1,11 +1,11 @@
 //! QEMU as the VM engine: the command line of a sandbox's machine, its QMP control socket,
 //! and the accelerator probe.
 //!
-//! A machine's devices are the same whatever it runs: the agent's virtio-serial port, an
-//! entropy device, and a fixed set of disk slots (slot 0 the writable disk, then a
-//! metadata image and a data blob per layer, spare slots on an empty file). Fixed slots
-//! keep a template snapshot restorable under any sandbox's disks: migration needs the
-//! same devices on both ends, and only the files behind them change.
+//! A machine's devices depend only on its shape: the agent's virtio-serial port, an
+//! entropy device, and the disk slots of its layer count (slot 0 the writable disk, then
+//! a metadata image and a data blob per layer; a layer without data has an empty file as
+//! its blob). That keeps a template snapshot restorable under any sandbox of the shape:
+//! migration needs the same devices on both ends, and only the files behind them change.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
@@ -18,10 +18,9 @@ use serde_json::{json, Value};
 
 use crate::RuntimeError;
 
-/// Layers a VM sandbox may stack (two disk slots each).
-pub const MAX_LAYERS: usize = 6;
-/// Disk slots: the writable disk, then a metadata image and a data blob per layer.
-pub const DISK_SLOTS: usize = 1 + 2 * MAX_LAYERS;
+/// Layers a VM sandbox may stack (two disk slots each; microvm has 24 virtio-mmio
+/// transports, two of them taken by the agent's port and the entropy device).
+pub const MAX_LAYERS: usize = 10;
 
 /// The machine type.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,6 +55,13 @@ pub enum Accel {
     Tcg,
 }
 
+impl MachineShape {
+    /// The writable disk, then a metadata image and a data blob per layer.
+    pub fn disk_slots(&self) -> usize {
+        1 + 2 * self.layers
+    }
+}
+
 impl Accel {
     pub fn as_str(&self) -> &'static str {
         match self {
@@ -72,6 +78,11 @@ pub struct MachineShape {
     pub accel: Accel,
     pub memory_mib: u64,
     pub vcpus: u32,
+    /// Layers stacked (the disk slots follow from it).
+    pub layers: usize,
+    /// Whether the machine has a network interface (only sandboxes with an allowlist).
+    #[serde(default)]
+    pub network: bool,
     pub kernel: PathBuf,
     pub initramfs: PathBuf,
 }
@@ -87,7 +98,7 @@ pub struct MachineFiles {
     pub incoming: Option<PathBuf>,
     /// Extra kernel command line words (the accelerator probe's marker).
     pub extra_append: String,
-    /// `-netdev user,...` options when the sandbox may reach some destinations.
+    /// `-netdev user,...` options of a machine with a network interface.
     pub netdev: Option<String>,
     /// A VNC display on this Unix socket (full VMs).
     pub vnc_socket: Option<PathBuf>,
@@ -194,18 +205,16 @@ pub fn command(shape: &MachineShape, files: &MachineFiles) -> Command {
             &format!("{},drive=d{slot},serial=s{slot}", m.device("virtio-blk")),
         ]);
     }
-    match &files.netdev {
-        Some(opts) => {
-            cmd.args(["-netdev", &format!("user,id=net,{opts}")]);
-            cmd.args(["-device", &format!("{},netdev=net", m.device("virtio-net"))]);
-        }
-        None => {
-            cmd.arg("-nic").arg("none");
-        }
+    if shape.network {
+        let opts = files.netdev.as_deref().unwrap_or("restrict=on");
+        cmd.args(["-netdev", &format!("user,id=net,{opts}")]);
+        cmd.args(["-device", &format!("{},netdev=net", m.device("virtio-net"))]);
+    } else {
+        cmd.arg("-nic").arg("none");
     }
     if let Some(state) = &files.incoming {
-        // Paused after loading, until the host's channel is attached.
-        cmd.arg("-S");
+        // Runs as soon as the state is loaded: a guest that finds no host on its port
+        // waits for one, so the channel need not be attached first.
         cmd.arg("-incoming")
             .arg(format!("exec:cat {}", shell_quote(state)));
     }
@@ -377,7 +386,7 @@ pub fn kvm_works(shape: &MachineShape, scratch: &Path) -> bool {
         return false;
     }
     let files = MachineFiles {
-        disks: vec![empty.clone(); DISK_SLOTS],
+        disks: vec![empty.clone(); shape.disk_slots()],
         port_socket: scratch.join("probe-port.sock"),
         qmp_socket: scratch.join("probe-qmp.sock"),
         console_log: console.clone(),
@@ -394,6 +403,13 @@ pub fn kvm_works(shape: &MachineShape, scratch: &Path) -> bool {
     cmd.stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
+    // SAFETY: prctl(PR_SET_PDEATHSIG) between fork and exec: the probe dies with us.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+            Ok(())
+        });
+    }
     let Ok(mut child) = cmd.spawn() else {
         return false;
     };
