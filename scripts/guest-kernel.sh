@@ -24,7 +24,7 @@ if [ -z "$pkg" ]; then
 fi
 version="${pkg#linux-image-}"
 if [ -f "$DEST/kernel.version" ] && [ "$(cat "$DEST/kernel.version")" = "$version" ] \
-  && [ -s "$DEST/vmlinux" ] && [ -s "$DEST/modules.load" ]; then
+  && [ -s "$DEST/vmlinux" ] && [ -s "$DEST/modules.load" ] && [ -s "$DEST/modules.display" ]; then
   echo "guest-kernel: $version ready in $DEST" >&2
   exit 0
 fi
@@ -72,10 +72,16 @@ visit() {
   order+=("$(basename "$ko" .ko)")
 }
 for m in "${WANTED[@]}"; do visit "${m//-/_}"; done
+base_count=${#order[@]}
+# A full VM with a display also gets the bochs-display DRM driver (loaded only then).
+visit bochs
+display=("${order[@]:$base_count}")
+order=("${order[@]:0:$base_count}")
 
 mkdir -p "$DEST.new/modules"
-for m in "${order[@]}"; do cp "${path_of[$m]}" "$DEST.new/modules/$m.ko"; done
+for m in "${order[@]}" "${display[@]}"; do cp "${path_of[$m]}" "$DEST.new/modules/$m.ko"; done
 printf '%s\n' "${order[@]}" > "$DEST.new/modules.load"
+printf '%s\n' "${display[@]}" > "$DEST.new/modules.display"
 mv "$work/vmlinux" "$DEST.new/vmlinux"
 cp "$work/x/boot/config-$version" "$DEST.new/config"
 echo "$version" > "$DEST.new/kernel.version"

@@ -81,8 +81,13 @@ fn boot() -> Result<(), String> {
 
 /// Loads the initramfs's modules in `modules.load` order (dependencies first).
 fn load_modules(wanted: impl Fn(&str) -> bool) -> Result<(), String> {
-    let order = std::fs::read_to_string(format!("{MODULES}/modules.load"))
-        .map_err(|e| format!("{MODULES}/modules.load: {e}"))?;
+    load_module_list("modules.load", wanted)
+}
+
+/// Loads the modules a list file names, in its order.
+fn load_module_list(list: &str, wanted: impl Fn(&str) -> bool) -> Result<(), String> {
+    let order = std::fs::read_to_string(format!("{MODULES}/{list}"))
+        .map_err(|e| format!("{MODULES}/{list}: {e}"))?;
     for name in order.lines().map(str::trim).filter(|n| !n.is_empty()) {
         if !wanted(name) {
             continue;
@@ -195,6 +200,9 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     let mut mark = |what: &str| marks.push(format!("{what} {}ms", t.elapsed().as_millis()));
     reseed(s.time_ns, &s.seed)?;
     load_modules(|name| name == DEFERRED_MODULE)?;
+    if s.display {
+        load_module_list("modules.display", |_| true)?;
+    }
     mark("driver");
     let mut wanted: Vec<&str> = vec![s.upper.as_str()];
     for (meta, blob) in &s.layers {

@@ -120,6 +120,9 @@ pub struct GuestSetup {
     /// one interface (`10.0.2.15/24`) and the /etc/hosts lines naming its destinations.
     #[serde(default)]
     pub network: Option<GuestNetwork>,
+    /// A full VM with a graphics card: load its display driver.
+    #[serde(default)]
+    pub display: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

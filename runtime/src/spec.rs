@@ -81,6 +81,8 @@ pub struct Overrides {
     pub network: Option<Vec<String>>,
     /// Who asked (recorded in the audit log).
     pub identity: Option<String>,
+    /// A graphical display (VNC) for a full VM.
+    pub display: bool,
 }
 
 /// Everything needed to create one sandbox.
@@ -98,6 +100,10 @@ pub struct SandboxSpec {
     pub network: Vec<NetRule>,
     pub commands: BTreeMap<String, String>,
     pub identity: String,
+    /// A full VM with a graphics card, its screen served over VNC on the Unix socket
+    /// `vnc.sock` in the sandbox's directory.
+    #[serde(default)]
+    pub display: bool,
 }
 
 /// One allowed destination: a host name or address (or CIDR) and a port.
@@ -154,6 +160,7 @@ impl SandboxSpec {
             network,
             commands: e.commands.clone(),
             identity: over.identity.clone().unwrap_or_else(local_identity),
+            display: over.display,
         })
     }
 }

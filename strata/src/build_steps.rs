@@ -122,6 +122,7 @@ impl StepRunner for RuntimeStepRunner {
             network,
             commands: BTreeMap::new(),
             identity: format!("{} building {}", local_identity(), plan.label),
+            display: false,
         };
         let sandbox = self.rt.create_owned(spec).map_err(sandbox_err)?;
         let step_sandbox = RuntimeStepSandbox {

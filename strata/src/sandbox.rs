@@ -47,6 +47,10 @@ pub struct SandboxOptions {
     /// Extra environment, KEY=VALUE (repeatable).
     #[arg(long = "env", short = 'e')]
     env: Vec<String>,
+    /// Give a full VM (`--backend vm`) a graphics card; its screen is served over VNC on
+    /// the Unix socket `vnc.sock` in the sandbox's directory.
+    #[arg(long)]
+    display: bool,
 }
 
 fn parse_env(pairs: &[String]) -> Result<BTreeMap<String, String>> {
@@ -75,6 +79,7 @@ impl SandboxOptions {
             env: parse_env(&self.env)?,
             network: self.net.clone(),
             identity: None,
+            display: self.display,
         })
     }
 }

@@ -470,3 +470,39 @@ fn an_allowlist_opens_exactly_its_destinations_in_a_microvm() {
     assert!(!o.status.success());
     assert!(text(&o).1.contains("by host name"), "{}", text(&o).1);
 }
+
+#[test]
+fn a_full_vm_with_a_display_serves_its_screen_over_vnc() {
+    let Some(env) = env("vm_display") else {
+        return;
+    };
+    let id = env.create(&["--backend", "vm", "--display", "--memory", "256M"]);
+    let sock = env
+        .cli
+        .runtime_dir()
+        .join("sandboxes")
+        .join(&id)
+        .join("vnc.sock");
+    let mut conn = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let mut greeting = [0u8; 12];
+    std::io::Read::read_exact(&mut conn, &mut greeting).unwrap();
+    assert!(greeting.starts_with(b"RFB "), "{greeting:?}");
+    // The guest drives the card: a DRM device with a framebuffer console.
+    let o = env.sh(&id, "ls /sys/class/drm; cat /proc/fb");
+    let (out, err) = text(&o);
+    assert!(out.contains("card0") && out.contains("bochs"), "{out}{err}");
+    env.ok(&["sandbox", "rm", &id]);
+    env.cli.assert_sandbox_gone(&id, &[]);
+    // A microVM has no graphics.
+    let o = env.cli(&[
+        "run",
+        "--backend",
+        "microvm",
+        "--display",
+        &env.reference,
+        "--",
+        "true",
+    ]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("--backend vm"), "{}", text(&o).1);
+}

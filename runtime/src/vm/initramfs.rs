@@ -1,5 +1,6 @@
 //! The guest's initramfs: the static `strata-agent` as `/init` and the kernel modules the
-//! guest needs (`modules.load` order), in the kernel's `newc` cpio format, uncompressed (a
+//! guest needs (`modules.load` order; for a VM with a display also `modules.display`, the
+//! graphics driver), in the kernel's `newc` cpio format, uncompressed (a
 //! TCG guest spends longer inflating than the kernel spends copying). Built once per
 //! (agent, module set) and kept under a name derived from its content.
 
@@ -63,16 +64,29 @@ impl Writer {
 
 /// The initramfs for `agent` and the modules in `guest_dir`, built into `cache` unless
 /// already there; its path.
-pub fn build(agent: &Path, guest_dir: &Path, cache: &Path) -> Result<PathBuf, RuntimeError> {
+pub fn build(
+    agent: &Path,
+    guest_dir: &Path,
+    cache: &Path,
+    display: bool,
+) -> Result<PathBuf, RuntimeError> {
     let read = |p: &Path| std::fs::read(p).map_err(RuntimeError::io(p));
     let agent_bytes = match stripped(agent, cache) {
         Some(bytes) => bytes,
         None => read(agent)?,
     };
-    let order_path = guest_dir.join("modules.load");
-    let order = String::from_utf8_lossy(&read(&order_path)?).into_owned();
+    let list = |file: &str| -> Result<String, RuntimeError> {
+        Ok(String::from_utf8_lossy(&read(&guest_dir.join(file))?).into_owned())
+    };
+    let order = list("modules.load")?;
+    let display_order = if display {
+        list("modules.display")?
+    } else {
+        String::new()
+    };
     let names: Vec<&str> = order
         .lines()
+        .chain(display_order.lines())
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect();
@@ -80,6 +94,7 @@ pub fn build(agent: &Path, guest_dir: &Path, cache: &Path) -> Result<PathBuf, Ru
     let mut hasher = blake3::Hasher::new();
     hasher.update(&agent_bytes);
     hasher.update(order.as_bytes());
+    hasher.update(display_order.as_bytes());
     for name in &names {
         let bytes = read(&guest_dir.join("modules").join(format!("{name}.ko")))?;
         hasher.update(&bytes);
@@ -104,6 +119,12 @@ pub fn build(agent: &Path, guest_dir: &Path, cache: &Path) -> Result<PathBuf, Ru
         "lib/modules/modules.load",
         Member::File(order.as_bytes(), 0o644),
     );
+    if display {
+        w.add(
+            "lib/modules/modules.display",
+            Member::File(display_order.as_bytes(), 0o644),
+        );
+    }
     for (name, bytes) in names.iter().zip(&modules) {
         w.add(
             &format!("lib/modules/{name}.ko"),

@@ -117,7 +117,13 @@ impl VmBackend {
         &self,
         limits: &crate::Limits,
         layers: usize,
+        display: bool,
     ) -> Result<MachineShape, RuntimeError> {
+        if display && self.machine != Machine::Q35 {
+            return Err(RuntimeError::Invalid(
+                "a display needs a full VM (--backend vm); a microvm has no graphics".into(),
+            ));
+        }
         if layers > qemu::MAX_LAYERS {
             return Err(RuntimeError::Invalid(format!(
                 "a VM sandbox stacks at most {} layers; this one has {layers}",
@@ -138,7 +144,7 @@ impl VmBackend {
                     .into(),
             )
         })?;
-        let initramfs = initramfs::build(agent, &self.cfg.guest_dir, &self.dir)?;
+        let initramfs = initramfs::build(agent, &self.cfg.guest_dir, &self.dir, display)?;
         let host_cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
         let vcpus = limits
             .cpus
@@ -150,6 +156,7 @@ impl VmBackend {
             vcpus,
             layers,
             network: false,
+            display,
             kernel,
             initramfs,
         };
@@ -666,7 +673,7 @@ impl SandboxBackend for VmBackend {
             RuntimeError::Setup("a VM sandbox needs its disks from the runtime".into())
         })?;
         let l = &ctx.spec.limits;
-        let mut shape = self.shape(l, disks.layers.len())?;
+        let mut shape = self.shape(l, disks.layers.len(), ctx.spec.display)?;
         let network = self.network(&ctx.spec.network)?;
         shape.network = network.is_some();
         let incoming = match &ctx.restore {
@@ -702,6 +709,9 @@ impl SandboxBackend for VmBackend {
             .create(shape.memory_mib * (1 << 20) + VMM_OVERHEAD, l.cpus, 512)?;
         let t = Instant::now();
         let mut files = Self::files(&ctx.dir, self.slots(&shape, disks)?, incoming.clone());
+        if shape.display {
+            files.vnc_socket = Some(ctx.dir.join("vnc.sock"));
+        }
         files.netdev = network.as_ref().map(|(opts, _)| opts.clone());
         let child = Self::spawn_qemu(&shape, &files, &ctx.dir.join("qemu.log"), Some(&ctx.cgroup))?;
         let pid = child.id();
@@ -760,6 +770,7 @@ impl SandboxBackend for VmBackend {
                     time_ns: now_ns(),
                     seed: fresh_seed(),
                     network: network.map(|(_, guest)| guest),
+                    display: shape.display,
                 }),
                 "setup",
             )

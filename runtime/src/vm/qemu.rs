@@ -83,6 +83,9 @@ pub struct MachineShape {
     /// Whether the machine has a network interface (only sandboxes with an allowlist).
     #[serde(default)]
     pub network: bool,
+    /// Whether it has a graphics card (full VMs asked for a display).
+    #[serde(default)]
+    pub display: bool,
     pub kernel: PathBuf,
     pub initramfs: PathBuf,
 }
@@ -155,10 +158,12 @@ pub fn command(shape: &MachineShape, files: &MachineFiles) -> Command {
         "-no-user-config",
         "-no-reboot",
     ]);
+    if shape.display {
+        cmd.args(["-device", "VGA"]);
+    }
     match &files.vnc_socket {
         Some(sock) => {
-            cmd.args(["-device", "VGA", "-vnc"]);
-            cmd.arg(format!("unix:{}", sock.display()));
+            cmd.arg("-vnc").arg(format!("unix:{}", sock.display()));
         }
         None => {
             cmd.args(["-display", "none"]);
@@ -166,7 +171,14 @@ pub fn command(shape: &MachineShape, files: &MachineFiles) -> Command {
     }
     cmd.arg("-kernel").arg(&shape.kernel);
     cmd.arg("-initrd").arg(&shape.initramfs);
-    let mut append = String::from("console=ttyS0 reboot=t panic=-1 quiet loglevel=3");
+    // With a display the kernel's console is on the screen too; the serial port stays
+    // /dev/console (the last one named), the log the host keeps.
+    let consoles = if shape.display {
+        "console=tty0 console=ttyS0"
+    } else {
+        "console=ttyS0"
+    };
+    let mut append = format!("{consoles} reboot=t panic=-1 quiet loglevel=3");
     if shape.accel == Accel::Tcg {
         if let Some(khz) = host_khz() {
             append.push_str(&format!(" tsc_early_khz={khz} tsc=reliable no_timer_check"));
