@@ -249,7 +249,11 @@ pub fn run(
     ksm_settle(Duration::from_secs(if quick { 40 } else { 90 }));
     let on = pids.iter().map(|p| pss(*p)).sum::<u64>() as f64 / n as f64;
     let sharing = ksm_read("pages_sharing");
-    ksm_write("run", if saved.0 == "1" { "1" } else { "2" })?;
+    // Back as it was (merged pages are split again first when KSM was off).
+    if saved.0 != "1" {
+        ksm_write("run", "2")?;
+    }
+    ksm_write("run", &saved.0)?;
     ksm_write("pages_to_scan", &saved.1)?;
     ksm_write("sleep_millisecs", &saved.2)?;
     for sb in idle {
