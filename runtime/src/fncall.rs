@@ -16,7 +16,7 @@ use strata_agent::{
 
 use crate::cgroup::Cgroup;
 use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
-use crate::sandbox::{process_start, ExecEnv, SandboxBackend, SandboxRecord, StartContext};
+use crate::sandbox::{process_start, ExecEnv, SandboxBackend, StartContext};
 use crate::spec::{DEFAULT_MEMORY, DEFAULT_PIDS};
 use crate::RuntimeError;
 
@@ -246,25 +246,6 @@ impl SandboxBackend for FncallBackend {
         }
         self.spawn_agent(&ctx.cgroup, &args)
     }
-
-    fn exec(
-        &self,
-        _rec: &SandboxRecord,
-        dir: &Path,
-        cgroup: &Cgroup,
-        env: &ExecEnv,
-        req: &ExecRequest,
-        sink: &mut dyn FnMut(Stream, &[u8]),
-    ) -> Result<Collected, RuntimeError> {
-        agent_exec(&socket_path(dir), cgroup, env, req, sink)
-    }
-
-    fn stop(&self, _rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
-        cgroup.kill_all();
-        Ok(())
-    }
-
-    fn forget(&self, _id: &str) {}
 }
 
 /// Waits until the agent answers a ping (it serves before its parent reports the PID, so

@@ -66,19 +66,27 @@ pub struct ExecEnv {
 pub trait SandboxBackend: Send + Sync {
     /// Starts the sandbox's init over the assembled root; returns its host PID.
     fn start(&self, ctx: &StartContext) -> Result<u32, RuntimeError>;
+    /// Runs a command; by default through the sandbox's agent on its socket (fncall,
+    /// and a VM's relay).
     fn exec(
         &self,
-        rec: &SandboxRecord,
+        _rec: &SandboxRecord,
         dir: &Path,
         cgroup: &Cgroup,
         env: &ExecEnv,
         req: &ExecRequest,
         sink: &mut dyn FnMut(Stream, &[u8]),
-    ) -> Result<Collected, RuntimeError>;
-    /// Kills every process of the sandbox.
-    fn stop(&self, rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError>;
+    ) -> Result<Collected, RuntimeError> {
+        crate::fncall::agent_exec(&crate::fncall::socket_path(dir), cgroup, env, req, sink)
+    }
+    /// Kills every process of the sandbox; by default everything in its cgroup (a VM's
+    /// QEMU and relay live there too).
+    fn stop(&self, _rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
+        cgroup.kill_all();
+        Ok(())
+    }
     /// Drops whatever state the backend keeps for `id` outside the sandbox directory.
-    fn forget(&self, id: &str);
+    fn forget(&self, _id: &str) {}
     /// Whether the sandbox's root lives inside a guest kernel, reachable only through its
     /// agent (files, processes and budget counters then come from the agent).
     fn in_guest(&self) -> bool {

@@ -4,7 +4,7 @@
 //! nothing is mounted under it any more.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -195,5 +195,101 @@ impl CliHome {
             .to_string();
         assert!(reference.starts_with("datasets/sample@"), "{reference}");
         reference
+    }
+}
+
+/// A command's stdout and stderr as text.
+pub fn text(o: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// The sample environment registered once in a private home: what a test file's tests
+/// share.
+pub struct SampleEnv {
+    pub cli: CliHome,
+    /// `datasets/sample@vN`.
+    pub reference: String,
+}
+
+impl SampleEnv {
+    pub fn new(prefix: &str) -> SampleEnv {
+        let cli = CliHome::new(prefix);
+        let reference = cli.register_sample();
+        SampleEnv { cli, reference }
+    }
+
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        self.cli.cmd(args)
+    }
+
+    pub fn cli(&self, args: &[&str]) -> Output {
+        self.cli.cli(args)
+    }
+
+    pub fn ok(&self, args: &[&str]) -> String {
+        self.cli.ok(args)
+    }
+
+    pub fn sandboxes(&self) -> Vec<serde_json::Value> {
+        serde_json::from_str(&self.ok(&["sandbox", "ls", "--json"])).expect("sandbox ls --json")
+    }
+
+    /// `sandbox create EXTRA... <sample>`; the new sandbox's ID.
+    pub fn create(&self, extra: &[&str]) -> String {
+        let mut args = vec!["sandbox", "create"];
+        args.extend_from_slice(extra);
+        args.push(&self.reference);
+        self.ok(&args)
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    }
+
+    /// `sh -c SCRIPT` in a sandbox.
+    pub fn sh(&self, id: &str, script: &str) -> Output {
+        self.cli(&["sandbox", "exec", id, "--", "sh", "-c", script])
+    }
+
+    /// Runs `strata ARGS`, asserting it fails with `needle` in its stderr.
+    pub fn refused(&self, args: &[&str], needle: &str) {
+        let o = self.cli(args);
+        let (_, err) = text(&o);
+        assert!(!o.status.success(), "strata {args:?} succeeded");
+        assert!(err.contains(needle), "strata {args:?}: {err}");
+    }
+
+    /// Nothing of sandbox `id` is left on the host.
+    pub fn assert_gone(&self, id: &str, host_pids: &[u32]) {
+        self.cli.assert_sandbox_gone(id, host_pids);
+    }
+
+    /// The ID of the sandbox `child` (a `strata run -e MARK=...`) made, once it is listed;
+    /// panics with the child's stderr if it ends first.
+    pub fn await_marked(&self, mark: &str, child: &mut Child, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        let value = mark.strip_prefix("MARK=").unwrap_or(mark);
+        loop {
+            let found = self
+                .sandboxes()
+                .into_iter()
+                .find(|s| s["spec"]["env"]["MARK"].as_str() == Some(value));
+            if let Some(s) = found {
+                return s["id"].as_str().unwrap_or_default().to_string();
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                panic!("strata run ended early ({status}): {err}");
+            }
+            assert!(Instant::now() < deadline, "the sandbox never appeared");
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }

@@ -4,19 +4,16 @@
 //! cleanup after a killed runtime or a crashed sandbox.
 
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use strata_tests::home::{can_run_sandboxes, CliHome};
+use strata_tests::home::{can_run_sandboxes, text, SampleEnv};
 use strata_tests::{have_tool, scratch_root, HostServer};
 
 const BACKENDS: [&str; 2] = ["fncall", "container"];
 
-struct Env {
-    cli: CliHome,
-    reference: String,
-}
+type Env = SampleEnv;
 
 static ENV: OnceLock<Option<Env>> = OnceLock::new();
 
@@ -25,49 +22,8 @@ fn env(test: &str) -> Option<&'static Env> {
     if !can_run_sandboxes(test) {
         return None;
     }
-    ENV.get_or_init(|| {
-        let cli = CliHome::new("runtime-");
-        let reference = cli.register_sample();
-        Some(Env { cli, reference })
-    })
-    .as_ref()
-}
-
-impl Env {
-    fn cmd(&self, args: &[&str]) -> Command {
-        self.cli.cmd(args)
-    }
-
-    fn cli(&self, args: &[&str]) -> Output {
-        self.cli.cli(args)
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        self.cli.ok(args)
-    }
-
-    fn sandboxes(&self) -> Vec<serde_json::Value> {
-        serde_json::from_str(&self.ok(&["sandbox", "ls", "--json"])).unwrap()
-    }
-
-    fn create(&self, extra: &[&str]) -> String {
-        let mut args = vec!["sandbox", "create"];
-        args.extend_from_slice(extra);
-        args.push(&self.reference);
-        self.ok(&args).lines().last().unwrap().trim().to_string()
-    }
-
-    /// Nothing of sandbox `id` is left on the host.
-    fn assert_gone(&self, id: &str, host_pids: &[u32]) {
-        self.cli.assert_sandbox_gone(id, host_pids);
-    }
-}
-
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
+    ENV.get_or_init(|| Some(SampleEnv::new("runtime-")))
+        .as_ref()
 }
 
 #[test]
@@ -375,25 +331,7 @@ fn a_killed_runtime_and_a_crashed_sandbox_leave_nothing_behind() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let id = loop {
-            let marked = |s: &serde_json::Value| {
-                s["spec"]["env"]["MARK"].as_str() == mark.strip_prefix("MARK=")
-            };
-            if let Some(s) = env.sandboxes().into_iter().find(marked) {
-                break s["id"].as_str().unwrap().to_string();
-            }
-            if let Ok(Some(status)) = child.try_wait() {
-                let mut err = String::new();
-                std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-                panic!("{backend}: strata run ended early ({status}): {err}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{backend}: the sandbox never appeared"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
+        let id = env.await_marked(&mark, &mut child, Duration::from_secs(60));
         // Wait until the command runs, then kill the CLI without letting it clean up.
         std::thread::sleep(Duration::from_millis(500));
         let ps: Vec<serde_json::Value> =

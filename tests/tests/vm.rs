@@ -4,79 +4,34 @@
 //! new QEMU process, and cleanup after a killed runtime.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use strata_tests::home::{can_run_vms, CliHome};
+use strata_tests::home::{can_run_vms, text, SampleEnv};
 
-struct Env {
-    cli: CliHome,
-    reference: String,
-}
+type Env = SampleEnv;
 
 static ENV: OnceLock<Option<Env>> = OnceLock::new();
 
-/// One home and store for every test here: the sample registered once, and the VM
-/// template of each machine shape made once.
+/// The shared environment: one store, one STRATA_HOME, the sample registered once.
 fn env(test: &str) -> Option<&'static Env> {
     if !can_run_vms(test) {
         return None;
     }
-    ENV.get_or_init(|| {
-        let cli = CliHome::new("vm-");
-        let reference = cli.register_sample();
-        Some(Env { cli, reference })
-    })
-    .as_ref()
+    ENV.get_or_init(|| Some(SampleEnv::new("vm-"))).as_ref()
 }
 
-fn text(o: &Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-impl Env {
-    fn cmd(&self, args: &[&str]) -> Command {
-        self.cli.cmd(args)
-    }
-
-    fn cli(&self, args: &[&str]) -> Output {
-        self.cli.cli(args)
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        self.cli.ok(args)
-    }
-
-    fn create(&self, extra: &[&str]) -> String {
-        let mut args = vec!["sandbox", "create"];
-        args.extend_from_slice(extra);
-        args.push(&self.reference);
-        self.ok(&args).lines().last().unwrap().trim().to_string()
-    }
-
-    fn sh(&self, id: &str, script: &str) -> Output {
-        self.cli(&["sandbox", "exec", id, "--", "sh", "-c", script])
-    }
-
-    fn sandboxes(&self) -> Vec<serde_json::Value> {
-        serde_json::from_str(&self.ok(&["sandbox", "ls", "--json"])).unwrap()
-    }
-
-    /// Host processes of a sandbox (QEMU and the relay), from its cgroup.
-    fn host_pids(&self, id: &str) -> Vec<u32> {
-        let mut pids = Vec::new();
-        for e in std::fs::read_dir("/sys/fs/cgroup/pids").unwrap().flatten() {
-            let procs = e.path().join(id).join("cgroup.procs");
-            if let Ok(t) = std::fs::read_to_string(procs) {
-                pids.extend(t.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
-            }
+/// Host processes of a sandbox (QEMU and the relay), from its cgroup.
+fn host_pids(id: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/sys/fs/cgroup/pids").unwrap().flatten() {
+        let procs = e.path().join(id).join("cgroup.procs");
+        if let Ok(t) = std::fs::read_to_string(procs) {
+            pids.extend(t.lines().filter_map(|l| l.trim().parse::<u32>().ok()));
         }
-        pids
     }
+    pids
 }
 
 /// QEMU processes whose command line names `needle`.
@@ -218,7 +173,7 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     let o = env.cli(&["sandbox", "cp", &format!("{id}:/no/such/file"), "-"]);
     assert!(text(&o).1.contains("/no/such/file"), "{}", text(&o).1);
     env.ok(&["sandbox", "rm", &id]);
-    env.cli.assert_sandbox_gone(&id, &[]);
+    env.assert_gone(&id, &[]);
 }
 
 #[test]
@@ -310,8 +265,8 @@ fn pause_resume_and_snapshot_restore_keep_processes_and_files() {
     assert_eq!(qemu_processes(&format!("sandboxes/{id}/")).len(), 1);
     assert_eq!(qemu_processes(&format!("sandboxes/{restored}/")).len(), 1);
     env.ok(&["sandbox", "rm", &id, &restored]);
-    env.cli.assert_sandbox_gone(&id, &[]);
-    env.cli.assert_sandbox_gone(&restored, &[]);
+    env.assert_gone(&id, &[]);
+    env.assert_gone(&restored, &[]);
     assert!(qemu_processes(&format!("sandboxes/{restored}/")).is_empty());
 }
 
@@ -359,21 +314,7 @@ fn a_killed_runtime_leaves_no_vm_behind() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(180);
-    let id = loop {
-        let marked =
-            |s: &serde_json::Value| s["spec"]["env"]["MARK"].as_str() == mark.strip_prefix("MARK=");
-        if let Some(s) = env.sandboxes().into_iter().find(marked) {
-            break s["id"].as_str().unwrap().to_string();
-        }
-        if let Ok(Some(status)) = child.try_wait() {
-            let mut err = String::new();
-            std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-            panic!("strata run ended early ({status}): {err}");
-        }
-        assert!(Instant::now() < deadline, "the sandbox never appeared");
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let id = env.await_marked(&mark, &mut child, Duration::from_secs(180));
     // The command runs in the guest; then the CLI dies without cleaning up.
     let deadline = Instant::now() + Duration::from_secs(60);
     while !env.ok(&["sandbox", "ps", &id]).contains("sleep 300") {
@@ -383,7 +324,7 @@ fn a_killed_runtime_leaves_no_vm_behind() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let host_pids = env.host_pids(&id);
+    let host_pids = host_pids(&id);
     assert!(host_pids.len() >= 2, "QEMU and the relay: {host_pids:?}");
     let dir: PathBuf = env.cli.runtime_dir().join("sandboxes").join(&id);
     assert!(dir.join("qmp.sock").exists());
@@ -392,7 +333,7 @@ fn a_killed_runtime_leaves_no_vm_behind() {
     // The VM outlives its CLI until the next runtime reaps it.
     assert_eq!(qemu_processes(&format!("sandboxes/{id}/")).len(), 1);
     env.ok(&["sandbox", "reap"]);
-    env.cli.assert_sandbox_gone(&id, &host_pids);
+    env.assert_gone(&id, &host_pids);
     assert!(qemu_processes(&format!("sandboxes/{id}/")).is_empty());
     let audit = env.ok(&["sandbox", "audit", &id]);
     assert!(audit.contains("\"reason\":\"owner-gone\""), "{audit}");
@@ -455,20 +396,21 @@ fn an_allowlist_opens_exactly_its_destinations_in_a_microvm() {
         "{out}"
     );
     env.ok(&["sandbox", "rm", &id]);
-    env.cli.assert_sandbox_gone(&id, &[]);
+    env.assert_gone(&id, &[]);
     // Addresses are refused by name for VMs (they cannot be forwarded by name).
-    let o = env.cli(&[
-        "run",
-        "--backend",
-        "microvm",
-        "--net",
-        "1.1.1.1:80",
-        &env.reference,
-        "--",
-        "true",
-    ]);
-    assert!(!o.status.success());
-    assert!(text(&o).1.contains("by host name"), "{}", text(&o).1);
+    env.refused(
+        &[
+            "run",
+            "--backend",
+            "microvm",
+            "--net",
+            "1.1.1.1:80",
+            &env.reference,
+            "--",
+            "true",
+        ],
+        "by host name",
+    );
 }
 
 #[test]
@@ -492,17 +434,18 @@ fn a_full_vm_with_a_display_serves_its_screen_over_vnc() {
     let (out, err) = text(&o);
     assert!(out.contains("card0") && out.contains("bochs"), "{out}{err}");
     env.ok(&["sandbox", "rm", &id]);
-    env.cli.assert_sandbox_gone(&id, &[]);
+    env.assert_gone(&id, &[]);
     // A microVM has no graphics.
-    let o = env.cli(&[
-        "run",
-        "--backend",
-        "microvm",
-        "--display",
-        &env.reference,
-        "--",
-        "true",
-    ]);
-    assert!(!o.status.success());
-    assert!(text(&o).1.contains("--backend vm"), "{}", text(&o).1);
+    env.refused(
+        &[
+            "run",
+            "--backend",
+            "microvm",
+            "--display",
+            &env.reference,
+            "--",
+            "true",
+        ],
+        "--backend vm",
+    );
 }

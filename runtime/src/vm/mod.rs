@@ -27,10 +27,9 @@ use strata_agent::{
 use strata_lazyfs::Attached;
 
 use crate::cgroup::Cgroup;
-use crate::exec::{Collected, ExecRequest, Stream};
-use crate::fncall::{agent_exec, socket_path};
+use crate::fncall::socket_path;
 use crate::rootfs::MergeDir;
-use crate::sandbox::{ExecEnv, SandboxBackend, SandboxRecord, StartContext};
+use crate::sandbox::{SandboxBackend, SandboxRecord, StartContext};
 use crate::RuntimeError;
 pub use qemu::{Accel, Machine, MachineShape};
 
@@ -396,12 +395,21 @@ impl VmBackend {
     /// its agent, waiting for disks, saved and stopped.
     pub fn template(&self, shape: &MachineShape) -> Result<PathBuf, RuntimeError> {
         let key = {
-            // Everything a restore must match: the shape, the device layout, the kernel.
+            // Everything a restore must match: the machine's whole command line (devices,
+            // kernel command line; per-sandbox paths left out) and the kernel.
+            let files = Self::files(
+                Path::new("/template"),
+                vec![PathBuf::from("/template/disk"); shape.disk_slots()],
+                None,
+            );
             let mut h = blake3::Hasher::new();
             h.update(&serde_json::to_vec(shape).unwrap_or_default());
-            // Bumped when the guest's device layout changes in a way the shape misses.
-            h.update(b"layout-2");
-            h.update(qemu::binary().as_os_str().as_encoded_bytes());
+            let cmd = qemu::command(shape, &files);
+            h.update(cmd.get_program().as_encoded_bytes());
+            for arg in cmd.get_args() {
+                h.update(arg.as_encoded_bytes());
+                h.update(b"\0");
+            }
             h.update(
                 std::fs::read_to_string(self.cfg.guest_dir.join("kernel.version"))
                     .unwrap_or_default()
@@ -793,25 +801,6 @@ impl SandboxBackend for VmBackend {
             )))),
         }
     }
-
-    fn exec(
-        &self,
-        _rec: &SandboxRecord,
-        dir: &Path,
-        cgroup: &Cgroup,
-        env: &ExecEnv,
-        req: &ExecRequest,
-        sink: &mut dyn FnMut(Stream, &[u8]),
-    ) -> Result<Collected, RuntimeError> {
-        agent_exec(&socket_path(dir), cgroup, env, req, sink)
-    }
-
-    fn stop(&self, _rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
-        cgroup.kill_all();
-        Ok(())
-    }
-
-    fn forget(&self, _id: &str) {}
 
     fn in_guest(&self) -> bool {
         true

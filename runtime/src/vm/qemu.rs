@@ -126,7 +126,8 @@ fn host_khz() -> Option<u64> {
             .parse()
             .ok()
     })?;
-    Some((mhz * 1000.0) as u64)
+    // Whole MHz: the reading drifts on some hosts, and it is part of a template's key.
+    Some(mhz.round() as u64 * 1000)
 }
 
 /// The full command line.
@@ -178,7 +179,8 @@ pub fn command(shape: &MachineShape, files: &MachineFiles) -> Command {
     } else {
         "console=ttyS0"
     };
-    let mut append = format!("{consoles} reboot=t panic=-1 quiet loglevel=3");
+    // init_on_free: freed guest pages are zeros, which a saved state skips.
+    let mut append = format!("{consoles} reboot=t panic=-1 quiet loglevel=3 init_on_free=1");
     if shape.accel == Accel::Tcg {
         if let Some(khz) = host_khz() {
             append.push_str(&format!(" tsc_early_khz={khz} tsc=reliable no_timer_check"));
