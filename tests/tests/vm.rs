@@ -23,7 +23,7 @@ fn env(test: &str) -> Option<&'static Env> {
 }
 
 /// Host processes of a sandbox (QEMU and the relay), from its cgroup.
-fn host_pids(id: &str) -> Vec<u32> {
+fn vm_host_pids(id: &str) -> Vec<u32> {
     let mut pids = Vec::new();
     for e in std::fs::read_dir("/sys/fs/cgroup/pids").unwrap().flatten() {
         let procs = e.path().join(id).join("cgroup.procs");
@@ -291,7 +291,7 @@ fn qmp_query_status(sock: &Path) -> String {
 }
 
 #[test]
-fn a_killed_runtime_leaves_no_vm_behind() {
+fn a_killed_runtime_or_a_dead_vm_leaves_nothing_behind() {
     let Some(env) = env("vm_reap") else {
         return;
     };
@@ -324,7 +324,7 @@ fn a_killed_runtime_leaves_no_vm_behind() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let host_pids = host_pids(&id);
+    let host_pids = vm_host_pids(&id);
     assert!(host_pids.len() >= 2, "QEMU and the relay: {host_pids:?}");
     let dir: PathBuf = env.cli.runtime_dir().join("sandboxes").join(&id);
     assert!(dir.join("qmp.sock").exists());
@@ -337,6 +337,24 @@ fn a_killed_runtime_leaves_no_vm_behind() {
     assert!(qemu_processes(&format!("sandboxes/{id}/")).is_empty());
     let audit = env.ok(&["sandbox", "audit", &id]);
     assert!(audit.contains("\"reason\":\"owner-gone\""), "{audit}");
+
+    // A VM whose QEMU dies: the next command on the host reaps the rest (the relay, the
+    // disks, the cgroup).
+    let id = env.create(&["--backend", "microvm", "--memory", "256M"]);
+    let vm_pids = vm_host_pids(&id);
+    let rec = env
+        .sandboxes()
+        .into_iter()
+        .find(|s| s["id"] == id.as_str())
+        .unwrap();
+    let qemu = rec["init_pid"].as_u64().unwrap() as i32;
+    // SAFETY: plain kill(2) of the sandbox's QEMU.
+    unsafe { libc::kill(qemu, libc::SIGKILL) };
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(!env.sandboxes().iter().any(|s| s["id"] == id.as_str()));
+    env.assert_gone(&id, &vm_pids);
+    let audit = env.ok(&["sandbox", "audit", &id]);
+    assert!(audit.contains("\"reason\":\"crashed\""), "{audit}");
 }
 
 #[test]
