@@ -63,7 +63,9 @@ impl Writer {
 }
 
 /// The initramfs for `agent` and the modules in `guest_dir`, built into `cache` unless
-/// already there; its path.
+/// already there; its path. Its name derives from its inputs' identities (path, size,
+/// modification time), so the check costs a few `stat`s, not reading and hashing
+/// megabytes on every start.
 pub fn build(
     agent: &Path,
     guest_dir: &Path,
@@ -71,10 +73,6 @@ pub fn build(
     display: bool,
 ) -> Result<PathBuf, RuntimeError> {
     let read = |p: &Path| std::fs::read(p).map_err(RuntimeError::io(p));
-    let agent_bytes = match stripped(agent, cache) {
-        Some(bytes) => bytes,
-        None => read(agent)?,
-    };
     let list = |file: &str| -> Result<String, RuntimeError> {
         Ok(String::from_utf8_lossy(&read(&guest_dir.join(file))?).into_owned())
     };
@@ -90,21 +88,37 @@ pub fn build(
         .map(str::trim)
         .filter(|l| !l.is_empty())
         .collect();
-    let mut modules = Vec::with_capacity(names.len());
+    let module_paths: Vec<PathBuf> = names
+        .iter()
+        .map(|n| guest_dir.join("modules").join(format!("{n}.ko")))
+        .collect();
     let mut hasher = blake3::Hasher::new();
-    hasher.update(&agent_bytes);
     hasher.update(order.as_bytes());
     hasher.update(display_order.as_bytes());
-    for name in &names {
-        let bytes = read(&guest_dir.join("modules").join(format!("{name}.ko")))?;
-        hasher.update(&bytes);
-        modules.push(bytes);
+    for p in std::iter::once(agent).chain(module_paths.iter().map(PathBuf::as_path)) {
+        let meta = std::fs::metadata(p).map_err(RuntimeError::io(p))?;
+        let mtime = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        hasher.update(p.as_os_str().as_encoded_bytes());
+        hasher.update(&meta.len().to_le_bytes());
+        hasher.update(&mtime.to_le_bytes());
     }
     let key = hasher.finalize().to_hex();
     let path = cache.join(format!("initramfs-{}.cpio", &key[..16]));
     if path.exists() {
         return Ok(path);
     }
+    let agent_bytes = match stripped(agent, cache) {
+        Some(bytes) => bytes,
+        None => read(agent)?,
+    };
+    let modules = module_paths
+        .iter()
+        .map(|p| read(p))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut w = Writer {
         out: Vec::with_capacity(agent_bytes.len() + (8 << 20)),
         ino: 0,
@@ -133,7 +147,7 @@ pub fn build(
     }
     w.add("TRAILER!!!", Member::File(&[], 0));
     std::fs::create_dir_all(cache).map_err(RuntimeError::io(cache))?;
-    let tmp = cache.join(format!("initramfs.{}.tmp", std::process::id()));
+    let tmp = cache.join(format!("initramfs.{}.tmp", uuid::Uuid::new_v4().simple()));
     std::fs::write(&tmp, &w.out).map_err(RuntimeError::io(&tmp))?;
     std::fs::rename(&tmp, &path).map_err(RuntimeError::io(&path))?;
     Ok(path)
