@@ -222,6 +222,22 @@ impl VmBackend {
         let mut opts = String::from("restrict=on,net=10.0.2.0/24,dhcpstart=10.0.2.15");
         let mut hosts: Vec<(String, String)> = Vec::new();
         for rule in rules {
+            // QEMU runs the forwarder through a shell: a name is letters, digits, dots
+            // and hyphens, or it is refused.
+            let name_ok = !rule.host.starts_with('-')
+                && rule
+                    .host
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-');
+            if !name_ok
+                && rule.host.parse::<std::net::IpAddr>().is_err()
+                && !rule.host.contains('/')
+            {
+                return Err(RuntimeError::Invalid(format!(
+                    "network destination {:?}: not a host name (letters, digits, dots, hyphens)",
+                    rule.host
+                )));
+            }
             if rule.host.parse::<std::net::IpAddr>().is_ok() || rule.host.contains('/') {
                 return Err(RuntimeError::Invalid(format!(
                     "network destination {}:{}: a {} sandbox reaches destinations by host name                      (addresses and ranges are for fncall and container sandboxes)",
@@ -239,13 +255,8 @@ impl VmBackend {
                 }
             };
             // QEMU runs the command for each connection; commas are doubled in options.
-            let cmd = format!(
-                "{} connect {} {}",
-                self.agent.display(),
-                rule.host,
-                rule.port
-            )
-            .replace(',', ",,");
+            let agent = self.agent.display().to_string().replace('\'', "'\\''");
+            let cmd = format!("'{agent}' connect {} {}", rule.host, rule.port).replace(',', ",,");
             opts.push_str(&format!(",guestfwd=tcp:{ip}:{}-cmd:{cmd}", rule.port));
         }
         if hosts.len() > 100 {
@@ -880,4 +891,79 @@ fn file_len(p: &Path) -> u64 {
 fn allocated(p: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(p).map_or(0, |m| m.blocks() * 512)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::NetRule;
+
+    fn backend() -> VmBackend {
+        VmBackend {
+            machine: Machine::Microvm,
+            cfg: VmConfig {
+                guest_dir: PathBuf::from("/nonexistent"),
+                accel: "tcg".into(),
+                templates: false,
+            },
+            agent: PathBuf::from("/opt/it's strata/strata-agent"),
+            guest_agent: None,
+            dir: PathBuf::from("/nonexistent"),
+        }
+    }
+
+    fn rule(host: &str, port: u16) -> NetRule {
+        NetRule {
+            host: host.into(),
+            port,
+        }
+    }
+
+    #[test]
+    fn an_allowlist_becomes_one_forwarder_per_destination_and_names_in_hosts() {
+        let b = backend();
+        assert!(b.network(&[]).unwrap().is_none());
+        let (opts, guest) = b
+            .network(&[
+                rule("pypi.org", 443),
+                rule("pypi.org", 80),
+                rule("files.example", 443),
+            ])
+            .unwrap()
+            .unwrap();
+        assert!(opts.starts_with("restrict=on,"), "{opts}");
+        assert!(
+            opts.contains(
+                "guestfwd=tcp:10.0.2.100:443-cmd:'/opt/it'\\''s strata/strata-agent' connect pypi.org 443"
+            ),
+            "{opts}"
+        );
+        assert!(opts.contains("guestfwd=tcp:10.0.2.100:80-cmd:"), "{opts}");
+        assert!(opts.contains("guestfwd=tcp:10.0.2.101:443-cmd:"), "{opts}");
+        assert_eq!(
+            guest.hosts,
+            vec![
+                ("10.0.2.100".to_string(), "pypi.org".to_string()),
+                ("10.0.2.101".to_string(), "files.example".to_string())
+            ]
+        );
+        assert_eq!(guest.address, "10.0.2.15");
+    }
+
+    #[test]
+    fn a_destination_a_shell_would_interpret_or_an_address_is_refused() {
+        let b = backend();
+        for bad in [
+            "x;rm -rf /",
+            "$(id)",
+            "a b",
+            "-o",
+            "h`id`",
+            "1.1.1.1",
+            "10.0.0.0/8",
+        ] {
+            let e = b.network(&[rule(bad, 80)]).unwrap_err().to_string();
+            assert!(e.contains(bad), "{bad}: {e}");
+        }
+    }
 }
