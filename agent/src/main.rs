@@ -100,22 +100,23 @@ fn container_init() -> Result<(), String> {
     Ok(())
 }
 
+/// A subcommand taking its remaining arguments.
+type Helper = fn(&[String]) -> Result<(), String>;
+
 fn main() {
     if guest::is_guest_init() {
         guest::main();
     }
-    if std::env::args().nth(1).as_deref() == Some("connect") {
+    // A VM's host-side helpers.
+    let helper: Option<(&str, Helper)> = match std::env::args().nth(1).as_deref() {
+        Some("connect") => Some(("connect", relay::connect)),
+        Some("relay") => Some(("relay", relay::main)),
+        _ => None,
+    };
+    if let Some((name, run_helper)) = helper {
         let args: Vec<String> = std::env::args().skip(2).collect();
-        if let Err(e) = relay::connect(&args) {
-            eprintln!("strata-agent connect: {e}");
-            std::process::exit(1);
-        }
-        return;
-    }
-    if std::env::args().nth(1).as_deref() == Some("relay") {
-        let args: Vec<String> = std::env::args().skip(2).collect();
-        if let Err(e) = relay::main(&args) {
-            eprintln!("strata-agent relay: {e}");
+        if let Err(e) = run_helper(&args) {
+            eprintln!("strata-agent {name}: {e}");
             std::process::exit(1);
         }
         return;

@@ -268,27 +268,47 @@ impl SampleEnv {
         self.cli.assert_sandbox_gone(id, host_pids);
     }
 
-    /// The ID of the sandbox `child` (a `strata run -e MARK=...`) made, once it is listed;
-    /// panics with the child's stderr if it ends first.
-    pub fn await_marked(&self, mark: &str, child: &mut Child, within: Duration) -> String {
+    /// Starts `strata run EXTRA... -e MARK=<unique> <sample> -- sleep 300` (a one-shot
+    /// sandbox to kill the CLI of) and waits until its sandbox is listed; the CLI process
+    /// and the sandbox's ID. Panics with the CLI's stderr if it ends first.
+    pub fn spawn_marked_run(&self, extra: &[&str], within: Duration) -> (Child, String) {
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let value = format!(
+            "{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
+        let mark = format!("MARK={value}");
+        let mut args = vec!["run"];
+        args.extend_from_slice(extra);
+        args.extend(["-e", &mark, &self.reference, "--", "sleep", "300"]);
+        let mut child = self
+            .cmd(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("starting strata run");
         let deadline = Instant::now() + within;
-        let value = mark.strip_prefix("MARK=").unwrap_or(mark);
         loop {
             let found = self
                 .sandboxes()
                 .into_iter()
-                .find(|s| s["spec"]["env"]["MARK"].as_str() == Some(value));
+                .find(|s| s["spec"]["env"]["MARK"].as_str() == Some(value.as_str()));
             if let Some(s) = found {
-                return s["id"].as_str().unwrap_or_default().to_string();
+                let id = s["id"].as_str().unwrap_or_default().to_string();
+                return (child, id);
             }
             if let Ok(Some(status)) = child.try_wait() {
                 let mut err = String::new();
                 if let Some(mut e) = child.stderr.take() {
                     let _ = std::io::Read::read_to_string(&mut e, &mut err);
                 }
-                panic!("strata run ended early ({status}): {err}");
+                panic!("strata run {extra:?} ended early ({status}): {err}");
             }
-            assert!(Instant::now() < deadline, "the sandbox never appeared");
+            assert!(
+                Instant::now() < deadline,
+                "the sandbox of strata run {extra:?} never appeared"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }

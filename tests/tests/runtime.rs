@@ -314,24 +314,8 @@ fn a_killed_runtime_and_a_crashed_sandbox_leave_nothing_behind() {
     };
     for backend in BACKENDS {
         // `strata run` killed mid-command: its sandbox is reaped by the next runtime.
-        let mark = format!("MARK=reap-{backend}-{}", std::process::id());
-        let mut child = env
-            .cmd(&[
-                "run",
-                "--backend",
-                backend,
-                "-e",
-                &mark,
-                &env.reference,
-                "--",
-                "sleep",
-                "300",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let id = env.await_marked(&mark, &mut child, Duration::from_secs(60));
+        let (mut child, id) =
+            env.spawn_marked_run(&["--backend", backend], Duration::from_secs(60));
         // Wait until the command runs, then kill the CLI without letting it clean up.
         std::thread::sleep(Duration::from_millis(500));
         let ps: Vec<serde_json::Value> =

@@ -4,7 +4,6 @@
 //! new QEMU process, and cleanup after a killed runtime.
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -295,26 +294,10 @@ fn a_killed_runtime_or_a_dead_vm_leaves_nothing_behind() {
     let Some(env) = env("vm_reap") else {
         return;
     };
-    let mark = format!("MARK=vm-reap-{}", std::process::id());
-    let mut child = env
-        .cmd(&[
-            "run",
-            "--backend",
-            "microvm",
-            "--memory",
-            "256M",
-            "-e",
-            &mark,
-            &env.reference,
-            "--",
-            "sleep",
-            "300",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let id = env.await_marked(&mark, &mut child, Duration::from_secs(180));
+    let (mut child, id) = env.spawn_marked_run(
+        &["--backend", "microvm", "--memory", "256M"],
+        Duration::from_secs(180),
+    );
     // The command runs in the guest; then the CLI dies without cleaning up.
     let deadline = Instant::now() + Duration::from_secs(60);
     while !env.ok(&["sandbox", "ps", &id]).contains("sleep 300") {
