@@ -209,6 +209,7 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
         wanted.push(meta);
         wanted.extend(blob.as_deref());
     }
+    wanted.extend(s.root_image.as_ref().map(|i| i.serial.as_str()));
     let disks = disks_by_serial(&wanted, Duration::from_secs(20))?;
     let dev = |serial: &str| disks[serial].clone();
     mark("disks");
@@ -226,6 +227,12 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
             data.as_deref(),
         )
         .map_err(|e| format!("mounting layer {i} ({meta}) at {dir}: {e}"))?;
+        lower.push(dir);
+    }
+    if let Some(image) = &s.root_image {
+        let dir = format!("{RUN}/image");
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{dir}: {e}"))?;
+        mount_root_image(&dev(&image.serial), image.partition, &dir)?;
         lower.push(dir);
     }
     mark("layers");
@@ -280,6 +287,97 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     console(&format!("strata-agent: set up: {}", marks.join(", ")));
     *done = true;
     Ok(())
+}
+
+/// Filesystems a root image may hold (the ones this guest's kernel has).
+const IMAGE_FILESYSTEMS: [&str; 2] = ["ext4", "erofs"];
+
+/// Mounts the root filesystem of the disk image at `disk` read-only at `dir`: partition
+/// `partition`, or else the first partition that mounts, or else the whole disk.
+fn mount_root_image(disk: &str, partition: Option<u32>, dir: &str) -> Result<(), String> {
+    let name = disk.trim_start_matches("/dev/");
+    let part = |n: u32| format!("{name}{n}");
+    // The kernel reads the partition table just after the disk appears.
+    let partitions = |within: Duration| -> Vec<String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut found: Vec<(u32, String)> = std::fs::read_dir(format!("/sys/block/{name}"))
+                .map(|rd| {
+                    rd.flatten()
+                        .filter_map(|e| {
+                            let entry = e.file_name().to_string_lossy().into_owned();
+                            let n = entry.strip_prefix(name)?.parse().ok()?;
+                            Path::new(&format!("/dev/{entry}"))
+                                .exists()
+                                .then_some((n, entry))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            found.sort();
+            if !found.is_empty() || Instant::now() > deadline {
+                return found.into_iter().map(|(_, p)| p).collect();
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    let candidates = match partition {
+        Some(n) => {
+            let wanted = part(n);
+            let found = partitions(Duration::from_secs(5));
+            if !found.contains(&wanted) {
+                let numbers: Vec<&str> = found.iter().map(|p| &p[name.len()..]).collect();
+                return Err(format!(
+                    "disk_image.partition = {n}: the image has no partition {n} (it has {})",
+                    if found.is_empty() {
+                        "none".to_string()
+                    } else {
+                        numbers.join(", ")
+                    }
+                ));
+            }
+            vec![wanted]
+        }
+        None => {
+            let mut sector = [0u8; 512];
+            let labelled = std::fs::File::open(disk)
+                .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut sector))
+                .is_ok()
+                && sector[510..] == [0x55, 0xaa];
+            let mut c = if labelled {
+                partitions(Duration::from_secs(2))
+            } else {
+                Vec::new()
+            };
+            c.push(name.to_string());
+            c
+        }
+    };
+    let mut tried = Vec::new();
+    for dev in &candidates {
+        for fs in IMAGE_FILESYSTEMS {
+            // A read-only disk cannot replay a journal: mount what the journal holds
+            // as it was last cleanly written.
+            let data = (fs == "ext4").then_some("noload");
+            match mount(
+                Some(format!("/dev/{dev}").as_str()),
+                dir,
+                Some(fs),
+                MsFlags::MS_RDONLY,
+                data,
+            ) {
+                Ok(()) => {
+                    console(&format!("strata-agent: root image {dev} ({fs})"));
+                    return Ok(());
+                }
+                Err(e) => tried.push(format!("{dev} as {fs}: {e}")),
+            }
+        }
+    }
+    Err(format!(
+        "no root filesystem this guest can mount in the disk image ({}); set disk_image.partition or use an ext4 or EROFS root",
+        tried.join("; ")
+    ))
 }
 
 /// Waits for the disks with these serial numbers; their device paths by serial.

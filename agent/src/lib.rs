@@ -123,6 +123,18 @@ pub struct GuestSetup {
     /// A full VM with a graphics card: load its display driver.
     #[serde(default)]
     pub display: bool,
+    /// A whole disk image whose root filesystem is the bottom of the stack, under
+    /// `layers` (the entry's base layer only carries the image).
+    #[serde(default)]
+    pub root_image: Option<GuestRootImage>,
+}
+
+/// The disk holding a guest's root image, and which of its partitions is the root.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GuestRootImage {
+    pub serial: String,
+    /// 1-based; none: the first partition that mounts, else the whole disk.
+    pub partition: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

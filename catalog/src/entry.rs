@@ -171,6 +171,23 @@ pub struct Entry {
     /// Hosts/CIDRs with ports the sandbox may reach (`pypi.org:443`); none by default.
     #[serde(default)]
     pub network: Vec<String>,
+    /// A full VM's root from a whole disk image instead of the base layer's tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_image: Option<DiskImage>,
+}
+
+/// A raw disk image (partition table and all) carried as a file of the base layer, for an
+/// OS that is not built from layers: a `vm` sandbox attaches it read-only and its guest
+/// mounts the image's root filesystem as the bottom of the stack, under the workspace and
+/// toolkit layers and the writable disk.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskImage {
+    /// Absolute path of the image inside the base layer.
+    pub path: String,
+    /// The partition holding the root filesystem (1 = the first); by default the first
+    /// partition the guest can mount, or the whole disk when it has no partition table.
+    pub partition: Option<u32>,
 }
 
 /// Splits `namespace/name[@version]`.
@@ -224,6 +241,26 @@ impl Entry {
             }
         }
         self.budgets.validate()?;
+        if let Some(d) = &self.disk_image {
+            if !d.path.starts_with('/') || d.path.split('/').any(|c| c == "..") {
+                return Err(CatalogError::Invalid(format!(
+                    "disk_image.path `{}` must be an absolute path inside the base layer",
+                    d.path
+                )));
+            }
+            if d.partition == Some(0) {
+                return Err(CatalogError::Invalid(
+                    "disk_image.partition counts from 1 (leave it out to use the first that mounts)"
+                        .into(),
+                ));
+            }
+            if self.backend != Backend::Vm {
+                return Err(CatalogError::Invalid(format!(
+                    "a disk_image entry runs only as a full VM: set backend = \"vm\" (it is `{}`)",
+                    self.backend.as_str()
+                )));
+            }
+        }
         if let Some(w) = &self.workdir {
             if !w.starts_with('/') {
                 return Err(CatalogError::Invalid(format!(
@@ -290,6 +327,16 @@ test = "python3 -m pytest -q"
             .contains("namespace/name"));
         let bad = SAMPLE.replace("backend = \"container\"", "backend = \"docker\"");
         assert!(Entry::from_toml(&bad, "x").is_err());
+        let image = format!("{SAMPLE}[disk_image]\npath = \"/disk.img\"\n");
+        assert!(Entry::from_toml(&image, "x")
+            .unwrap_err()
+            .to_string()
+            .contains("backend = \"vm\""));
+        let image = image.replace("\"container\"", "\"vm\"");
+        let e = Entry::from_toml(&image, "x").unwrap();
+        assert_eq!(e.disk_image.unwrap().path, "/disk.img");
+        let relative = image.replace("/disk.img", "disk.img");
+        assert!(Entry::from_toml(&relative, "x").is_err());
         assert!(parse_ref("a/b@").is_err());
         assert_eq!(
             parse_ref("a/b@v3").unwrap(),

@@ -22,7 +22,7 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload}
 use serde::{Deserialize, Serialize};
 use strata_store::Store;
 
-pub use entry::{parse_ref, parse_size, Backend, Budgets, Entry};
+pub use entry::{parse_ref, parse_size, Backend, Budgets, DiskImage, Entry};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CatalogError {

@@ -539,6 +539,12 @@ impl Runtime {
                 .create_image(id, spec.limits.disk_bytes, from.as_deref())?;
         let paths = rootfs::RootfsPaths::new(dir, &self.uppers().dir(id), spec.layers.len());
         let layers = rootfs::bind_layers(&self.inner.cfg.lazyfs, &spec.layers, &paths)?;
+        let root_image = match (&spec.disk_image, paths.layers.last(), spec.layers.last()) {
+            (Some(image), Some(bind), Some(base)) => {
+                Some(vm::RootImage::in_layer(bind, base, image)?)
+            }
+            _ => None,
+        };
         let merge_dirs = rootfs::merge_dirs(
             &spec.layers,
             &paths,
@@ -557,6 +563,7 @@ impl Runtime {
                 layers,
                 upper_image,
                 merge_dirs,
+                root_image,
             }),
             restore,
         };

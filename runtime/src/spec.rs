@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use strata_catalog::{Backend, Budgets, Registered};
+use strata_catalog::{Backend, Budgets, DiskImage, Registered};
 
 use crate::RuntimeError;
 
@@ -104,6 +104,9 @@ pub struct SandboxSpec {
     /// `vnc.sock` in the sandbox's directory.
     #[serde(default)]
     pub display: bool,
+    /// A full VM whose root is this disk image of the base layer, not the base's tree.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_image: Option<DiskImage>,
 }
 
 /// One allowed destination: a host name or address (or CIDR) and a port.
@@ -149,10 +152,19 @@ impl SandboxSpec {
             .iter()
             .map(|t| NetRule::parse(t))
             .collect::<Result<Vec<_>, _>>()?;
+        let backend = over.backend.unwrap_or(e.backend);
+        if let (Some(image), false) = (&e.disk_image, backend == Backend::Vm) {
+            return Err(RuntimeError::Invalid(format!(
+                "{} boots the disk image {} of its base layer: only a full VM runs it (--backend vm, not {})",
+                reg.reference(),
+                image.path,
+                backend.as_str()
+            )));
+        }
         Ok(SandboxSpec {
             catalog_ref: reg.reference(),
             layers: e.layers().into_iter().map(str::to_string).collect(),
-            backend: over.backend.unwrap_or(e.backend),
+            backend,
             limits: Limits::from_budgets(&budgets)?,
             env,
             workdir: e.workdir.clone().unwrap_or_else(|| "/".into()),
@@ -161,6 +173,7 @@ impl SandboxSpec {
             commands: e.commands.clone(),
             identity: over.identity.clone().unwrap_or_else(local_identity),
             display: over.display,
+            disk_image: e.disk_image.clone(),
         })
     }
 }

@@ -123,6 +123,7 @@ impl StepRunner for RuntimeStepRunner {
             commands: BTreeMap::new(),
             identity: format!("{} building {}", local_identity(), plan.label),
             display: false,
+            disk_image: None,
         };
         let sandbox = self.rt.create_owned(spec).map_err(sandbox_err)?;
         let step_sandbox = RuntimeStepSandbox {

@@ -60,6 +60,12 @@ pub async fn run(store: &Store, cmd: CatalogCommand) -> Result<i32> {
                 println!("registered  {} by {}", r.registered_at, r.registered_by);
                 println!("backend     {:?}", e.backend);
                 println!("base        {}", e.base);
+                if let Some(image) = &e.disk_image {
+                    match image.partition {
+                        Some(n) => println!("disk image  {} (partition {n})", image.path),
+                        None => println!("disk image  {}", image.path),
+                    }
+                }
                 for t in &e.toolkits {
                     println!("toolkit     {t}");
                 }

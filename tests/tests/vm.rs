@@ -450,3 +450,118 @@ fn a_full_vm_with_a_display_serves_its_screen_over_vnc() {
         "--backend vm",
     );
 }
+
+/// A raw disk image of `size` bytes holding `tree` as an ext4 filesystem: in partition 1
+/// of an MBR partition table when `partitioned`, else on the whole disk.
+fn ext4_disk_image(image: &Path, tree: &Path, size: u64, partitioned: bool) {
+    let f = std::fs::File::create(image).unwrap();
+    f.set_len(size).unwrap();
+    let offset = if partitioned { 1 << 20 } else { 0 };
+    if partitioned {
+        // One Linux partition from sector 2048 to the end.
+        let mut mbr = [0u8; 512];
+        mbr[446 + 4] = 0x83;
+        mbr[446 + 8..446 + 12].copy_from_slice(&2048u32.to_le_bytes());
+        mbr[446 + 12..446 + 16].copy_from_slice(&((size / 512 - 2048) as u32).to_le_bytes());
+        mbr[510] = 0x55;
+        mbr[511] = 0xaa;
+        std::os::unix::fs::FileExt::write_all_at(&f, &mbr, 0).unwrap();
+    }
+    drop(f);
+    let o = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-d"])
+        .arg(tree)
+        .args(["-E", &format!("offset={offset}")])
+        .arg(image)
+        .arg(format!("{}k", (size - offset) / 1024))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "mkfs.ext4: {:?}", text(&o));
+}
+
+#[test]
+fn a_full_vm_boots_a_whole_disk_image_under_the_sample_layers() {
+    let Some(env) = env("vm_disk_image") else {
+        return;
+    };
+    let shown: serde_json::Value =
+        serde_json::from_str(&env.ok(&["catalog", "show", "--json", &env.reference])).unwrap();
+    let sample = &shown["entry"];
+    // An OS tree that is not one of our layers: the sample's Debian base, exported, with a
+    // file of its own, as an ext4 root in a partitioned disk image and on a whole disk.
+    let work = env.cli.home.join("disk-image");
+    let tree = work.join("tree");
+    env.ok(&[
+        "layer",
+        "export",
+        sample["base"].as_str().unwrap(),
+        tree.to_str().unwrap(),
+    ]);
+    std::fs::write(tree.join("etc/image-marker"), "from the image\n").unwrap();
+    let mut entries = Vec::new();
+    for (name, partitioned, partition) in [
+        ("partitioned", true, ""),
+        ("whole", false, ""),
+        ("missing-partition", true, "partition = 3\n"),
+    ] {
+        let dir = work.join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        ext4_disk_image(&dir.join("disk.img"), &tree, 384 << 20, partitioned);
+        let layer = env.ok(&["layer", "build", dir.to_str().unwrap()]);
+        let layer = layer.lines().last().unwrap().trim();
+        // The sample's toolkit and workspace stacked on the image's root.
+        let mut toml = format!(
+            "id = \"images/{name}\"\nbase = \"{layer}\"\ntoolkits = [\"{}\"]\nworkspace = \"{}\"\n\
+             backend = \"vm\"\nworkdir = \"/work\"\n[budgets]\nmemory = \"512M\"\n[commands]\ntest = \"{}\"\n[env]\n",
+            sample["toolkits"][0].as_str().unwrap(),
+            sample["workspace"].as_str().unwrap(),
+            sample["commands"]["test"].as_str().unwrap(),
+        );
+        for (k, v) in sample["env"].as_object().unwrap() {
+            toml.push_str(&format!("{k} = \"{}\"\n", v.as_str().unwrap()));
+        }
+        toml.push_str(&format!("[disk_image]\npath = \"/disk.img\"\n{partition}"));
+        let file = work.join(format!("{name}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        let reference = env.ok(&["catalog", "register", file.to_str().unwrap()]);
+        entries.push(reference.lines().last().unwrap().trim().to_string());
+    }
+
+    // The sample's own test suite passes on the image's root, which is the overlay's
+    // bottom layer under the sample's toolkit and workspace.
+    let o = env.cli(&["run", "-c", "test", &entries[0]]);
+    let (out, err) = text(&o);
+    assert!(o.status.success() && out.contains("4 passed"), "{out}{err}");
+    for reference in &entries[..2] {
+        let id = env.ok(&["sandbox", "create", reference]);
+        let id = id.lines().last().unwrap().trim().to_string();
+        let o = env.sh(
+            &id,
+            "cat /etc/image-marker; grep ' / overlay' /proc/mounts; \
+             echo changed > /etc/image-marker; cat /etc/image-marker",
+        );
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{reference}: {out}{err}");
+        assert!(out.starts_with("from the image\n"), "{reference}: {out}");
+        assert!(
+            out.contains(":/run/strata/image,upperdir="),
+            "{reference}: {out}"
+        );
+        assert!(out.ends_with("changed\n"), "{reference}: {out}");
+        env.ok(&["sandbox", "rm", &id]);
+        env.assert_gone(&id, &[]);
+    }
+    // Writes went to the sandbox's own disk, never the image.
+    let o = env.cli(&["run", &entries[1], "--", "cat", "/etc/image-marker"]);
+    assert_eq!(text(&o).0, "from the image\n", "{:?}", text(&o));
+
+    // Wrong uses are refused by name.
+    env.refused(
+        &["run", "--backend", "container", &entries[0], "--", "true"],
+        "--backend vm",
+    );
+    env.refused(
+        &["run", &entries[2], "--", "true"],
+        "no partition 3 (it has 1)",
+    );
+}

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use strata_agent::{
-    read_frame, write_control, write_frame, AgentMsg, DirEntry, Frame, FrameKind, GuestSetup,
-    GuestStats, HostMsg,
+    read_frame, write_control, write_frame, AgentMsg, DirEntry, Frame, FrameKind, GuestRootImage,
+    GuestSetup, GuestStats, HostMsg,
 };
 use strata_lazyfs::Attached;
 
@@ -73,6 +73,46 @@ pub struct GuestDisks {
     pub layers: Vec<Attached>,
     pub upper_image: PathBuf,
     pub merge_dirs: Vec<MergeDir>,
+    /// The disk image that stands in for the base layer's tree (the last of `layers`).
+    pub root_image: Option<RootImage>,
+}
+
+/// A raw disk image in the base layer whose root filesystem is the bottom of the guest's
+/// stack. It takes the base layer's disk slot, read-only like every layer.
+pub struct RootImage {
+    pub file: PathBuf,
+    pub partition: Option<u32>,
+}
+
+impl RootImage {
+    /// The image `image.path` inside the base layer bound at `bind`.
+    pub fn in_layer(
+        bind: &Path,
+        base: &str,
+        image: &strata_catalog::DiskImage,
+    ) -> Result<RootImage, RuntimeError> {
+        let file = bind.join(image.path.trim_start_matches('/'));
+        let bad = |why: String| {
+            RuntimeError::Invalid(format!(
+                "disk image {} in base layer {base}: {why} (rebuild the base layer from a directory holding the raw image at that path)",
+                image.path
+            ))
+        };
+        let meta = std::fs::metadata(&file).map_err(|e| bad(e.to_string()))?;
+        if !meta.is_file() {
+            return Err(bad("not a regular file".into()));
+        }
+        if meta.len() == 0 || meta.len() % 512 != 0 {
+            return Err(bad(format!(
+                "{} bytes is not a whole number of 512-byte sectors; a raw image is (convert others with `qemu-img convert -O raw`)",
+                meta.len()
+            )));
+        }
+        Ok(RootImage {
+            file,
+            partition: image.partition,
+        })
+    }
 }
 
 /// A saved VM (`Sandbox::snapshot`): `state` (the machine), `upper.img` (its writable
@@ -296,13 +336,17 @@ impl VmBackend {
         disks: &GuestDisks,
     ) -> Result<Vec<PathBuf>, RuntimeError> {
         let empty = self.empty_disk()?;
-        let mut slots = vec![empty; shape.disk_slots()];
+        let mut slots = vec![empty.clone(); shape.disk_slots()];
         slots[0] = disks.upper_image.clone();
         for (i, layer) in disks.layers.iter().enumerate() {
             slots[qemu::meta_slot(i)] = layer.meta_path.clone();
             if let Some(blob) = &layer.blob_path {
                 slots[qemu::meta_slot(i) + 1] = blob.clone();
             }
+        }
+        if let (Some(image), Some(base)) = (&disks.root_image, disks.layers.len().checked_sub(1)) {
+            slots[qemu::meta_slot(base)] = image.file.clone();
+            slots[qemu::meta_slot(base) + 1] = empty;
         }
         Ok(slots)
     }
@@ -317,6 +361,7 @@ impl VmBackend {
             extra_append: String::new(),
             netdev: None,
             vnc_socket: None,
+            page_cached_slot: None,
         }
     }
 
@@ -732,6 +777,9 @@ impl SandboxBackend for VmBackend {
             files.vnc_socket = Some(ctx.dir.join("vnc.sock"));
         }
         files.netdev = network.as_ref().map(|(opts, _)| opts.clone());
+        if disks.root_image.is_some() {
+            files.page_cached_slot = disks.layers.len().checked_sub(1).map(qemu::meta_slot);
+        }
         let child = Self::spawn_qemu(&shape, &files, &ctx.dir.join("qemu.log"), Some(&ctx.cgroup))?;
         let pid = child.id();
         std::thread::spawn(move || {
@@ -766,7 +814,14 @@ impl SandboxBackend for VmBackend {
             )
         } else {
             let mut layers = Vec::new();
+            let image_slot = disks
+                .root_image
+                .as_ref()
+                .and_then(|image| Some((disks.layers.len().checked_sub(1)?, image)));
             for (i, layer) in disks.layers.iter().enumerate() {
+                if image_slot.is_some_and(|(slot, _)| slot == i) {
+                    continue;
+                }
                 let meta = format!("s{}", qemu::meta_slot(i));
                 let blob = layer
                     .blob_path
@@ -790,6 +845,10 @@ impl SandboxBackend for VmBackend {
                     seed: fresh_seed(),
                     network: network.map(|(_, guest)| guest),
                     display: shape.display,
+                    root_image: image_slot.map(|(slot, image)| GuestRootImage {
+                        serial: format!("s{}", qemu::meta_slot(slot)),
+                        partition: image.partition,
+                    }),
                 }),
                 "setup",
             )

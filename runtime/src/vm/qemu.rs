@@ -105,6 +105,10 @@ pub struct MachineFiles {
     pub netdev: Option<String>,
     /// A VNC display on this Unix socket (full VMs).
     pub vnc_socket: Option<PathBuf>,
+    /// A disk slot read through the host's page cache instead of with direct I/O: a root
+    /// image, which is a file on a layer's EROFS mount (no O_DIRECT there). Its page
+    /// cache is the layer's, shared by every VM that boots the image.
+    pub page_cached_slot: Option<usize>,
 }
 
 /// The QEMU binary (`STRATA_QEMU` or Debian's).
@@ -210,8 +214,13 @@ pub fn command(shape: &MachineShape, files: &MachineFiles) -> Command {
     cmd.args(["-device", &format!("{},rng=rng", m.device("virtio-rng"))]);
     for (slot, file) in files.disks.iter().enumerate() {
         let ro = if slot == 0 { "off" } else { "on" };
+        let cache = if files.page_cached_slot == Some(slot) {
+            "writeback"
+        } else {
+            "none"
+        };
         cmd.arg("-drive").arg(format!(
-            "file={},format=raw,if=none,id=d{slot},readonly={ro},cache=none,aio=threads,discard=unmap",
+            "file={},format=raw,if=none,id=d{slot},readonly={ro},cache={cache},aio=threads,discard=unmap",
             escape(file)
         ));
         cmd.args([
@@ -408,6 +417,7 @@ pub fn kvm_works(shape: &MachineShape, scratch: &Path) -> bool {
         extra_append: "strata.probe".into(),
         netdev: None,
         vnc_socket: None,
+        page_cached_slot: None,
     };
     let shape = MachineShape {
         accel: Accel::Kvm,
