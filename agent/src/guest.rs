@@ -24,8 +24,6 @@ use strata_agent::{mux, GuestSetup, GuestStats};
 
 /// The name the host gives the agent's virtio-serial port.
 pub const PORT_NAME: &str = "strata.agent";
-/// Loaded by setup, not at boot: the disks are probed only once they are the sandbox's.
-const DEFERRED_MODULE: &str = "virtio_blk";
 const MODULES: &str = "/lib/modules";
 const RUN: &str = "/run/strata";
 const SANDBOX_CGROUP: &str = "/sys/fs/cgroup/sandbox";
@@ -67,7 +65,10 @@ fn boot() -> Result<(), String> {
     // The guest's OOM killer picks a command, never the agent.
     let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
-    load_modules(|name| name != DEFERRED_MODULE)?;
+    // Every driver, virtio_blk included: a template's disks are probed before it is
+    // saved (placeholders larger than any sandbox's file), so a restored guest only has
+    // to forget what it read from them (`setup`).
+    load_modules(|_| true)?;
     if cmdline.split_whitespace().any(|w| w == "strata.probe") {
         // The accelerator probe: reaching here proves the guest boots.
         console("strata-probe-ok");
@@ -199,7 +200,6 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     let mut marks = Vec::new();
     let mut mark = |what: &str| marks.push(format!("{what} {}ms", t.elapsed().as_millis()));
     reseed(s.time_ns, &s.seed)?;
-    load_modules(|name| name == DEFERRED_MODULE)?;
     if s.display {
         load_module_list("modules.display", |_| true)?;
     }
@@ -212,6 +212,10 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     wanted.extend(s.root_image.as_ref().map(|i| i.serial.as_str()));
     let disks = disks_by_serial(&wanted, Duration::from_secs(20))?;
     let dev = |serial: &str| disks[serial].clone();
+    forget_disk_contents()?;
+    if let Some(image) = &s.root_image {
+        reread_partitions(&dev(&image.serial))?;
+    }
     mark("disks");
 
     let mut lower = Vec::new();
@@ -287,6 +291,25 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     console(&format!("strata-agent: set up: {}", marks.join(", ")));
     *done = true;
     Ok(())
+}
+
+nix::ioctl_none!(blk_reread_partitions, 0x12, 95);
+
+/// Drops the pages the kernel cached from the disks: in a guest restored from a template
+/// they came from the template's placeholders, not from this sandbox's files. One write
+/// to `drop_caches` drops them all (nothing else is cached before setup).
+fn forget_disk_contents() -> Result<(), String> {
+    std::fs::write("/proc/sys/vm/drop_caches", "1")
+        .map_err(|e| format!("dropping the pages cached from the template's disks: {e}"))
+}
+
+/// Reads a disk's partition table again (a template's placeholder had none).
+fn reread_partitions(dev: &str) -> Result<(), String> {
+    let f = File::open(dev).map_err(|e| format!("{dev}: {e}"))?;
+    // SAFETY: BLKRRPART takes no argument; nothing has the disk's partitions open.
+    unsafe { blk_reread_partitions(f.as_raw_fd()) }
+        .map(drop)
+        .map_err(|e| format!("reading the partition table of {dev}: {e}"))
 }
 
 /// Filesystems a root image may hold (the ones this guest's kernel has).

@@ -50,33 +50,36 @@ pub fn serve(listener: UnixListener) {
 
 fn reap(shared: Shared) {
     let (lock, cv) = &*shared;
-    let mut c = lock.lock().unwrap_or_else(|p| p.into_inner());
     loop {
+        // Sleep in the kernel until a child has exited, without reaping it yet: polling
+        // would take the CPU from the commands (in a TCG guest, a lot of it).
+        // SAFETY: a zeroed siginfo_t is valid; waitid fills it.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on any child with a valid out pointer; WNOWAIT leaves it waitable.
+        let r = unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOWAIT) };
+        let mut c = lock.lock().unwrap_or_else(|p| p.into_inner());
+        if r != 0 {
+            // No child at all: wait for a command to start. A command already started but
+            // not yet seen by waitid is checked for first, so its exit is not missed.
+            let running = c.spawning > 0 || c.owned.iter().any(|p| !c.exited.contains_key(p));
+            let wait = Duration::from_millis(if running { 1 } else { 50 });
+            let _ = cv.wait_timeout(c, wait);
+            continue;
+        }
         // While a command is being spawned the reaper keeps off: std reaps a child whose
         // exec failed itself, and a fast-exiting command is not registered yet.
-        if c.spawning == 0 {
-            let mut status = 0;
-            // SAFETY: waitpid on any child; WNOHANG never blocks.
-            let pid = unsafe { libc::waitpid(-1, &mut status, libc::WNOHANG) };
-            if pid > 0 {
-                if c.owned.contains(&pid) {
-                    c.exited.insert(pid, status);
-                    cv.notify_all();
-                }
-                continue;
-            }
+        while c.spawning > 0 {
+            c = cv.wait(c).unwrap_or_else(|p| p.into_inner());
         }
-        // Poll fast while a command runs (its exit ends an exec), slowly when idle; a new
-        // command wakes the reaper through the condvar.
-        let wait = if c.owned.is_empty() && c.spawning == 0 {
-            50
-        } else {
-            1
-        };
-        c = cv
-            .wait_timeout(c, Duration::from_millis(wait))
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        // SAFETY: si_pid of a filled-in CLD_* siginfo.
+        let pid = unsafe { info.si_pid() };
+        let mut status = 0;
+        // SAFETY: waitpid on that child; WNOHANG never blocks.
+        let got = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if got == pid && c.owned.contains(&pid) {
+            c.exited.insert(pid, status);
+            cv.notify_all();
+        }
     }
 }
 
@@ -208,6 +211,7 @@ fn exec(
                 child
             }
             Err(e) => {
+                cv.notify_all();
                 drop(c);
                 return send(&AgentMsg::Error {
                     message: format!("cannot run `{program}`: {e}"),

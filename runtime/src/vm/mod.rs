@@ -39,6 +39,9 @@ const GUEST_RESERVE_MIB: u64 = 128;
 /// Host memory QEMU itself needs beyond the guest's RAM (TCG's translation cache, device
 /// buffers); the VM's host cgroup allows this much more than the guest has.
 const VMM_OVERHEAD: u64 = 512 << 20;
+/// The size of a template's disks as its guest probed them: the most a disk of a VM
+/// started from a template may hold (larger ones boot instead).
+const TEMPLATE_DISK_BYTES: u64 = 1 << 40;
 /// How long a booting guest may take to answer (TCG on a busy host is slow).
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
@@ -522,12 +525,18 @@ impl VmBackend {
         work: &Path,
         state: &Path,
     ) -> Result<(), RuntimeError> {
-        let upper = work.join("upper.img");
-        std::fs::File::create(&upper)
-            .and_then(|f| f.set_len(1 << 20))
-            .map_err(RuntimeError::io(&upper))?;
-        let mut disks = vec![self.empty_disk()?; shape.disk_slots()];
-        disks[0] = upper;
+        // The guest probes its disks before it is saved; a sandbox's own files replace
+        // the placeholders and the guest drops what it read from them. The capacity it
+        // probed stays: the placeholders are larger than any file a sandbox attaches.
+        let mut disks = Vec::new();
+        for name in ["upper.img", "placeholder.img"] {
+            let path = work.join(name);
+            std::fs::File::create(&path)
+                .and_then(|f| f.set_len(TEMPLATE_DISK_BYTES))
+                .map_err(RuntimeError::io(&path))?;
+            disks.push(path);
+        }
+        disks.resize(shape.disk_slots(), disks[1].clone());
         let files = Self::files(work, disks, None);
         let mut child = Self::spawn_qemu(shape, &files, &work.join("qemu.log"), None)?;
         let outcome = (|| {
@@ -549,6 +558,15 @@ impl VmBackend {
             ))
         })
     }
+}
+
+/// Whether every disk fits the capacity a template's guest saw.
+fn fits_template(disks: &[PathBuf]) -> bool {
+    let fits = disks.iter().all(|d| file_len(d) <= TEMPLATE_DISK_BYTES);
+    if !fits {
+        tracing::info!("a disk is larger than a template's: booting the VM instead");
+    }
+    fits
 }
 
 /// The last lines of a log, for error messages.
@@ -753,7 +771,9 @@ impl SandboxBackend for VmBackend {
                 }
                 Some(snapshot.join("state"))
             }
-            None if self.cfg.templates => Some(self.template(&shape)?),
+            None if self.cfg.templates && fits_template(&self.slots(&shape, disks)?) => {
+                Some(self.template(&shape)?)
+            }
             None => None,
         };
         let started_from = match (&ctx.restore, &incoming) {
