@@ -69,6 +69,12 @@ fn boot() -> Result<(), String> {
     // saved (placeholders larger than any sandbox's file), so a restored guest only has
     // to forget what it read from them (`setup`).
     load_modules(|_| true)?;
+    // What every sandbox needs is made before a template is saved, so a restored guest
+    // does not run it again: its kernel filesystems (moved into the root at setup), the
+    // budget cgroup and the loopback interface.
+    kernel_filesystems()?;
+    interface_up("lo", None)?;
+    let _ = BOOT_DISKS.set(scan_disks());
     if cmdline.split_whitespace().any(|w| w == "strata.probe") {
         // The accelerator probe: reaching here proves the guest boots.
         console("strata-probe-ok");
@@ -212,7 +218,9 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     wanted.extend(s.root_image.as_ref().map(|i| i.serial.as_str()));
     let disks = disks_by_serial(&wanted, Duration::from_secs(20))?;
     let dev = |serial: &str| disks[serial].clone();
-    forget_disk_contents()?;
+    for serial in &wanted {
+        forget_disk_contents(&dev(serial))?;
+    }
     if let Some(image) = &s.root_image {
         reread_partitions(&dev(&image.serial))?;
     }
@@ -282,7 +290,6 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     mark("overlay");
     enter_root(&root)?;
     nix::unistd::sethostname(&s.hostname).map_err(|e| format!("sethostname: {e}"))?;
-    interface_up("lo", None)?;
     if let Some(net) = &s.network {
         network(net)?;
     }
@@ -295,12 +302,19 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
 
 nix::ioctl_none!(blk_reread_partitions, 0x12, 95);
 
-/// Drops the pages the kernel cached from the disks: in a guest restored from a template
-/// they came from the template's placeholders, not from this sandbox's files. One write
-/// to `drop_caches` drops them all (nothing else is cached before setup).
-fn forget_disk_contents() -> Result<(), String> {
-    std::fs::write("/proc/sys/vm/drop_caches", "1")
-        .map_err(|e| format!("dropping the pages cached from the template's disks: {e}"))
+/// Drops the pages the kernel cached from a disk: in a guest restored from a template
+/// they came from the template's placeholder, not from this sandbox's file.
+fn forget_disk_contents(dev: &str) -> Result<(), String> {
+    let f = File::open(dev).map_err(|e| format!("{dev}: {e}"))?;
+    // SAFETY: fadvise on a descriptor we own; the whole device, no memory passed.
+    let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    if r != 0 {
+        return Err(format!(
+            "dropping the cached pages of {dev}: {}",
+            std::io::Error::from_raw_os_error(r)
+        ));
+    }
+    Ok(())
 }
 
 /// Reads a disk's partition table again (a template's placeholder had none).
@@ -403,20 +417,35 @@ fn mount_root_image(disk: &str, partition: Option<u32>, dir: &str) -> Result<(),
     ))
 }
 
-/// Waits for the disks with these serial numbers; their device paths by serial.
-fn disks_by_serial(serials: &[&str], within: Duration) -> Result<HashMap<String, String>, String> {
-    let deadline = Instant::now() + within;
-    loop {
-        let mut found = HashMap::new();
-        if let Ok(rd) = std::fs::read_dir("/sys/block") {
-            for e in rd.flatten() {
-                let serial = std::fs::read_to_string(e.path().join("serial")).unwrap_or_default();
-                let dev = format!("/dev/{}", e.file_name().to_string_lossy());
-                if Path::new(&dev).exists() {
-                    found.insert(serial.trim().to_string(), dev);
-                }
+/// The disks found at boot, device path by serial: a disk's serial is read from the
+/// device (a request to QEMU each), so a template's guest asks once, before it is saved.
+static BOOT_DISKS: std::sync::OnceLock<HashMap<String, String>> = std::sync::OnceLock::new();
+
+/// The virtio disks present now, device path by serial.
+fn scan_disks() -> HashMap<String, String> {
+    let mut found = HashMap::new();
+    if let Ok(rd) = std::fs::read_dir("/sys/block") {
+        for e in rd.flatten() {
+            let serial = std::fs::read_to_string(e.path().join("serial")).unwrap_or_default();
+            let dev = format!("/dev/{}", e.file_name().to_string_lossy());
+            if Path::new(&dev).exists() {
+                found.insert(serial.trim().to_string(), dev);
             }
         }
+    }
+    found
+}
+
+/// Waits for the disks with these serial numbers; their device paths by serial.
+fn disks_by_serial(serials: &[&str], within: Duration) -> Result<HashMap<String, String>, String> {
+    if let Some(known) = BOOT_DISKS.get() {
+        if serials.iter().all(|s| known.contains_key(*s)) {
+            return Ok(known.clone());
+        }
+    }
+    let deadline = Instant::now() + within;
+    loop {
+        let found = scan_disks();
         if serials.iter().all(|s| found.contains_key(*s)) {
             return Ok(found);
         }
@@ -431,42 +460,55 @@ fn disks_by_serial(serials: &[&str], within: Duration) -> Result<HashMap<String,
     }
 }
 
-/// Makes `root` the root of the whole guest (as switch_root does: the initramfs cannot be
-/// pivoted away), with fresh kernel filesystems inside.
-fn enter_root(root: &str) -> Result<(), String> {
-    let sub = |p: &str| format!("{root}{p}");
-    for (src, dir, fstype, flags, data) in [
-        ("proc", "/proc", "proc", MsFlags::empty(), None),
-        ("sysfs", "/sys", "sysfs", MsFlags::empty(), None),
-        ("devtmpfs", "/dev", "devtmpfs", MsFlags::empty(), None),
+/// The kernel filesystems a sandbox sees under /proc, /sys and /dev (mounted at boot over
+/// the initramfs, moved into the sandbox's root by [`enter_root`]), and the cgroup its
+/// commands join.
+fn kernel_filesystems() -> Result<(), String> {
+    for (src, dir, fstype, data) in [
         (
             "devpts",
             "/dev/pts",
             "devpts",
-            MsFlags::empty(),
             Some("newinstance,ptmxmode=0666"),
         ),
-        ("tmpfs", "/dev/shm", "tmpfs", MsFlags::empty(), None),
-        (
-            "cgroup2",
-            "/sys/fs/cgroup",
-            "cgroup2",
-            MsFlags::empty(),
-            None,
-        ),
-        (
-            "tmpfs",
-            "/run",
-            "tmpfs",
-            MsFlags::empty(),
-            Some("mode=0755"),
-        ),
+        ("tmpfs", "/dev/shm", "tmpfs", None),
+        ("cgroup2", "/sys/fs/cgroup", "cgroup2", None),
     ] {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{dir}: {e}"))?;
+        mount(Some(src), dir, Some(fstype), MsFlags::empty(), data)
+            .map_err(|e| format!("mounting {dir}: {e}"))?;
+    }
+    std::fs::write("/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids")
+        .map_err(|e| format!("enabling the memory and pids controllers: {e}"))?;
+    std::fs::create_dir_all(SANDBOX_CGROUP).map_err(|e| format!("{SANDBOX_CGROUP}: {e}"))
+}
+
+/// Makes `root` the root of the whole guest (as switch_root does: the initramfs cannot be
+/// pivoted away), with the boot's kernel filesystems moved inside.
+fn enter_root(root: &str) -> Result<(), String> {
+    let sub = |p: &str| format!("{root}{p}");
+    for dir in ["/proc", "/sys", "/dev"] {
         let target = sub(dir);
         std::fs::create_dir_all(&target).map_err(|e| format!("{target}: {e}"))?;
-        mount(Some(src), target.as_str(), Some(fstype), flags, data)
-            .map_err(|e| format!("mounting {dir} in the sandbox root: {e}"))?;
+        mount(
+            Some(dir),
+            target.as_str(),
+            None::<&str>,
+            MsFlags::MS_MOVE,
+            None::<&str>,
+        )
+        .map_err(|e| format!("moving {dir} into the sandbox root: {e}"))?;
     }
+    let run = sub("/run");
+    std::fs::create_dir_all(&run).map_err(|e| format!("{run}: {e}"))?;
+    mount(
+        Some("tmpfs"),
+        run.as_str(),
+        Some("tmpfs"),
+        MsFlags::empty(),
+        Some("mode=0755"),
+    )
+    .map_err(|e| format!("mounting /run in the sandbox root: {e}"))?;
     nix::unistd::chdir(root).map_err(|e| format!("chdir {root}: {e}"))?;
     mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
         .map_err(|e| format!("moving the root: {e}"))?;
@@ -555,8 +597,6 @@ fn interface_up(name: &str, addr: Option<(std::net::Ipv4Addr, u8)>) -> Result<()
 /// the guest kernel (the guest has some memory beyond the budget for itself and the agent).
 fn budgets(memory: u64, pids: u32) -> Result<(), String> {
     let write = |p: &str, v: &str| std::fs::write(p, v).map_err(|e| format!("{p}: {e}"));
-    write("/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids")?;
-    std::fs::create_dir_all(SANDBOX_CGROUP).map_err(|e| format!("{SANDBOX_CGROUP}: {e}"))?;
     write(&format!("{SANDBOX_CGROUP}/memory.max"), &memory.to_string())?;
     let _ = write(&format!("{SANDBOX_CGROUP}/memory.swap.max"), "0");
     write(&format!("{SANDBOX_CGROUP}/pids.max"), &pids.to_string())?;
