@@ -109,6 +109,7 @@ pub fn build(
     let key = hasher.finalize().to_hex();
     let path = cache.join(format!("initramfs-{}.cpio", &key[..16]));
     if path.exists() {
+        super::mark_used(&path);
         return Ok(path);
     }
     let agent_bytes = match stripped(agent, cache) {
@@ -150,6 +151,7 @@ pub fn build(
     let tmp = cache.join(format!("initramfs.{}.tmp", uuid::Uuid::new_v4().simple()));
     std::fs::write(&tmp, &w.out).map_err(RuntimeError::io(&tmp))?;
     std::fs::rename(&tmp, &path).map_err(RuntimeError::io(&path))?;
+    super::prune_unused(cache, ".cpio");
     Ok(path)
 }
 

@@ -479,6 +479,7 @@ impl VmBackend {
         let root = self.dir.join("templates");
         let state = root.join(format!("{key}.state"));
         if state.exists() {
+            mark_used(&state);
             return Ok(state);
         }
         std::fs::create_dir_all(&root).map_err(RuntimeError::io(&root))?;
@@ -511,6 +512,7 @@ impl VmBackend {
         let made = self.make_template(shape, &work, &state);
         let _ = std::fs::remove_dir_all(&work);
         made?;
+        prune_unused(&root, ".state");
         tracing::info!(
             template = %state.display(),
             ms = t.elapsed().as_millis() as u64,
@@ -557,6 +559,52 @@ impl VmBackend {
                 tail(&files.console_log)
             ))
         })
+    }
+}
+
+/// How long a template or initramfs may go unused before the maker of a new one removes
+/// it: both are keyed by their inputs, so an upgrade or a new machine shape leaves the
+/// old ones behind (a template is ~70 MB).
+const UNUSED_FOR: Duration = Duration::from_secs(7 * 24 * 3600);
+/// A used file's modification time is moved forward at most this often.
+const MARK_EVERY: Duration = Duration::from_secs(24 * 3600);
+
+/// Records that a cached file was used (its modification time, at most daily).
+pub(crate) fn mark_used(path: &Path) {
+    let stale = std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.elapsed().ok())
+        .is_some_and(|age| age > MARK_EVERY);
+    if stale {
+        if let Ok(f) = std::fs::File::options().append(true).open(path) {
+            let _ = f.set_modified(std::time::SystemTime::now());
+        }
+    }
+}
+
+/// Removes the files in `dir` ending in `suffix` unused for [`UNUSED_FOR`], with their
+/// `.lock` files.
+pub(crate) fn prune_unused(dir: &Path, suffix: &str) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(stem) = name.strip_suffix(suffix) else {
+            continue;
+        };
+        let unused = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > UNUSED_FOR);
+        if unused {
+            tracing::info!(file = %e.path().display(), "removing an unused VM cache file");
+            let _ = std::fs::remove_file(e.path());
+            let _ = std::fs::remove_file(dir.join(format!("{stem}.lock")));
+        }
     }
 }
 
@@ -996,6 +1044,27 @@ mod tests {
             host: host.into(),
             port,
         }
+    }
+
+    #[test]
+    fn cache_files_unused_for_a_week_are_pruned_and_used_ones_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let old = std::time::SystemTime::now() - Duration::from_secs(8 * 24 * 3600);
+        for name in ["old.state", "used.state", "fresh.state", "other.img"] {
+            let f = std::fs::File::create(dir.path().join(name)).unwrap();
+            if name != "fresh.state" {
+                f.set_modified(old).unwrap();
+            }
+        }
+        std::fs::write(dir.path().join("old.lock"), "").unwrap();
+        mark_used(&dir.path().join("used.state"));
+        prune_unused(dir.path(), ".state");
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["fresh.state", "other.img", "used.state"]);
     }
 
     #[test]
