@@ -121,16 +121,19 @@ impl LayerBlob {
     }
 
     /// Reads `len` bytes at `offset` of the blob (short at the end). Blocks; call from a
-    /// thread that may block (FUSE workers).
-    pub fn read(self: &Arc<Self>, offset: u64, len: u32) -> Result<Vec<u8>, LazyError> {
+    /// thread that may block (FUSE workers). A read inside one chunk is a view of the
+    /// cached chunk, not a copy.
+    pub fn read(self: &Arc<Self>, offset: u64, len: u32) -> Result<Bytes, LazyError> {
         let end = (offset + len as u64).min(self.size());
         if offset >= end {
-            return Ok(Vec::new());
+            return Ok(Bytes::new());
         }
         self.counters
             .requested
             .fetch_add(end - offset, Ordering::Relaxed);
-        let mut out = vec![0u8; (end - offset) as usize];
+        let want = (end - offset) as usize;
+        let mut out: Vec<u8> = Vec::new();
+        let mut single: Option<Bytes> = None;
         let chunks = &self.manifest.chunks;
         let first = self.manifest.chunk_at(offset);
         let mut i = first;
@@ -140,7 +143,6 @@ impl LayerBlob {
             let from = offset.max(c.blob_offset);
             let to = end.min(c.blob_offset + c.length as u64);
             let (lo, n) = ((from - c.blob_offset) as usize, (to - from) as usize);
-            let dst = &mut out[(from - offset) as usize..(to - offset) as usize];
             let chunk = match self.cache.get(&c.digest) {
                 Some(data) => {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
@@ -148,13 +150,22 @@ impl LayerBlob {
                 }
                 None => self.fetch_for_read(i)?,
             };
-            let part = chunk.get(lo..lo + n).ok_or_else(|| {
-                LazyError::Chunk(format!(
+            if chunk.len() < lo + n {
+                return Err(LazyError::Chunk(format!(
                     "chunk {} is shorter than its manifest says",
                     c.digest
-                ))
-            })?;
-            dst.copy_from_slice(part);
+                )));
+            }
+            if n == want {
+                single = Some(chunk.slice(lo..lo + n));
+            } else {
+                if out.capacity() == 0 {
+                    out.reserve_exact(want);
+                }
+                // Bytes between chunks (padding) read as zeros.
+                out.resize((from - offset) as usize, 0);
+                out.extend_from_slice(&chunk[lo..lo + n]);
+            }
             self.cache.persist(c.digest, chunk, &self.rt);
             i += 1;
         }
@@ -164,7 +175,13 @@ impl LayerBlob {
         if sequential {
             self.readahead(i, end);
         }
-        Ok(out)
+        Ok(match single {
+            Some(view) => view,
+            None => {
+                out.resize(want, 0);
+                Bytes::from(out)
+            }
+        })
     }
 
     fn record_access(&self, i: usize) {
