@@ -806,6 +806,7 @@ impl SandboxBackend for VmBackend {
         let mut shape = self.shape(l, disks.layers.len(), ctx.spec.display)?;
         let network = self.network(&ctx.spec.network)?;
         shape.network = network.is_some();
+        let slots = self.slots(&shape, disks)?;
         let incoming = match &ctx.restore {
             Some(snapshot) => {
                 let rec: SnapshotRecord = read_snapshot(snapshot)?;
@@ -819,9 +820,7 @@ impl SandboxBackend for VmBackend {
                 }
                 Some(snapshot.join("state"))
             }
-            None if self.cfg.templates && fits_template(&self.slots(&shape, disks)?) => {
-                Some(self.template(&shape)?)
-            }
+            None if self.cfg.templates && fits_template(&slots) => Some(self.template(&shape)?),
             None => None,
         };
         let started_from = match (&ctx.restore, &incoming) {
@@ -840,7 +839,7 @@ impl SandboxBackend for VmBackend {
         ctx.cgroup
             .create(shape.memory_mib * (1 << 20) + VMM_OVERHEAD, l.cpus, 512)?;
         let t = Instant::now();
-        let mut files = Self::files(&ctx.dir, self.slots(&shape, disks)?, incoming.clone());
+        let mut files = Self::files(&ctx.dir, slots, incoming.clone());
         if shape.display {
             files.vnc_socket = Some(ctx.dir.join("vnc.sock"));
         }
