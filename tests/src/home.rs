@@ -263,6 +263,24 @@ impl SampleEnv {
         assert!(err.contains(needle), "strata {args:?}: {err}");
     }
 
+    /// `strata run FLAGS... REFERENCE -- true`, asserting it is refused with `needle`.
+    pub fn refused_run(&self, flags: &[&str], reference: &str, needle: &str) {
+        let mut args = vec!["run"];
+        args.extend_from_slice(flags);
+        args.extend([reference, "--", "true"]);
+        self.refused(&args, needle);
+    }
+
+    /// The host PID of sandbox `id`'s init (a VM's QEMU), as `sandbox ls` lists it.
+    pub fn init_pid(&self, id: &str) -> i32 {
+        let rec = self
+            .sandboxes()
+            .into_iter()
+            .find(|s| s["id"] == id)
+            .unwrap_or_else(|| panic!("sandbox {id} is not listed"));
+        rec["init_pid"].as_u64().expect("init_pid") as i32
+    }
+
     /// Nothing of sandbox `id` is left on the host.
     pub fn assert_gone(&self, id: &str, host_pids: &[u32]) {
         self.cli.assert_sandbox_gone(id, host_pids);

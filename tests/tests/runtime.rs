@@ -334,12 +334,7 @@ fn a_killed_runtime_and_a_crashed_sandbox_leave_nothing_behind() {
 
         // A sandbox whose init dies: the next command on the host reaps it.
         let id = env.create(&["--backend", backend]);
-        let rec = env
-            .sandboxes()
-            .into_iter()
-            .find(|s| s["id"] == id.as_str())
-            .unwrap();
-        let init = rec["init_pid"].as_u64().unwrap() as i32;
+        let init = env.init_pid(&id);
         // SAFETY: plain kill(2) of the sandbox's init.
         unsafe { libc::kill(init, libc::SIGKILL) };
         std::thread::sleep(Duration::from_millis(200));

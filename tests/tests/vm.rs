@@ -325,12 +325,7 @@ fn a_killed_runtime_or_a_dead_vm_leaves_nothing_behind() {
     // disks, the cgroup).
     let id = env.create(&["--backend", "microvm", "--memory", "256M"]);
     let vm_pids = vm_host_pids(&id);
-    let rec = env
-        .sandboxes()
-        .into_iter()
-        .find(|s| s["id"] == id.as_str())
-        .unwrap();
-    let qemu = rec["init_pid"].as_u64().unwrap() as i32;
+    let qemu = env.init_pid(&id);
     // SAFETY: plain kill(2) of the sandbox's QEMU.
     unsafe { libc::kill(qemu, libc::SIGKILL) };
     std::thread::sleep(Duration::from_millis(200));
@@ -399,17 +394,9 @@ fn an_allowlist_opens_exactly_its_destinations_in_a_microvm() {
     env.ok(&["sandbox", "rm", &id]);
     env.assert_gone(&id, &[]);
     // Addresses are refused by name for VMs (they cannot be forwarded by name).
-    env.refused(
-        &[
-            "run",
-            "--backend",
-            "microvm",
-            "--net",
-            "1.1.1.1:80",
-            &env.reference,
-            "--",
-            "true",
-        ],
+    env.refused_run(
+        &["--backend", "microvm", "--net", "1.1.1.1:80"],
+        &env.reference,
         "by host name",
     );
 }
@@ -437,16 +424,9 @@ fn a_full_vm_with_a_display_serves_its_screen_over_vnc() {
     env.ok(&["sandbox", "rm", &id]);
     env.assert_gone(&id, &[]);
     // A microVM has no graphics.
-    env.refused(
-        &[
-            "run",
-            "--backend",
-            "microvm",
-            "--display",
-            &env.reference,
-            "--",
-            "true",
-        ],
+    env.refused_run(
+        &["--backend", "microvm", "--display"],
+        &env.reference,
         "--backend vm",
     );
 }
@@ -556,12 +536,6 @@ fn a_full_vm_boots_a_whole_disk_image_under_the_sample_layers() {
     assert_eq!(text(&o).0, "from the image\n", "{:?}", text(&o));
 
     // Wrong uses are refused by name.
-    env.refused(
-        &["run", "--backend", "container", &entries[0], "--", "true"],
-        "--backend vm",
-    );
-    env.refused(
-        &["run", &entries[2], "--", "true"],
-        "no partition 3 (it has 1)",
-    );
+    env.refused_run(&["--backend", "container"], &entries[0], "--backend vm");
+    env.refused_run(&[], &entries[2], "no partition 3 (it has 1)");
 }

@@ -80,6 +80,13 @@ pub struct GuestDisks {
     pub root_image: Option<RootImage>,
 }
 
+impl GuestDisks {
+    /// The base layer (the last) and the root image that takes its disk slot, if any.
+    fn image_layer(&self) -> Option<(usize, &RootImage)> {
+        Some((self.layers.len().checked_sub(1)?, self.root_image.as_ref()?))
+    }
+}
+
 /// A raw disk image in the base layer whose root filesystem is the bottom of the guest's
 /// stack. It takes the base layer's disk slot, read-only like every layer.
 pub struct RootImage {
@@ -347,7 +354,7 @@ impl VmBackend {
                 slots[qemu::meta_slot(i) + 1] = blob.clone();
             }
         }
-        if let (Some(image), Some(base)) = (&disks.root_image, disks.layers.len().checked_sub(1)) {
+        if let Some((base, image)) = disks.image_layer() {
             slots[qemu::meta_slot(base)] = image.file.clone();
             slots[qemu::meta_slot(base) + 1] = empty;
         }
@@ -844,9 +851,7 @@ impl SandboxBackend for VmBackend {
             files.vnc_socket = Some(ctx.dir.join("vnc.sock"));
         }
         files.netdev = network.as_ref().map(|(opts, _)| opts.clone());
-        if disks.root_image.is_some() {
-            files.page_cached_slot = disks.layers.len().checked_sub(1).map(qemu::meta_slot);
-        }
+        files.page_cached_slot = disks.image_layer().map(|(base, _)| qemu::meta_slot(base));
         let child = Self::spawn_qemu(&shape, &files, &ctx.dir.join("qemu.log"), Some(&ctx.cgroup))?;
         let pid = child.id();
         std::thread::spawn(move || {
@@ -881,12 +886,9 @@ impl SandboxBackend for VmBackend {
             )
         } else {
             let mut layers = Vec::new();
-            let image_slot = disks
-                .root_image
-                .as_ref()
-                .and_then(|image| Some((disks.layers.len().checked_sub(1)?, image)));
+            let image_layer = disks.image_layer();
             for (i, layer) in disks.layers.iter().enumerate() {
-                if image_slot.is_some_and(|(slot, _)| slot == i) {
+                if image_layer.is_some_and(|(base, _)| base == i) {
                     continue;
                 }
                 let meta = format!("s{}", qemu::meta_slot(i));
@@ -912,8 +914,8 @@ impl SandboxBackend for VmBackend {
                     seed: fresh_seed(),
                     network: network.map(|(_, guest)| guest),
                     display: shape.display,
-                    root_image: image_slot.map(|(slot, image)| GuestRootImage {
-                        serial: format!("s{}", qemu::meta_slot(slot)),
+                    root_image: image_layer.map(|(base, image)| GuestRootImage {
+                        serial: format!("s{}", qemu::meta_slot(base)),
                         partition: image.partition,
                     }),
                 }),
