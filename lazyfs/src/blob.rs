@@ -3,6 +3,7 @@
 //! store in ≥ 1 MiB units, verified, with bounded retries; readahead follows the reader.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -10,13 +11,16 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use strata_store::{chunk, Digest, LayerManifest, Store, StoreError};
 
-use crate::cache::ChunkCache;
+use crate::cache::{ChunkAt, ChunkCache, Span};
 use crate::LazyError;
 
 /// Fetch at least this much of a pack per request.
 const FETCH_UNIT: u64 = 1 << 20;
-/// How far past a read to fetch ahead in the background.
+/// How far past a sequential read to fetch ahead from the store in the background...
 const READAHEAD: u64 = 4 << 20;
+/// ...and to load ahead from the local cache file, in reads of this size.
+const LOCAL_READAHEAD: u64 = 24 << 20;
+const LOCAL_RUN: u64 = 8 << 20;
 /// Background prefetch fetches this many chunks at once...
 const PREFETCH_PARALLEL: usize = 4;
 /// ...and waits while this many on-demand fetches are in flight.
@@ -79,6 +83,10 @@ pub struct LayerBlob {
     pub(crate) foreground: AtomicUsize,
     /// End of the previous read, to recognize sequential reading.
     last_end: AtomicU64,
+    /// Where the readahead already started for a sequential reader ends, from the cache
+    /// file and from the store.
+    ahead_local: AtomicU64,
+    ahead_store: AtomicU64,
     rt: tokio::runtime::Handle,
 }
 
@@ -108,7 +116,21 @@ impl LayerBlob {
             access: Mutex::new((Vec::new(), vec![false; n])),
             foreground: AtomicUsize::new(0),
             last_end: AtomicU64::new(u64::MAX),
+            ahead_local: AtomicU64::new(0),
+            ahead_store: AtomicU64::new(0),
             rt,
+        }
+    }
+
+    /// Chunk `i` as the cache names it.
+    fn at(&self, i: usize) -> ChunkAt {
+        let c = &self.manifest.chunks[i];
+        ChunkAt {
+            layer: self.manifest.id,
+            index: i as u32,
+            offset: c.blob_offset,
+            len: c.length,
+            digest: c.digest,
         }
     }
 
@@ -132,23 +154,24 @@ impl LayerBlob {
             .requested
             .fetch_add(end - offset, Ordering::Relaxed);
         let want = (end - offset) as usize;
-        let mut out: Vec<u8> = Vec::new();
-        let mut single: Option<Bytes> = None;
+        // The parts of chunks the read covers, and the cache-file read they all came from,
+        // if they did.
+        let mut parts: Vec<(u64, Bytes)> = Vec::new();
+        let mut shared: Option<Arc<Span>> = None;
         let chunks = &self.manifest.chunks;
-        let first = self.manifest.chunk_at(offset);
-        let mut i = first;
+        let mut i = self.manifest.chunk_at(offset);
         while i < chunks.len() && chunks[i].blob_offset < end {
             let c = &chunks[i];
             self.record_access(i);
             let from = offset.max(c.blob_offset);
             let to = end.min(c.blob_offset + c.length as u64);
             let (lo, n) = ((from - c.blob_offset) as usize, (to - from) as usize);
-            let chunk = match self.cache.get(&c.digest) {
-                Some(data) => {
+            let (chunk, span) = match self.cache.get_hot(&self.at(i)) {
+                Some(hot) => {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
-                    data
+                    (hot.data, hot.span)
                 }
-                None => self.fetch_for_read(i)?,
+                None => (self.load_for_read(i)?, None),
             };
             if chunk.len() < lo + n {
                 return Err(LazyError::Chunk(format!(
@@ -156,17 +179,13 @@ impl LayerBlob {
                     c.digest
                 )));
             }
-            if n == want {
-                single = Some(chunk.slice(lo..lo + n));
-            } else {
-                if out.capacity() == 0 {
-                    out.reserve_exact(want);
-                }
-                // Bytes between chunks (padding) read as zeros.
-                out.resize((from - offset) as usize, 0);
-                out.extend_from_slice(&chunk[lo..lo + n]);
-            }
-            self.cache.persist(c.digest, chunk, &self.rt);
+            shared = match (parts.is_empty(), shared, span) {
+                (true, _, span) => span,
+                (false, Some(a), Some(b)) if Arc::ptr_eq(&a, &b) => Some(a),
+                _ => None,
+            };
+            parts.push((from, chunk.slice(lo..lo + n)));
+            self.cache.persist(self.at(i), chunk, &self.rt);
             i += 1;
         }
         // Read ahead only for sequential readers (the kernel reading a large file in
@@ -175,13 +194,27 @@ impl LayerBlob {
         if sequential {
             self.readahead(i, end);
         }
-        Ok(match single {
-            Some(view) => view,
-            None => {
-                out.resize(want, 0);
-                Bytes::from(out)
+        if let [(_, view)] = parts.as_slice() {
+            if view.len() == want {
+                return Ok(view.clone());
             }
-        })
+        }
+        if let Some(s) = shared.filter(|s| {
+            s.layer == self.id() && s.offset <= offset && end <= s.offset + s.bytes.len() as u64
+        }) {
+            // The span holds the padding between its chunks too, as zeros.
+            return Ok(s
+                .bytes
+                .slice((offset - s.offset) as usize..(end - s.offset) as usize));
+        }
+        let mut out: Vec<u8> = Vec::with_capacity(want);
+        for (from, view) in parts {
+            // Bytes between chunks (padding) read as zeros.
+            out.resize((from - offset) as usize, 0);
+            out.extend_from_slice(&view);
+        }
+        out.resize(want, 0);
+        Ok(Bytes::from(out))
     }
 
     fn record_access(&self, i: usize) {
@@ -199,26 +232,31 @@ impl LayerBlob {
         self.access.lock().map(|a| a.0.clone()).unwrap_or_default()
     }
 
-    /// A read missed the cache: fetch chunk `i` (once, however many readers wait for it),
-    /// blocking the calling FUSE thread.
-    fn fetch_for_read(self: &Arc<Self>, i: usize) -> Result<Bytes, LazyError> {
-        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+    /// A read missed the memory cache: load chunk `i` from the disk cache or the store
+    /// (once, however many readers and readaheads want it), blocking the calling FUSE thread.
+    fn load_for_read(self: &Arc<Self>, i: usize) -> Result<Bytes, LazyError> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let this = self.clone();
         let r = self.rt.block_on(async move { this.load(i).await });
         self.foreground.fetch_sub(1, Ordering::Relaxed);
-        r
+        let (data, from) = r?;
+        let counter = match from {
+            Source::Cache => &self.counters.hits,
+            Source::Store => &self.counters.misses,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        Ok(data)
     }
 
-    /// Chunk `i` from the cache or the store, fetched once however many readers want it.
-    pub(crate) async fn load(self: &Arc<Self>, i: usize) -> Result<Bytes, LazyError> {
+    /// Chunk `i` from the cache or the store, loaded once however many readers want it.
+    pub(crate) async fn load(self: &Arc<Self>, i: usize) -> Result<(Bytes, Source), LazyError> {
         let d = self.manifest.chunks[i].digest;
         let flight = self.cache.flight(&d);
         let _guard = flight.lock().await;
-        let cached = tokio::task::block_in_place(|| self.cache.get(&d));
+        let cached = tokio::task::block_in_place(|| self.cache.get(&self.at(i)));
         let r = match cached {
-            Some(b) => Ok(b),
-            None => self.fetch(i).await,
+            Some(b) => Ok((b, Source::Cache)),
+            None => self.fetch(i).await.map(|b| (b, Source::Store)),
         };
         drop(_guard);
         self.cache.land(&d, flight);
@@ -298,7 +336,7 @@ impl LayerBlob {
                     && (cj.pack_offset + cj.stored_length as u64 - c.pack_offset
                         > FETCH_UNIT.max(c.stored_length as u64)
                         || cj.blob_offset.abs_diff(c.blob_offset) > FETCH_UNIT
-                        || self.cache.contains(&cj.digest))
+                        || self.cache.contains(&self.at(j)))
                 {
                     break;
                 }
@@ -359,17 +397,31 @@ impl LayerBlob {
     /// Starts background loads (from disk or the store) of the chunks after a read, up to
     /// [`READAHEAD`] bytes.
     fn readahead(self: &Arc<Self>, next: usize, read_end: u64) {
-        let chunks = &self.manifest.chunks;
-        let mut todo = Vec::new();
-        let mut j = next;
-        while j < chunks.len() && chunks[j].blob_offset < read_end + READAHEAD {
-            // Also chunks only on disk: loading them into memory ahead of the reader is
-            // the readahead a local block device would get from the kernel.
-            if !self.cache.is_hot(&chunks[j].digest) {
-                todo.push(j);
+        // Chunks in this layer's cache file: far ahead, in reads of a few MiB issued at
+        // once, the readahead a local block device would get from the kernel.
+        let mut local: Vec<ChunkAt> = Vec::new();
+        let mut local_bytes = 0u64;
+        for j in self.window(&self.ahead_local, next, read_end, LOCAL_READAHEAD) {
+            let c = self.at(j);
+            if self.cache.is_hot(&c.digest) || !self.cache.on_disk(&c) {
+                continue;
             }
-            j += 1;
+            local_bytes += c.len as u64;
+            local.push(c);
+            if local_bytes >= LOCAL_RUN {
+                self.load_local(std::mem::take(&mut local));
+                local_bytes = 0;
+            }
         }
+        self.load_local(local);
+        // From the store: nearer, one at a time, so reads a sandbox waits for come first.
+        let todo: Vec<usize> = self
+            .window(&self.ahead_store, next, read_end, READAHEAD)
+            .filter(|&j| {
+                let c = self.at(j);
+                !self.cache.is_hot(&c.digest) && !self.cache.on_disk(&c)
+            })
+            .collect();
         if todo.is_empty() {
             return;
         }
@@ -381,6 +433,28 @@ impl LayerBlob {
                 }
             }
         });
+    }
+
+    fn load_local(&self, run: Vec<ChunkAt>) {
+        if !run.is_empty() {
+            let cache = self.cache.clone();
+            self.rt.spawn_blocking(move || cache.load_run(&run));
+        }
+    }
+
+    /// The chunks of a readahead window of `size` past `read_end` that an earlier read's
+    /// window (ending at `marker`) did not already cover: each read extends the window
+    /// instead of asking for the same chunks again.
+    fn window(&self, marker: &AtomicU64, next: usize, read_end: u64, size: u64) -> Range<usize> {
+        let chunks = &self.manifest.chunks;
+        let end = read_end + size;
+        let ahead = marker.swap(end, Ordering::Relaxed);
+        let mut from = next;
+        if ahead > read_end && ahead <= end {
+            from = from.max(chunks.partition_point(|c| c.blob_offset < ahead));
+        }
+        let to = chunks.partition_point(|c| c.blob_offset < end);
+        from..to.max(from)
     }
 
     /// Fetches `order` (chunk indexes) in the background, a few at a time, in list order
@@ -403,7 +477,7 @@ impl LayerBlob {
                     while this.foreground.load(Ordering::Relaxed) >= PREFETCH_YIELD {
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
-                    if this.cache.contains(&this.manifest.chunks[i].digest) {
+                    if this.cache.contains(&this.at(i)) {
                         return;
                     }
                     if this.load(i).await.is_ok() {
@@ -435,6 +509,12 @@ impl LayerBlob {
             prefetched_chunks: c.prefetched.load(Ordering::Relaxed),
         }
     }
+}
+
+/// Where a loaded chunk came from.
+pub(crate) enum Source {
+    Cache,
+    Store,
 }
 
 enum FetchError {

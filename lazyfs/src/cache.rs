@@ -1,27 +1,34 @@
-//! The local chunk cache: verified, uncompressed chunks as files on the host's disk
-//! (`chunks/<aa>/<digest>`), bounded in bytes with LRU eviction, plus a small in-memory
-//! cache of hot chunks. Fetched chunks land in memory; only those a reader is served are
-//! written to disk. Files found on disk at start-up are trusted only after they have
-//! been re-hashed once.
+//! The local chunk cache: one sparse file per layer on the host's disk
+//! (`cache/<layer id>.blob`), laid out exactly as the layer's data blob, holding the
+//! verified, uncompressed chunks a reader was served; holes where nothing is cached. The
+//! disk part is bounded in bytes with LRU eviction at chunk granularity (an evicted chunk
+//! becomes a hole again); a small in-memory cache keeps hot chunks by content. Fetched
+//! neighbours land in memory only; the disk gets what readers used.
+//!
+//! One file per layer rather than one per chunk: a layer read in order is then one
+//! sequential file on disk, read in multi-chunk direct I/O requests, where thousands of
+//! small chunk files cost one disk round trip each (measured: 0.3 GB/s against 1.1–1.3
+//! GB/s for the same bytes in one file). Chunks shared by layers are copied between
+//! their files instead of fetched again.
+//!
+//! After a restart the files are the index: their data extents (`SEEK_DATA`) count
+//! against the bound at once, and when a layer attaches, every chunk lying wholly in data
+//! is indexed and re-hashed on first use.
 
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::Bytes;
 use moka::notification::RemovalCause;
 use moka::policy::EvictionPolicy;
-use strata_store::Digest;
+use strata_store::{Digest, LayerManifest};
 
 use crate::LazyError;
-
-/// What the disk index knows about one cached chunk.
-#[derive(Debug)]
-struct DiskEntry {
-    size: u64,
-    /// Re-hashed since this process started (or written by it).
-    verified: AtomicBool,
-}
 
 /// Cache counters.
 #[derive(Debug, Default, serde::Serialize, serde::Deserialize, Clone)]
@@ -33,13 +40,69 @@ pub struct CacheStats {
     pub evicted_chunks: u64,
 }
 
-pub struct ChunkCache {
-    dir: PathBuf,
-    max_bytes: u64,
-    disk: moka::sync::Cache<Digest, Arc<DiskEntry>>,
-    hot: moka::sync::Cache<Digest, Bytes>,
-    evicted: Arc<AtomicU64>,
-    inflight: std::sync::Mutex<std::collections::HashMap<Digest, Flight>>,
+/// One chunk of one layer, where its bytes sit in the layer's blob.
+#[derive(Debug, Clone, Copy)]
+pub struct ChunkAt {
+    pub layer: Digest,
+    pub index: u32,
+    pub offset: u64,
+    pub len: u32,
+    pub digest: Digest,
+}
+
+/// A chunk in memory. Chunks loaded together from a layer's cache file share one buffer,
+/// the `span` read: a read of the blob across several of them is a view of that buffer,
+/// not a copy.
+#[derive(Clone)]
+pub struct Hot {
+    pub data: Bytes,
+    pub span: Option<Arc<Span>>,
+}
+
+/// One read of a layer's cache file: the blob's bytes at `offset`.
+pub struct Span {
+    pub layer: Digest,
+    pub offset: u64,
+    pub bytes: Bytes,
+}
+
+/// What the disk index holds: a chunk of an attached layer, or a stretch of data found in
+/// a layer's file at start-up whose chunks are not known until the layer attaches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Slot {
+    Chunk { layer: Digest, index: u32 },
+    Found { layer: Digest, offset: u64 },
+}
+
+impl Slot {
+    fn layer(&self) -> Digest {
+        match self {
+            Slot::Chunk { layer, .. } | Slot::Found { layer, .. } => *layer,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct DiskEntry {
+    offset: u64,
+    len: u64,
+    digest: Option<Digest>,
+    /// Re-hashed since this process started (or written by it).
+    verified: AtomicBool,
+    /// Dropped from the index without giving its bytes up (a found stretch re-indexed
+    /// as chunks): eviction must not punch it.
+    retired: AtomicBool,
+    /// Recency for `prune`, from [`ChunkCache::clock`].
+    used: AtomicU64,
+}
+
+/// An open cache file of an attached layer.
+struct LayerFile {
+    /// Buffered, for writes.
+    rw: File,
+    /// Direct I/O, for reads (None where the filesystem refuses O_DIRECT).
+    direct: Option<File>,
+    chunks: Vec<ChunkAt>,
 }
 
 /// Serializes fetches of one chunk, so concurrent readers of a missing chunk fetch it once.
@@ -47,10 +110,41 @@ pub type Flight = Arc<tokio::sync::Mutex<()>>;
 
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 const HOT_BYTES: u64 = 256 << 20;
+const BLOCK: u64 = 4096;
+/// The most one direct read covers when it loads a run of chunks.
+const MAX_RUN: u64 = 8 << 20;
+/// Found stretches are indexed in pieces of at most this (the index weighs in u32).
+const FOUND_PIECE: u64 = 1 << 30;
 
-fn chunk_path(dir: &Path, d: &Digest) -> PathBuf {
-    let hex = d.to_hex();
-    dir.join(&hex[..2]).join(hex)
+fn layer_path(dir: &Path, layer: &Digest) -> PathBuf {
+    dir.join(format!("{}.blob", layer.to_hex()))
+}
+
+fn round_up(n: u64) -> u64 {
+    n.div_ceil(BLOCK) * BLOCK
+}
+
+type Evictions = Arc<Mutex<Vec<(Slot, Arc<DiskEntry>)>>>;
+
+pub struct ChunkCache {
+    dir: PathBuf,
+    max_bytes: u64,
+    disk: moka::sync::Cache<Slot, Arc<DiskEntry>>,
+    hot: moka::sync::Cache<Digest, Hot>,
+    files: RwLock<HashMap<Digest, Arc<LayerFile>>>,
+    /// Where a chunk's content is on disk, whichever layer it was cached for.
+    by_digest: Mutex<HashMap<Digest, (Digest, u32)>>,
+    /// Entries moka evicted whose bytes are still to be punched out (see [`Self::reap`]).
+    evictions: Evictions,
+    /// Reads and writes of cache files hold it shared, punching holds it exclusive: a
+    /// reader that found a chunk in the index reads it before its blocks can go, and a
+    /// chunk written again after its eviction is never punched by the stale eviction.
+    io: RwLock<()>,
+    /// Chunks being written by [`Self::persist`].
+    writing: Mutex<std::collections::HashSet<Slot>>,
+    clock: AtomicU64,
+    evicted: Arc<AtomicU64>,
+    inflight: Mutex<HashMap<Digest, Flight>>,
 }
 
 impl ChunkCache {
@@ -68,16 +162,22 @@ impl ChunkCache {
             )));
         }
         let evicted = Arc::new(AtomicU64::new(0));
-        let listener_dir = dir.to_path_buf();
-        let listener_evicted = evicted.clone();
+        let evictions: Evictions = Default::default();
+        let (l_evicted, l_evictions) = (evicted.clone(), evictions.clone());
+        // The listener only queues: moka may call it from inside any cache call, where
+        // taking `io` exclusively could wait on the caller itself.
         let disk = moka::sync::Cache::builder()
             .max_capacity(max_bytes)
-            .weigher(|_: &Digest, e: &Arc<DiskEntry>| e.size.min(u32::MAX as u64) as u32)
+            .weigher(|_: &Slot, e: &Arc<DiskEntry>| round_up(e.len).min(u32::MAX as u64) as u32)
             .eviction_policy(EvictionPolicy::lru())
-            .eviction_listener(move |d: Arc<Digest>, _e, cause| {
-                if matches!(cause, RemovalCause::Size | RemovalCause::Explicit) {
-                    let _ = std::fs::remove_file(chunk_path(&listener_dir, &d));
-                    listener_evicted.fetch_add(1, Ordering::Relaxed);
+            .eviction_listener(move |slot: Arc<Slot>, e: Arc<DiskEntry>, cause| {
+                if matches!(cause, RemovalCause::Size | RemovalCause::Explicit)
+                    && !e.retired.load(Ordering::Relaxed)
+                {
+                    if let Ok(mut q) = l_evictions.lock() {
+                        q.push((*slot, e));
+                    }
+                    l_evicted.fetch_add(1, Ordering::Relaxed);
                 }
             })
             .build();
@@ -85,7 +185,7 @@ impl ChunkCache {
         // it is reading, which a frequency filter would refuse as a newcomer.
         let hot = moka::sync::Cache::builder()
             .max_capacity(HOT_BYTES.min(max_bytes))
-            .weigher(|_: &Digest, b: &Bytes| b.len().min(u32::MAX as usize) as u32)
+            .weigher(|_: &Digest, h: &Hot| h.data.len().min(u32::MAX as usize) as u32)
             .eviction_policy(EvictionPolicy::lru())
             .build();
         let cache = ChunkCache {
@@ -93,6 +193,12 @@ impl ChunkCache {
             max_bytes,
             disk,
             hot,
+            files: Default::default(),
+            by_digest: Default::default(),
+            evictions,
+            io: RwLock::new(()),
+            writing: Default::default(),
+            clock: AtomicU64::new(1),
             evicted,
             inflight: Default::default(),
         };
@@ -100,39 +206,172 @@ impl ChunkCache {
         Ok(cache)
     }
 
+    /// Indexes the data extents of the layer files an earlier run left, oldest file first so
+    /// LRU order roughly survives a restart. Anything else in the directory (temp files,
+    /// the one-file-per-chunk layout of earlier versions) is removed.
     fn index_existing(&self) -> Result<(), LazyError> {
         let mut found = Vec::new();
-        for shard in std::fs::read_dir(&self.dir).map_err(LazyError::io(&self.dir))? {
-            let shard = shard.map_err(LazyError::io(&self.dir))?.path();
-            if !shard.is_dir() {
-                continue;
-            }
-            for f in std::fs::read_dir(&shard).map_err(LazyError::io(&shard))? {
-                let f = f.map_err(LazyError::io(&shard))?;
-                let name = f.file_name();
-                let Some(d) = name.to_str().and_then(|n| n.parse::<Digest>().ok()) else {
-                    // Temp files of an interrupted write.
-                    let _ = std::fs::remove_file(f.path());
-                    continue;
+        for entry in std::fs::read_dir(&self.dir).map_err(LazyError::io(&self.dir))? {
+            let entry = entry.map_err(LazyError::io(&self.dir))?;
+            let path = entry.path();
+            let layer = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.strip_suffix(".blob"))
+                .and_then(|h| h.parse::<Digest>().ok());
+            let Some(layer) = layer.filter(|_| path.is_file()) else {
+                let _ = if path.is_dir() {
+                    std::fs::remove_dir_all(&path)
+                } else {
+                    std::fs::remove_file(&path)
                 };
-                let meta = f.metadata().map_err(LazyError::io(&f.path()))?;
-                let used = meta.accessed().or_else(|_| meta.modified()).ok();
-                found.push((used, d, meta.len()));
-            }
+                continue;
+            };
+            let meta = entry.metadata().map_err(LazyError::io(&path))?;
+            found.push((meta.modified().ok(), layer, path));
         }
-        // Oldest first, so LRU order survives a restart.
         found.sort_by_key(|(t, ..)| *t);
-        for (_, d, size) in found {
-            self.disk.insert(
-                d,
-                Arc::new(DiskEntry {
-                    size,
-                    verified: AtomicBool::new(false),
-                }),
-            );
+        for (_, layer, path) in found {
+            let file = File::open(&path).map_err(LazyError::io(&path))?;
+            for (start, end) in data_extents(&file).map_err(LazyError::io(&path))? {
+                let mut offset = start;
+                while offset < end {
+                    let len = (end - offset).min(FOUND_PIECE);
+                    self.disk.insert(
+                        Slot::Found { layer, offset },
+                        self.entry(offset, len, None, false),
+                    );
+                    offset += len;
+                }
+            }
         }
         self.disk.run_pending_tasks();
         Ok(())
+    }
+
+    fn entry(
+        &self,
+        offset: u64,
+        len: u64,
+        digest: Option<Digest>,
+        verified: bool,
+    ) -> Arc<DiskEntry> {
+        Arc::new(DiskEntry {
+            offset,
+            len,
+            digest,
+            verified: AtomicBool::new(verified),
+            retired: AtomicBool::new(false),
+            used: AtomicU64::new(self.clock.fetch_add(1, Ordering::Relaxed)),
+        })
+    }
+
+    /// Opens (creating) a layer's cache file and indexes the chunks it already holds: those
+    /// lying wholly in the file's data extents, to be re-hashed on first use. Stray data
+    /// that is no whole chunk (a write cut short) is punched out.
+    pub fn attach(&self, m: &LayerManifest) -> Result<(), LazyError> {
+        let layer = m.id;
+        if self.files.read().is_ok_and(|f| f.contains_key(&layer)) {
+            return Ok(());
+        }
+        let path = layer_path(&self.dir, &layer);
+        let rw = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(LazyError::io(&path))?;
+        let size = rw.metadata().map_err(LazyError::io(&path))?.len();
+        if size != m.blob_size {
+            // New, or not this layer's shape: start empty.
+            rw.set_len(0).map_err(LazyError::io(&path))?;
+            rw.set_len(m.blob_size).map_err(LazyError::io(&path))?;
+        }
+        let direct = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .ok();
+        let chunks: Vec<ChunkAt> = m
+            .chunks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| ChunkAt {
+                layer,
+                index: i as u32,
+                offset: c.blob_offset,
+                len: c.length,
+                digest: c.digest,
+            })
+            .collect();
+
+        // Stretches found at start-up give way to the chunks they hold.
+        let found: Vec<(Slot, Arc<DiskEntry>)> = self
+            .disk
+            .iter()
+            .filter(|(s, _)| matches!(**s, Slot::Found { layer: l, .. } if l == layer))
+            .map(|(s, e)| (*s, e))
+            .collect();
+        for (slot, e) in &found {
+            e.retired.store(true, Ordering::Relaxed);
+            self.disk.invalidate(slot);
+        }
+        if !found.is_empty() {
+            let extents = data_extents(&rw).map_err(LazyError::io(&path))?;
+            let mut covered = Vec::new();
+            let mut k = 0;
+            for c in &chunks {
+                let end = c.offset + c.len as u64;
+                while k < extents.len() && extents[k].1 <= c.offset {
+                    k += 1;
+                }
+                if k < extents.len() && extents[k].0 <= c.offset && end <= extents[k].1 {
+                    let slot = Slot::Chunk {
+                        layer,
+                        index: c.index,
+                    };
+                    self.disk.insert(
+                        slot,
+                        self.entry(c.offset, c.len as u64, Some(c.digest), false),
+                    );
+                    self.note_location(c);
+                    covered.push((c.offset, round_up(end)));
+                }
+            }
+            // Punch what is data but no whole chunk.
+            let _io = self.io.write();
+            let mut ci = 0;
+            for (start, end) in extents {
+                let mut pos = start;
+                while pos < end {
+                    while ci < covered.len() && covered[ci].1 <= pos {
+                        ci += 1;
+                    }
+                    let next = covered.get(ci).map_or(end, |c| c.0.clamp(pos, end));
+                    if next > pos {
+                        punch_file(&rw, pos, next - pos);
+                    }
+                    pos = covered.get(ci).map_or(end, |c| c.1.max(next));
+                }
+            }
+        }
+        let file = Arc::new(LayerFile { rw, direct, chunks });
+        if let Ok(mut f) = self.files.write() {
+            f.insert(layer, file);
+        }
+        self.disk.run_pending_tasks();
+        Ok(())
+    }
+
+    fn note_location(&self, c: &ChunkAt) {
+        if let Ok(mut m) = self.by_digest.lock() {
+            m.entry(c.digest).or_insert((c.layer, c.index));
+        }
+    }
+
+    fn file(&self, layer: &Digest) -> Option<Arc<LayerFile>> {
+        self.files.read().ok()?.get(layer).cloned()
     }
 
     /// The lock a fetch of `d` holds; take it, re-check the cache, fetch, then [`land`].
@@ -153,122 +392,291 @@ impl ChunkCache {
         }
     }
 
-    /// A cached chunk, verified; None if not cached (or the cached copy was bad and is gone).
-    pub fn get(&self, d: &Digest) -> Option<Bytes> {
-        if let Some(b) = self.hot.get(d) {
-            self.disk.get(d);
-            return Some(b);
-        }
-        let entry = self.disk.get(d)?;
-        let path = chunk_path(&self.dir, d);
-        let data = match std::fs::read(&path) {
-            Ok(data) => data,
-            Err(_) => {
-                self.disk.invalidate(d);
-                return None;
-            }
-        };
-        if !entry.verified.load(Ordering::Relaxed) {
-            if Digest::of(&data) != *d {
-                tracing::warn!(chunk = %d, path = %path.display(), "cached chunk is corrupt; dropping it");
-                self.disk.invalidate(d);
-                return None;
-            }
-            entry.verified.store(true, Ordering::Relaxed);
-        }
-        let bytes = Bytes::from(data);
-        self.hot.insert(*d, bytes.clone());
-        Some(bytes)
+    fn touch(&self, slot: &Slot) -> Option<Arc<DiskEntry>> {
+        let e = self.disk.get(slot)?;
+        e.used.store(
+            self.clock.fetch_add(1, Ordering::Relaxed),
+            Ordering::Relaxed,
+        );
+        Some(e)
     }
 
-    /// Whether a chunk is in memory.
+    /// A chunk from memory, without touching the disk.
+    pub fn get_hot(&self, c: &ChunkAt) -> Option<Hot> {
+        let b = self.hot.get(&c.digest)?;
+        self.touch(&Slot::Chunk {
+            layer: c.layer,
+            index: c.index,
+        });
+        Some(b)
+    }
+
+    /// A cached chunk, verified: from memory, this layer's file, or another layer's file
+    /// holding the same content. None if not cached (or the cached copy was bad and is gone).
+    pub fn get(&self, c: &ChunkAt) -> Option<Bytes> {
+        if let Some(h) = self.get_hot(c) {
+            return Some(h.data);
+        }
+        let mine = Slot::Chunk {
+            layer: c.layer,
+            index: c.index,
+        };
+        if self.touch(&mine).is_some() {
+            return self.load_run(&[*c]).into_iter().next().flatten();
+        }
+        // Same content cached for another layer: read it there, always verified.
+        let (layer, index) = self.by_digest.lock().ok()?.get(&c.digest).copied()?;
+        let other = self.file(&layer)?.chunks.get(index as usize).copied()?;
+        self.touch(&Slot::Chunk { layer, index })?;
+        self.load_run(&[other]).into_iter().next().flatten()
+    }
+
+    /// Loads a run of chunks of one layer, all indexed on disk and in blob order, with as
+    /// few direct reads as their layout allows; each comes back verified (or None, and
+    /// dropped from the index, if it is not what its digest says) and is made hot.
+    pub fn load_run(&self, run: &[ChunkAt]) -> Vec<Option<Bytes>> {
+        let mut out = Vec::with_capacity(run.len());
+        let mut start = 0;
+        while start < run.len() {
+            // Chunks of a layer lie in blob order with only block padding between them.
+            let mut end = start + 1;
+            while end < run.len()
+                && run[end].layer == run[start].layer
+                && run[end].offset >= run[end - 1].offset + run[end - 1].len as u64
+                && run[end].offset <= round_up(run[end - 1].offset + run[end - 1].len as u64)
+                && run[end].offset + run[end].len as u64 - run[start].offset <= MAX_RUN
+            {
+                end += 1;
+            }
+            out.extend(self.load_contiguous(&run[start..end]));
+            start = end;
+        }
+        out
+    }
+
+    fn load_contiguous(&self, run: &[ChunkAt]) -> Vec<Option<Bytes>> {
+        let (Some(first), Some(last)) = (run.first(), run.last()) else {
+            return Vec::new();
+        };
+        let none = || run.iter().map(|_| None).collect();
+        let Some(file) = self.file(&first.layer) else {
+            return none();
+        };
+        let base = first.offset;
+        let span = (last.offset + last.len as u64 - base) as usize;
+        let out = {
+            let _io = self.io.read();
+            self.load_locked(&file, run, base, span)
+        };
+        self.reap();
+        out
+    }
+
+    fn load_locked(
+        &self,
+        file: &LayerFile,
+        run: &[ChunkAt],
+        base: u64,
+        span: usize,
+    ) -> Vec<Option<Bytes>> {
+        let none = || run.iter().map(|_| None).collect();
+        let entries: Vec<Option<Arc<DiskEntry>>> = run
+            .iter()
+            .map(|c| {
+                self.disk.get(&Slot::Chunk {
+                    layer: c.layer,
+                    index: c.index,
+                })
+            })
+            .collect();
+        if entries.iter().all(Option::is_none) {
+            return none();
+        }
+        let data = match read_span(file, base, span) {
+            Ok(bytes) => Arc::new(Span {
+                layer: run[0].layer,
+                offset: base,
+                bytes,
+            }),
+            Err(e) => {
+                tracing::warn!(layer = %run[0].layer, offset = base, error = %e, "cannot read the chunk cache");
+                for c in run {
+                    self.disk.invalidate(&Slot::Chunk {
+                        layer: c.layer,
+                        index: c.index,
+                    });
+                }
+                return none();
+            }
+        };
+        run.iter()
+            .zip(entries)
+            .map(|(c, e)| {
+                let e = e?;
+                let slot = Slot::Chunk {
+                    layer: c.layer,
+                    index: c.index,
+                };
+                let lo = (c.offset - base) as usize;
+                let bytes = data.bytes.slice(lo..lo + c.len as usize);
+                if !e.verified.load(Ordering::Relaxed) {
+                    if Digest::of(&bytes) != c.digest {
+                        tracing::warn!(chunk = %c.digest, layer = %c.layer, offset = c.offset, "cached chunk is corrupt; dropping it");
+                        self.disk.invalidate(&slot);
+                        return None;
+                    }
+                    e.verified.store(true, Ordering::Relaxed);
+                }
+                let span = (run.len() > 1).then(|| data.clone());
+                self.hot.insert(
+                    c.digest,
+                    Hot {
+                        data: bytes.clone(),
+                        span,
+                    },
+                );
+                Some(bytes)
+            })
+            .collect()
+    }
+
+    /// Whether a chunk's content is in memory.
     pub fn is_hot(&self, d: &Digest) -> bool {
         self.hot.contains_key(d)
     }
 
-    /// Whether a chunk is cached (without reading it).
-    pub fn contains(&self, d: &Digest) -> bool {
-        self.hot.contains_key(d) || self.disk.contains_key(d)
+    /// Whether a chunk of this layer is on disk (without reading it).
+    pub fn on_disk(&self, c: &ChunkAt) -> bool {
+        self.disk.contains_key(&Slot::Chunk {
+            layer: c.layer,
+            index: c.index,
+        })
     }
 
-    /// Adds a verified chunk.
-    pub fn put(&self, d: Digest, data: Bytes) -> Result<(), LazyError> {
-        let path = chunk_path(&self.dir, &d);
-        if let Some(parent) = path.parent() {
-            std::fs::create_dir_all(parent).map_err(LazyError::io(parent))?;
-        }
-        // Write aside and rename, so a crash never leaves a truncated chunk under its name.
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::write(&tmp, &data).map_err(LazyError::io(&tmp))?;
-        std::fs::rename(&tmp, &path).map_err(LazyError::io(&path))?;
+    /// Whether a chunk's content is cached anywhere (without reading it).
+    pub fn contains(&self, c: &ChunkAt) -> bool {
+        self.hot.contains_key(&c.digest)
+            || self.on_disk(c)
+            || self
+                .by_digest
+                .lock()
+                .is_ok_and(|m| m.contains_key(&c.digest))
+    }
+
+    /// Writes a verified chunk to its layer's file and indexes it.
+    pub fn put(&self, c: &ChunkAt, data: &Bytes) -> Result<(), LazyError> {
+        let path = layer_path(&self.dir, &c.layer);
+        let file = self.file(&c.layer).ok_or_else(|| {
+            LazyError::Chunk(format!("layer {} is not attached to the cache", c.layer))
+        })?;
+        let _io = self.io.read();
+        file.rw
+            .write_all_at(data, c.offset)
+            .map_err(LazyError::io(&path))?;
+        let slot = Slot::Chunk {
+            layer: c.layer,
+            index: c.index,
+        };
         self.disk.insert(
-            d,
-            Arc::new(DiskEntry {
-                size: data.len() as u64,
-                verified: AtomicBool::new(true),
-            }),
+            slot,
+            self.entry(c.offset, c.len as u64, Some(c.digest), true),
         );
-        self.hot.insert(d, data);
+        self.note_location(c);
+        drop(_io);
+        self.reap();
         Ok(())
+    }
+
+    /// Gives the disk space of evicted chunks back (their ranges become holes again),
+    /// unless the chunk has been cached again since.
+    fn reap(&self) {
+        let queued = match self.evictions.lock() {
+            Ok(mut q) if !q.is_empty() => std::mem::take(&mut *q),
+            _ => return,
+        };
+        let _io = self.io.write();
+        for (slot, e) in queued {
+            if let (Slot::Chunk { layer, index }, Some(d)) = (slot, e.digest) {
+                if self.disk.contains_key(&slot) {
+                    continue;
+                }
+                if let Ok(mut m) = self.by_digest.lock() {
+                    if m.get(&d) == Some(&(layer, index)) {
+                        m.remove(&d);
+                    }
+                }
+            }
+            match self.file(&slot.layer()) {
+                Some(f) => punch_file(&f.rw, e.offset, e.len),
+                None => {
+                    if let Ok(f) = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(layer_path(&self.dir, &slot.layer()))
+                    {
+                        punch_file(&f, e.offset, e.len);
+                    }
+                }
+            }
+        }
     }
 
     /// Writes a chunk a reader was served to disk, once. Chunks fetched only because they
     /// lay near a wanted one, or ahead of a reader, stay in memory until somebody reads
     /// them: the disk gets what sandboxes used, not everything the store sent.
-    pub fn persist(self: &Arc<Self>, d: Digest, data: Bytes, rt: &tokio::runtime::Handle) {
-        // Indexed before it is written, so concurrent readers of the chunk write it once;
-        // a reader finding the index entry before the file falls back to the hot copy or
-        // fetches again.
-        let entry = self.disk.entry(d).or_insert_with(|| {
-            Arc::new(DiskEntry {
-                size: data.len() as u64,
-                verified: AtomicBool::new(true),
-            })
-        });
-        if !entry.is_fresh() {
+    pub fn persist(self: &Arc<Self>, c: ChunkAt, data: Bytes, rt: &tokio::runtime::Handle) {
+        let slot = Slot::Chunk {
+            layer: c.layer,
+            index: c.index,
+        };
+        // Indexed only once written, so a reader never reads a chunk before it is there;
+        // the `writing` set makes concurrent readers of one chunk write it once.
+        if self.disk.contains_key(&slot) || !self.writing.lock().is_ok_and(|mut w| w.insert(slot)) {
             return;
         }
         let cache = self.clone();
         rt.spawn_blocking(move || {
-            if let Err(e) = cache.put(d, data) {
+            if let Err(e) = cache.put(&c, &data) {
                 tracing::warn!(error = %e, "could not write to the chunk cache");
-                cache.disk.invalidate(&d);
+            }
+            if let Ok(mut w) = cache.writing.lock() {
+                w.remove(&slot);
             }
         });
     }
 
     /// Makes a verified chunk readable from memory before it reaches the disk.
     pub fn put_hot(&self, d: Digest, data: Bytes) {
-        self.hot.insert(d, data);
+        self.hot.insert(d, Hot { data, span: None });
     }
 
     /// Evicts least recently used chunks until at most `max_bytes` remain.
     pub fn prune(&self, max_bytes: u64) {
         self.disk.run_pending_tasks();
-        let mut entries: Vec<(Digest, u64)> = self.disk.iter().map(|(d, e)| (*d, e.size)).collect();
-        let mut total: u64 = entries.iter().map(|(_, s)| s).sum();
+        let mut entries: Vec<(Slot, u64, u64)> = self
+            .disk
+            .iter()
+            .map(|(s, e)| (*s, round_up(e.len), e.used.load(Ordering::Relaxed)))
+            .collect();
+        let mut total: u64 = entries.iter().map(|(_, s, _)| s).sum();
         if total <= max_bytes {
             return;
         }
-        // moka iterates in no particular order; file access times give the LRU order.
-        entries.sort_by_key(|(d, _)| {
-            std::fs::metadata(chunk_path(&self.dir, d))
-                .and_then(|m| m.accessed())
-                .ok()
-        });
-        for (d, size) in entries {
+        entries.sort_by_key(|(.., used)| *used);
+        for (slot, size, _) in entries {
             if total <= max_bytes {
                 break;
             }
-            self.hot.invalidate(&d);
-            self.disk.invalidate(&d);
+            self.disk.invalidate(&slot);
             total -= size;
         }
+        self.hot.invalidate_all();
         self.disk.run_pending_tasks();
+        self.reap();
     }
 
     pub fn stats(&self) -> CacheStats {
         self.disk.run_pending_tasks();
+        self.reap();
         CacheStats {
             dir: self.dir.display().to_string(),
             max_bytes: self.max_bytes,
@@ -279,63 +687,266 @@ impl ChunkCache {
     }
 }
 
+/// Reads `len` bytes at `offset` with direct I/O where the file allows it: the bytes go on
+/// to the hot cache and the page cache of the EROFS mount, so a third copy in this file's
+/// page cache would only cost a memory copy and evict something useful.
+fn read_span(file: &LayerFile, offset: u64, len: usize) -> std::io::Result<Bytes> {
+    let Some(direct) = file.direct.as_ref() else {
+        let mut buf = vec![0u8; len];
+        file.rw.read_exact_at(&mut buf, offset)?;
+        return Ok(Bytes::from(buf));
+    };
+    // Direct I/O reads whole blocks into an aligned buffer: read the blocks covering the
+    // span into an aligned window of a slightly larger allocation, then hand out the part
+    // asked for. The blob's size is a multiple of the block, so the blocks are in the file.
+    let first = offset - offset % BLOCK;
+    let blocks = (round_up(offset + len as u64) - first) as usize;
+    let mut buf: Vec<u8> = Vec::with_capacity(blocks + BLOCK as usize);
+    let start = buf.as_ptr().align_offset(BLOCK as usize);
+    let mut got = 0;
+    while got < blocks {
+        // SAFETY: the destination is the buffer's own spare capacity (start + blocks fits
+        // in it); bytes become part of the Vec only once the kernel has written them.
+        let n = unsafe {
+            libc::pread(
+                direct.as_raw_fd(),
+                buf.as_mut_ptr().add(start + got).cast(),
+                blocks - got,
+                (first + got as u64) as i64,
+            )
+        };
+        match n {
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n => got += n as usize,
+        }
+    }
+    // SAFETY: bytes start..start + blocks were written above; the ones before `start` are
+    // never handed out but must be initialized to be in the Vec.
+    unsafe {
+        std::ptr::write_bytes(buf.as_mut_ptr(), 0, start);
+        buf.set_len(start + blocks);
+    }
+    let lo = start + (offset - first) as usize;
+    Ok(Bytes::from(buf).slice(lo..lo + len))
+}
+
+/// Data extents of a file, as (start, end) byte offsets.
+fn data_extents(file: &File) -> std::io::Result<Vec<(u64, u64)>> {
+    let fd = file.as_raw_fd();
+    let size = file.metadata()?.len() as i64;
+    let mut out = Vec::new();
+    let mut pos: i64 = 0;
+    while pos < size {
+        // SAFETY: lseek on a valid fd.
+        let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
+        if data < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENXIO) {
+                break;
+            }
+            return Err(e);
+        }
+        // SAFETY: as above.
+        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
+        if hole < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        out.push((data as u64, hole as u64));
+        pos = hole;
+    }
+    Ok(out)
+}
+
+/// Frees the whole blocks inside `offset..offset + len`. Chunks need not start on a block
+/// (they cut files at content-defined points), and a block shared with a neighbouring
+/// chunk must keep the neighbour's bytes, so it stays allocated.
+fn punch_file(file: &File, offset: u64, len: u64) {
+    let (from, to) = (round_up(offset), (offset + len) / BLOCK * BLOCK);
+    if to <= from {
+        return;
+    }
+    // SAFETY: fallocate on a valid fd with in-range arguments.
+    let r = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+            from as i64,
+            (to - from) as i64,
+        )
+    };
+    if r != 0 {
+        tracing::warn!(offset, len, error = %std::io::Error::last_os_error(), "could not free a cached range");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use strata_store::manifest::{ChunkEntry, MetadataRef};
 
-    #[test]
-    fn only_chunks_served_to_readers_reach_the_disk() {
-        let scratch = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch");
-        std::fs::create_dir_all(&scratch).unwrap();
-        let dir = tempfile::tempdir_in(scratch).unwrap();
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        let c = Arc::new(ChunkCache::open(dir.path(), 1 << 20).unwrap());
-        let (used, neighbour) = (Bytes::from(vec![1u8; 5000]), Bytes::from(vec![2u8; 5000]));
-        c.put_hot(Digest::of(&used), used.clone());
-        c.put_hot(Digest::of(&neighbour), neighbour.clone());
-        c.persist(Digest::of(&used), used.clone(), rt.handle());
-        c.persist(Digest::of(&used), used.clone(), rt.handle());
-        drop(rt); // waits for the write
-        assert!(chunk_path(dir.path(), &Digest::of(&used)).is_file());
-        assert!(!chunk_path(dir.path(), &Digest::of(&neighbour)).exists());
-        assert_eq!(c.get(&Digest::of(&neighbour)).unwrap(), neighbour);
-        assert_eq!(walk(dir.path()), 1);
-    }
-
-    #[test]
-    fn survives_restart_bounded_and_drops_corrupt_files() {
+    fn scratch() -> tempfile::TempDir {
         // On the target disk: the cache refuses tmpfs, which /tmp may be.
         let scratch = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/test-scratch");
         std::fs::create_dir_all(&scratch).unwrap();
-        let dir = tempfile::tempdir_in(scratch).unwrap();
-        let chunks: Vec<Bytes> = (0..8u8).map(|i| Bytes::from(vec![i; 10_000])).collect();
-        {
-            let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
-            for b in &chunks {
-                c.put(Digest::of(b), b.clone()).unwrap();
-            }
-            assert_eq!(c.get(&Digest::of(&chunks[3])).unwrap(), chunks[3]);
-        }
-        // Corrupt one file, then reopen: it is dropped on first use, the others verify.
-        let bad = Digest::of(&chunks[5]);
-        std::fs::write(chunk_path(dir.path(), &bad), b"garbage").unwrap();
-        let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
-        assert_eq!(c.stats().chunks, 8);
-        assert!(c.get(&bad).is_none());
-        assert_eq!(c.get(&Digest::of(&chunks[1])).unwrap(), chunks[1]);
-        // Pruning to 30 KB keeps 3 chunks.
-        c.prune(30_000);
-        let s = c.stats();
-        assert!(s.bytes <= 30_000 && s.chunks == 3, "{s:?}");
-        let files = walk(dir.path());
-        assert_eq!(files, 3, "evicted chunks leave no files");
+        tempfile::tempdir_in(scratch).unwrap()
     }
 
-    fn walk(dir: &Path) -> usize {
+    /// A manifest whose chunks are `data`, back to back as content-defined chunks of one
+    /// file are (so most do not start on a block).
+    fn manifest(seed: u8, data: &[Bytes]) -> LayerManifest {
+        let mut chunks = Vec::new();
+        let mut off = 0;
+        for b in data {
+            chunks.push(ChunkEntry {
+                blob_offset: off,
+                length: b.len() as u32,
+                digest: Digest::of(b),
+                pack: 0,
+                pack_offset: 0,
+                stored_length: 0,
+            });
+            off += b.len() as u64;
+        }
+        LayerManifest {
+            format: strata_store::manifest::FORMAT_VERSION,
+            id: Digest::of(&[seed]),
+            metadata: MetadataRef {
+                digest: Digest::of(&[]),
+                size: 0,
+            },
+            blob_size: round_up(off),
+            logical_bytes: off,
+            files: 1,
+            packs: vec![Digest::of(&[0])],
+            chunks,
+        }
+    }
+
+    fn at(m: &LayerManifest, i: usize) -> ChunkAt {
+        let c = &m.chunks[i];
+        ChunkAt {
+            layer: m.id,
+            index: i as u32,
+            offset: c.blob_offset,
+            len: c.length,
+            digest: c.digest,
+        }
+    }
+
+    fn allocated(dir: &Path) -> u64 {
+        use std::os::unix::fs::MetadataExt;
         std::fs::read_dir(dir)
             .unwrap()
-            .map(|e| e.unwrap().path())
-            .map(|p| if p.is_dir() { walk(&p) } else { 1 })
+            .map(|e| e.unwrap().metadata().unwrap().blocks() * 512)
             .sum()
+    }
+
+    #[test]
+    fn only_chunks_served_to_readers_reach_the_disk() {
+        let dir = scratch();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let c = Arc::new(ChunkCache::open(dir.path(), 1 << 20).unwrap());
+        let (used, neighbour) = (Bytes::from(vec![1u8; 8192]), Bytes::from(vec![2u8; 5000]));
+        let m = manifest(1, &[used.clone(), neighbour.clone()]);
+        c.attach(&m).unwrap();
+        c.put_hot(Digest::of(&used), used.clone());
+        c.put_hot(Digest::of(&neighbour), neighbour.clone());
+        c.persist(at(&m, 0), used.clone(), rt.handle());
+        c.persist(at(&m, 0), used.clone(), rt.handle());
+        drop(rt); // waits for the write
+        assert!(c.on_disk(&at(&m, 0)));
+        assert!(!c.on_disk(&at(&m, 1)));
+        assert_eq!(c.get(&at(&m, 1)).unwrap(), neighbour);
+        assert_eq!(allocated(dir.path()), 8192, "one chunk's blocks");
+        c.hot.invalidate_all();
+        assert_eq!(c.get(&at(&m, 0)).unwrap(), used, "read back from disk");
+        assert!(c.get(&at(&m, 1)).is_none());
+    }
+
+    #[test]
+    fn survives_restart_bounded_and_drops_corrupt_chunks() {
+        let dir = scratch();
+        let chunks: Vec<Bytes> = (0..8u8).map(|i| Bytes::from(vec![i + 1; 10_000])).collect();
+        let m = manifest(2, &chunks);
+        let all: Vec<ChunkAt> = (0..8).map(|i| at(&m, i)).collect();
+        {
+            let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
+            c.attach(&m).unwrap();
+            for (a, b) in all.iter().zip(&chunks) {
+                c.put(a, b).unwrap();
+            }
+            c.hot.invalidate_all();
+            assert_eq!(c.get(&all[3]).unwrap(), chunks[3]);
+            let run = c.load_run(&all);
+            assert!(run.iter().zip(&chunks).all(|(r, b)| r.as_ref() == Some(b)));
+        }
+        // Corrupt one chunk in place, then reopen: it is dropped on first use, the others
+        // verify.
+        let path = layer_path(dir.path(), &m.id);
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(b"garbage", m.chunks[5].blob_offset + 100)
+            .unwrap();
+        drop(f);
+        let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
+        assert_eq!(c.stats().bytes, 81_920, "found on disk before attach");
+        c.attach(&m).unwrap();
+        assert_eq!(c.stats().chunks, 8);
+        assert!(c.get(&all[5]).is_none());
+        assert!(!c.on_disk(&all[5]));
+        for i in [0, 1, 2, 3, 4, 6, 7] {
+            assert_eq!(c.get(&all[i]).unwrap(), chunks[i]);
+        }
+        // Pruning to 40 KB keeps the three most recently used chunks (12 KiB each as
+        // weighed); the evicted ones give back the blocks they alone held, and their
+        // neighbours' bytes in shared blocks stay intact.
+        let before = allocated(dir.path());
+        c.prune(40_000);
+        let s = c.stats();
+        assert!(s.bytes <= 40_000 && s.chunks == 3, "{s:?}");
+        assert!(
+            allocated(dir.path()) < before,
+            "evicted chunks become holes"
+        );
+        c.hot.invalidate_all();
+        for i in [4, 6, 7] {
+            assert_eq!(c.get(&all[i]).unwrap(), chunks[i], "chunk {i} survives");
+        }
+        for i in [0, 1, 2, 3] {
+            assert!(c.get(&all[i]).is_none(), "chunk {i} was evicted");
+        }
+        // After another restart the survivors are found again and still verify.
+        drop(c);
+        let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
+        c.attach(&m).unwrap();
+        for i in [4, 6, 7] {
+            assert_eq!(
+                c.get(&all[i]).unwrap(),
+                chunks[i],
+                "chunk {i} after restart"
+            );
+        }
+    }
+
+    #[test]
+    fn a_chunk_cached_for_one_layer_serves_another() {
+        let dir = scratch();
+        let shared = Bytes::from(vec![7u8; 9000]);
+        let (a, b) = (
+            manifest(3, std::slice::from_ref(&shared)),
+            manifest(4, &[Bytes::from(vec![1u8; 100]), shared.clone()]),
+        );
+        let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
+        c.attach(&a).unwrap();
+        c.attach(&b).unwrap();
+        c.put(&at(&a, 0), &shared).unwrap();
+        c.hot.invalidate_all();
+        assert!(c.contains(&at(&b, 1)) && !c.on_disk(&at(&b, 1)));
+        assert_eq!(c.get(&at(&b, 1)).unwrap(), shared);
     }
 }

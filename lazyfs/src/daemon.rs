@@ -136,6 +136,7 @@ impl Daemon {
             std::fs::write(&tmp, &bytes).map_err(LazyError::io(&tmp))?;
             std::fs::rename(&tmp, &meta_path).map_err(LazyError::io(&meta_path))?;
         }
+        self.cache.attach(&manifest)?;
         let blob = Arc::new(LayerBlob::new(
             manifest,
             self.store.clone(),
