@@ -64,6 +64,8 @@ pub struct Span {
     pub layer: Digest,
     pub offset: u64,
     pub bytes: Bytes,
+    /// How many chunks were cut from it.
+    chunks: usize,
 }
 
 /// What the disk index holds: a chunk of an attached layer, or a stretch of data found in
@@ -403,12 +405,25 @@ impl ChunkCache {
 
     /// A chunk from memory, without touching the disk.
     pub fn get_hot(&self, c: &ChunkAt) -> Option<Hot> {
-        let b = self.hot.get(&c.digest)?;
+        let mut h = self.hot.get(&c.digest)?;
         self.touch(&Slot::Chunk {
             layer: c.layer,
             index: c.index,
         });
-        Some(b)
+        // A chunk still in use after most of its span's chunks left memory would keep the
+        // whole span's buffer alive (the cache weighs chunks, not buffers): it moves to a
+        // buffer of its own. Each hot entry of the span holds one reference, `h` another.
+        if h.span
+            .as_ref()
+            .is_some_and(|s| (Arc::strong_count(s) - 1) * 2 <= s.chunks)
+        {
+            h = Hot {
+                data: Bytes::copy_from_slice(&h.data),
+                span: None,
+            };
+            self.hot.insert(c.digest, h.clone());
+        }
+        Some(h)
     }
 
     /// A cached chunk, verified: from memory, this layer's file, or another layer's file
@@ -497,6 +512,7 @@ impl ChunkCache {
                 layer: run[0].layer,
                 offset: base,
                 bytes,
+                chunks: run.len(),
             }),
             Err(e) => {
                 tracing::warn!(layer = %run[0].layer, offset = base, error = %e, "cannot read the chunk cache");
@@ -931,6 +947,36 @@ mod tests {
                 "chunk {i} after restart"
             );
         }
+    }
+
+    #[test]
+    fn a_run_shares_one_buffer_until_most_of_it_left_memory() {
+        let dir = scratch();
+        let chunks: Vec<Bytes> = (0..4u8).map(|i| Bytes::from(vec![i + 1; 6000])).collect();
+        let m = manifest(5, &chunks);
+        let all: Vec<ChunkAt> = (0..4).map(|i| at(&m, i)).collect();
+        let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
+        c.attach(&m).unwrap();
+        for (a, b) in all.iter().zip(&chunks) {
+            c.put(a, b).unwrap();
+        }
+        c.hot.invalidate_all();
+        c.load_run(&all);
+        let span = c.get_hot(&all[0]).unwrap().span.expect("loaded as one run");
+        assert_eq!(span.bytes.len(), 24_000);
+        assert_eq!(&span.bytes[6000..12_000], &chunks[1][..]);
+        assert!(Arc::ptr_eq(
+            &span,
+            &c.get_hot(&all[3]).unwrap().span.unwrap()
+        ));
+        drop(span);
+        for a in &all[..2] {
+            c.hot.invalidate(&a.digest);
+        }
+        c.hot.run_pending_tasks();
+        let last = c.get_hot(&all[3]).unwrap();
+        assert!(last.span.is_none(), "moved to its own buffer");
+        assert_eq!(last.data, chunks[3]);
     }
 
     #[test]
