@@ -229,11 +229,29 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
     }
     let rt = runtime();
     let work = tempfile::tempdir_in(scratch_root()).unwrap();
-    let (src, _id, mut daemon, mnt) = mounted(&rt, work.path(), "3s");
+    let (src, id, mut daemon, mnt) = mounted(&rt, work.path(), "3s");
     let home = work.path().join("home");
-    assert_eq!(
-        std::fs::read(mnt.join("small.txt")).unwrap(),
-        b"hello, layer\n"
+    let ignore = || Ignore {
+        root_meta: true,
+        ..Default::default()
+    };
+    // Every file read once, so every chunk was served and goes to the disk cache (written
+    // in the background: wait until the cache stops growing).
+    assert_same_tree(&src, &mnt, ignore());
+    let cached = || -> u64 {
+        let o = daemon.cli(&["cache", "stats", "--json"]);
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        v["bytes"].as_u64().unwrap()
+    };
+    let mut last = u64::MAX;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cached() != last && Instant::now() < deadline {
+        last = cached();
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    assert!(
+        last > 3 << 20,
+        "the read chunks reached the disk cache: {last}"
     );
 
     daemon.kill9();
@@ -255,16 +273,17 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
         .unwrap();
     assert!(t.elapsed() < Duration::from_secs(15));
 
-    // A new daemon reaps the dead mounts and restores the layer at the same place.
+    // A new daemon reaps the dead mounts and restores the layer at the same place, and
+    // serves what the dead one cached from its disk (re-verified), fetching nothing.
     daemon.spawn("3s");
-    assert_same_tree(
-        &src,
-        &mnt,
-        Ignore {
-            root_meta: true,
-            ..Default::default()
-        },
+    assert_same_tree(&src, &mnt, ignore());
+    let s = daemon.stats(&id);
+    assert_eq!(
+        s["fetched_bytes"].as_u64(),
+        Some(0),
+        "a restarted daemon reuses its disk cache: {s}"
     );
+    assert!(s["cache_hits"].as_u64().unwrap() > 0, "{s}");
     let fuse_mounts: Vec<_> = mounts_under(&home.join("lazyfs/fuse"));
     assert_eq!(
         fuse_mounts.len(),
