@@ -284,6 +284,11 @@ impl ChunkCache {
             .truncate(false)
             .open(&path)
             .map_err(LazyError::io(&path))?;
+        // Exclusive of reads, writes and punching until the file is indexed and attached;
+        // evictions already queued (this layer's found stretches among them) are punched
+        // first, so none lands on a chunk indexed below.
+        let _io = self.io.write();
+        self.punch_queued();
         let size = rw.metadata().map_err(LazyError::io(&path))?.len();
         if size != m.blob_size {
             // New, or not this layer's shape: start empty.
@@ -342,7 +347,6 @@ impl ChunkCache {
                 }
             }
             // Punch what is data but no whole chunk.
-            let _io = self.io.write();
             let mut ci = 0;
             for (start, end) in extents {
                 let mut pos = start;
@@ -362,6 +366,7 @@ impl ChunkCache {
         if let Ok(mut f) = self.files.write() {
             f.insert(layer, file);
         }
+        drop(_io);
         self.disk.run_pending_tasks();
         Ok(())
     }
@@ -606,12 +611,24 @@ impl ChunkCache {
     /// Gives the disk space of evicted chunks back (their ranges become holes again),
     /// unless the chunk has been cached again since.
     fn reap(&self) {
-        let queued = match self.evictions.lock() {
-            Ok(mut q) if !q.is_empty() => std::mem::take(&mut *q),
-            _ => return,
-        };
+        if self.evictions.lock().is_ok_and(|q| q.is_empty()) {
+            return;
+        }
         let _io = self.io.write();
+        self.punch_queued();
+    }
+
+    /// [`Self::reap`] with `io` held exclusively. A stretch found at start-up whose layer
+    /// has attached since is left alone: attaching indexed its chunks.
+    fn punch_queued(&self) {
+        let queued = match self.evictions.lock() {
+            Ok(mut q) => std::mem::take(&mut *q),
+            Err(_) => return,
+        };
         for (slot, e) in queued {
+            if matches!(slot, Slot::Found { layer, .. } if self.file(&layer).is_some()) {
+                continue;
+            }
             if let (Slot::Chunk { layer, index }, Some(d)) = (slot, e.digest) {
                 if self.disk.contains_key(&slot) {
                     continue;

@@ -367,7 +367,7 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
     cfg.paths.root =
         std::fs::canonicalize(&cfg.paths.root).map_err(LazyError::io(&cfg.paths.root))?;
     let paths = cfg.paths.clone();
-    let lock = paths.run_dir().join("daemon.lock");
+    let lock = paths.lock_file();
     let lock_file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)

@@ -78,6 +78,10 @@ impl Paths {
     pub fn log_file(&self) -> PathBuf {
         self.run_dir().join("daemon.log")
     }
+    /// Held (flock) by the running daemon for as long as its process lives.
+    pub fn lock_file(&self) -> PathBuf {
+        self.run_dir().join("daemon.lock")
+    }
     /// The FUSE mount point; blob files are `<fuse_dir>/<layer id>`.
     pub fn fuse_dir(&self) -> PathBuf {
         self.root.join("fuse")
@@ -100,6 +104,31 @@ impl Paths {
     }
     pub fn cache_dir(&self) -> PathBuf {
         self.root.join("cache")
+    }
+}
+
+/// Waits up to `wait` until no daemon holds the lock (one asked to shut down has finished
+/// unmounting, saving and writing, and exited).
+pub fn wait_stopped(paths: &Paths, wait: Duration) -> Result<(), LazyError> {
+    use std::os::fd::AsRawFd;
+    let lock = paths.lock_file();
+    let deadline = Instant::now() + wait;
+    loop {
+        let Ok(f) = std::fs::File::open(&lock) else {
+            return Ok(());
+        };
+        // SAFETY: flock on a valid fd; the probe's lock goes with `f`.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(LazyError::Daemon(format!(
+                "the daemon holding {} did not exit within {wait:?}; see {}",
+                lock.display(),
+                paths.log_file().display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -232,5 +232,8 @@ pub async fn stop() -> Result<i32> {
         return Ok(0);
     }
     call(Reach::Running, Request::Shutdown).await?;
+    // Returns once the daemon is gone, so a caller may clear its directories or start
+    // another at once.
+    strata_lazyfs::wait_stopped(&paths(), Duration::from_secs(120))?;
     Ok(0)
 }
