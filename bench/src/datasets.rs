@@ -190,7 +190,15 @@ pub fn run(scratch: &Path, repo: &Path, quick: bool) -> Result<Section> {
         let mut size = 0u64;
         let mut parts = Vec::new();
         for (role, layer) in entry.layers() {
-            let stats = env.json(&["layer", "stats", layer, "--json"])?;
+            let stats = env
+                .json(&["layer", "stats", layer, "--json"])
+                .with_context(|| {
+                    format!(
+                        "after `strata run {reference}` ({}): {}",
+                        lazy.status,
+                        String::from_utf8_lossy(&lazy.stderr).trim()
+                    )
+                })?;
             let inspected = env.json(&["layer", "inspect", layer, "--json"])?;
             let f = stats["fetched_bytes"].as_u64().unwrap_or(0);
             let s = inspected["blob_bytes"].as_u64().unwrap_or(0);
