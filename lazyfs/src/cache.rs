@@ -872,6 +872,25 @@ mod tests {
         }
     }
 
+    /// A cache in `dir` holding `n` chunks of `len` bytes of one layer, on disk only.
+    fn filled(
+        dir: &Path,
+        seed: u8,
+        n: u8,
+        len: usize,
+    ) -> (ChunkCache, LayerManifest, Vec<Bytes>, Vec<ChunkAt>) {
+        let chunks: Vec<Bytes> = (0..n).map(|i| Bytes::from(vec![i + 1; len])).collect();
+        let m = manifest(seed, &chunks);
+        let all: Vec<ChunkAt> = (0..chunks.len()).map(|i| at(&m, i)).collect();
+        let c = ChunkCache::open(dir, 1 << 20).unwrap();
+        c.attach(&m).unwrap();
+        for (a, b) in all.iter().zip(&chunks) {
+            c.put(a, b).unwrap();
+        }
+        c.hot.invalidate_all();
+        (c, m, chunks, all)
+    }
+
     fn allocated(dir: &Path) -> u64 {
         use std::os::unix::fs::MetadataExt;
         std::fs::read_dir(dir)
@@ -905,20 +924,11 @@ mod tests {
     #[test]
     fn survives_restart_bounded_and_drops_corrupt_chunks() {
         let dir = scratch();
-        let chunks: Vec<Bytes> = (0..8u8).map(|i| Bytes::from(vec![i + 1; 10_000])).collect();
-        let m = manifest(2, &chunks);
-        let all: Vec<ChunkAt> = (0..8).map(|i| at(&m, i)).collect();
-        {
-            let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
-            c.attach(&m).unwrap();
-            for (a, b) in all.iter().zip(&chunks) {
-                c.put(a, b).unwrap();
-            }
-            c.hot.invalidate_all();
-            assert_eq!(c.get(&all[3]).unwrap(), chunks[3]);
-            let run = c.load_run(&all);
-            assert!(run.iter().zip(&chunks).all(|(r, b)| r.as_ref() == Some(b)));
-        }
+        let (c, m, chunks, all) = filled(dir.path(), 2, 8, 10_000);
+        assert_eq!(c.get(&all[3]).unwrap(), chunks[3]);
+        let run = c.load_run(&all);
+        assert!(run.iter().zip(&chunks).all(|(r, b)| r.as_ref() == Some(b)));
+        drop(c);
         // Corrupt one chunk in place, then reopen: it is dropped on first use, the others
         // verify.
         let path = layer_path(dir.path(), &m.id);
@@ -969,15 +979,7 @@ mod tests {
     #[test]
     fn a_run_shares_one_buffer_until_most_of_it_left_memory() {
         let dir = scratch();
-        let chunks: Vec<Bytes> = (0..4u8).map(|i| Bytes::from(vec![i + 1; 6000])).collect();
-        let m = manifest(5, &chunks);
-        let all: Vec<ChunkAt> = (0..4).map(|i| at(&m, i)).collect();
-        let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
-        c.attach(&m).unwrap();
-        for (a, b) in all.iter().zip(&chunks) {
-            c.put(a, b).unwrap();
-        }
-        c.hot.invalidate_all();
+        let (c, _, chunks, all) = filled(dir.path(), 5, 4, 6000);
         c.load_run(&all);
         let span = c.get_hot(&all[0]).unwrap().span.expect("loaded as one run");
         assert_eq!(span.bytes.len(), 24_000);
