@@ -124,14 +124,7 @@ impl LayerBlob {
 
     /// Chunk `i` as the cache names it.
     fn at(&self, i: usize) -> ChunkAt {
-        let c = &self.manifest.chunks[i];
-        ChunkAt {
-            layer: self.manifest.id,
-            index: i as u32,
-            offset: c.blob_offset,
-            len: c.length,
-            digest: c.digest,
-        }
+        ChunkAt::of(&self.manifest, i)
     }
 
     pub fn id(&self) -> Digest {
@@ -166,7 +159,8 @@ impl LayerBlob {
             let from = offset.max(c.blob_offset);
             let to = end.min(c.blob_offset + c.length as u64);
             let (lo, n) = ((from - c.blob_offset) as usize, (to - from) as usize);
-            let (chunk, span) = match self.cache.get_hot(&self.at(i)) {
+            let at = self.at(i);
+            let (chunk, span) = match self.cache.get_hot(&at) {
                 Some(hot) => {
                     self.counters.hits.fetch_add(1, Ordering::Relaxed);
                     (hot.data, hot.span)
@@ -185,7 +179,7 @@ impl LayerBlob {
                 _ => None,
             };
             parts.push((from, chunk.slice(lo..lo + n)));
-            self.cache.persist(self.at(i), chunk, &self.rt);
+            self.cache.persist(at, chunk, &self.rt);
             i += 1;
         }
         // Read ahead only for sequential readers (the kernel reading a large file in
@@ -241,22 +235,22 @@ impl LayerBlob {
         self.foreground.fetch_sub(1, Ordering::Relaxed);
         let (data, from) = r?;
         let counter = match from {
-            Source::Cache => &self.counters.hits,
-            Source::Store => &self.counters.misses,
+            Origin::Cache => &self.counters.hits,
+            Origin::Store => &self.counters.misses,
         };
         counter.fetch_add(1, Ordering::Relaxed);
         Ok(data)
     }
 
     /// Chunk `i` from the cache or the store, loaded once however many readers want it.
-    pub(crate) async fn load(self: &Arc<Self>, i: usize) -> Result<(Bytes, Source), LazyError> {
+    pub(crate) async fn load(self: &Arc<Self>, i: usize) -> Result<(Bytes, Origin), LazyError> {
         let d = self.manifest.chunks[i].digest;
         let flight = self.cache.flight(&d);
         let _guard = flight.lock().await;
         let cached = tokio::task::block_in_place(|| self.cache.get(&self.at(i)));
         let r = match cached {
-            Some(b) => Ok((b, Source::Cache)),
-            None => self.fetch(i).await.map(|b| (b, Source::Store)),
+            Some(b) => Ok((b, Origin::Cache)),
+            None => self.fetch(i).await.map(|b| (b, Origin::Store)),
         };
         drop(_guard);
         self.cache.land(&d, flight);
@@ -394,8 +388,8 @@ impl LayerBlob {
         })
     }
 
-    /// Starts background loads (from disk or the store) of the chunks after a read, up to
-    /// [`READAHEAD`] bytes.
+    /// Starts background loads of the chunks after a sequential read: from this layer's
+    /// cache file up to [`LOCAL_READAHEAD`] ahead, from the store up to [`READAHEAD`].
     fn readahead(self: &Arc<Self>, next: usize, read_end: u64) {
         // Chunks in this layer's cache file: far ahead, in reads of a few MiB issued at
         // once, the readahead a local block device would get from the kernel.
@@ -512,7 +506,7 @@ impl LayerBlob {
 }
 
 /// Where a loaded chunk came from.
-pub(crate) enum Source {
+pub(crate) enum Origin {
     Cache,
     Store,
 }

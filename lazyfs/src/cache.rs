@@ -50,6 +50,20 @@ pub struct ChunkAt {
     pub digest: Digest,
 }
 
+impl ChunkAt {
+    /// Chunk `i` of a layer's chunk table.
+    pub fn of(m: &LayerManifest, i: usize) -> ChunkAt {
+        let c = &m.chunks[i];
+        ChunkAt {
+            layer: m.id,
+            index: i as u32,
+            offset: c.blob_offset,
+            len: c.length,
+            digest: c.digest,
+        }
+    }
+}
+
 /// A chunk in memory. Chunks loaded together from a layer's cache file share one buffer,
 /// the `span` read: a read of the blob across several of them is a view of that buffer,
 /// not a copy.
@@ -300,18 +314,7 @@ impl ChunkCache {
             .custom_flags(libc::O_DIRECT)
             .open(&path)
             .ok();
-        let chunks: Vec<ChunkAt> = m
-            .chunks
-            .iter()
-            .enumerate()
-            .map(|(i, c)| ChunkAt {
-                layer,
-                index: i as u32,
-                offset: c.blob_offset,
-                len: c.length,
-                digest: c.digest,
-            })
-            .collect();
+        let chunks: Vec<ChunkAt> = (0..m.chunks.len()).map(|i| ChunkAt::of(m, i)).collect();
 
         // Stretches found at start-up give way to the chunks they hold.
         let found: Vec<(Slot, Arc<DiskEntry>)> = self
@@ -861,17 +864,6 @@ mod tests {
         }
     }
 
-    fn at(m: &LayerManifest, i: usize) -> ChunkAt {
-        let c = &m.chunks[i];
-        ChunkAt {
-            layer: m.id,
-            index: i as u32,
-            offset: c.blob_offset,
-            len: c.length,
-            digest: c.digest,
-        }
-    }
-
     /// A cache in `dir` holding `n` chunks of `len` bytes of one layer, on disk only.
     fn filled(
         dir: &Path,
@@ -881,7 +873,7 @@ mod tests {
     ) -> (ChunkCache, LayerManifest, Vec<Bytes>, Vec<ChunkAt>) {
         let chunks: Vec<Bytes> = (0..n).map(|i| Bytes::from(vec![i + 1; len])).collect();
         let m = manifest(seed, &chunks);
-        let all: Vec<ChunkAt> = (0..chunks.len()).map(|i| at(&m, i)).collect();
+        let all: Vec<ChunkAt> = (0..chunks.len()).map(|i| ChunkAt::of(&m, i)).collect();
         let c = ChunkCache::open(dir, 1 << 20).unwrap();
         c.attach(&m).unwrap();
         for (a, b) in all.iter().zip(&chunks) {
@@ -909,16 +901,20 @@ mod tests {
         c.attach(&m).unwrap();
         c.put_hot(Digest::of(&used), used.clone());
         c.put_hot(Digest::of(&neighbour), neighbour.clone());
-        c.persist(at(&m, 0), used.clone(), rt.handle());
-        c.persist(at(&m, 0), used.clone(), rt.handle());
+        c.persist(ChunkAt::of(&m, 0), used.clone(), rt.handle());
+        c.persist(ChunkAt::of(&m, 0), used.clone(), rt.handle());
         drop(rt); // waits for the write
-        assert!(c.on_disk(&at(&m, 0)));
-        assert!(!c.on_disk(&at(&m, 1)));
-        assert_eq!(c.get(&at(&m, 1)).unwrap(), neighbour);
+        assert!(c.on_disk(&ChunkAt::of(&m, 0)));
+        assert!(!c.on_disk(&ChunkAt::of(&m, 1)));
+        assert_eq!(c.get(&ChunkAt::of(&m, 1)).unwrap(), neighbour);
         assert_eq!(allocated(dir.path()), 8192, "one chunk's blocks");
         c.hot.invalidate_all();
-        assert_eq!(c.get(&at(&m, 0)).unwrap(), used, "read back from disk");
-        assert!(c.get(&at(&m, 1)).is_none());
+        assert_eq!(
+            c.get(&ChunkAt::of(&m, 0)).unwrap(),
+            used,
+            "read back from disk"
+        );
+        assert!(c.get(&ChunkAt::of(&m, 1)).is_none());
     }
 
     #[test]
@@ -1009,9 +1005,9 @@ mod tests {
         let c = ChunkCache::open(dir.path(), 1 << 20).unwrap();
         c.attach(&a).unwrap();
         c.attach(&b).unwrap();
-        c.put(&at(&a, 0), &shared).unwrap();
+        c.put(&ChunkAt::of(&a, 0), &shared).unwrap();
         c.hot.invalidate_all();
-        assert!(c.contains(&at(&b, 1)) && !c.on_disk(&at(&b, 1)));
-        assert_eq!(c.get(&at(&b, 1)).unwrap(), shared);
+        assert!(c.contains(&ChunkAt::of(&b, 1)) && !c.on_disk(&ChunkAt::of(&b, 1)));
+        assert_eq!(c.get(&ChunkAt::of(&b, 1)).unwrap(), shared);
     }
 }
