@@ -78,8 +78,9 @@ pub struct Span {
     pub layer: Digest,
     pub offset: u64,
     pub bytes: Bytes,
-    /// How many chunks were cut from it.
+    /// How many chunks were cut from it, and how many of those are still in memory.
     chunks: usize,
+    live: std::sync::atomic::AtomicUsize,
 }
 
 /// What the disk index holds: a chunk of an attached layer, or a stretch of data found in
@@ -202,6 +203,11 @@ impl ChunkCache {
         let hot = moka::sync::Cache::builder()
             .max_capacity(HOT_BYTES.min(max_bytes))
             .weigher(|_: &Digest, h: &Hot| h.data.len().min(u32::MAX as usize) as u32)
+            .eviction_listener(|_: Arc<Digest>, h: Hot, _| {
+                if let Some(s) = h.span {
+                    s.live.fetch_sub(1, Ordering::Relaxed);
+                }
+            })
             .eviction_policy(EvictionPolicy::lru())
             .build();
         let cache = ChunkCache {
@@ -420,10 +426,10 @@ impl ChunkCache {
         });
         // A chunk still in use after most of its span's chunks left memory would keep the
         // whole span's buffer alive (the cache weighs chunks, not buffers): it moves to a
-        // buffer of its own. Each hot entry of the span holds one reference, `h` another.
+        // buffer of its own.
         if h.span
             .as_ref()
-            .is_some_and(|s| (Arc::strong_count(s) - 1) * 2 <= s.chunks)
+            .is_some_and(|s| s.live.load(Ordering::Relaxed) * 2 <= s.chunks)
         {
             h = Hot {
                 data: Bytes::copy_from_slice(&h.data),
@@ -521,6 +527,7 @@ impl ChunkCache {
                 offset: base,
                 bytes,
                 chunks: run.len(),
+                live: Default::default(),
             }),
             Err(e) => {
                 tracing::warn!(layer = %run[0].layer, offset = base, error = %e, "cannot read the chunk cache");
@@ -551,7 +558,10 @@ impl ChunkCache {
                     }
                     e.verified.store(true, Ordering::Relaxed);
                 }
-                let span = (run.len() > 1).then(|| data.clone());
+                let span = (run.len() > 1).then(|| {
+                    data.live.fetch_add(1, Ordering::Relaxed);
+                    data.clone()
+                });
                 self.hot.insert(
                     c.digest,
                     Hot {
