@@ -62,6 +62,13 @@ impl ChunkAt {
             digest: c.digest,
         }
     }
+
+    fn slot(&self) -> Slot {
+        Slot::Chunk {
+            layer: self.layer,
+            index: self.index,
+        }
+    }
 }
 
 /// A chunk in memory. Chunks loaded together from a layer's cache file share one buffer,
@@ -119,7 +126,6 @@ struct LayerFile {
     rw: File,
     /// Direct I/O, for reads (None where the filesystem refuses O_DIRECT).
     direct: Option<File>,
-    chunks: Vec<ChunkAt>,
 }
 
 /// Serializes fetches of one chunk, so concurrent readers of a missing chunk fetch it once.
@@ -150,7 +156,7 @@ pub struct ChunkCache {
     hot: moka::sync::Cache<Digest, Hot>,
     files: RwLock<HashMap<Digest, Arc<LayerFile>>>,
     /// Where a chunk's content is on disk, whichever layer it was cached for.
-    by_digest: Mutex<HashMap<Digest, (Digest, u32)>>,
+    by_digest: Mutex<HashMap<Digest, ChunkAt>>,
     /// Entries moka evicted whose bytes are still to be punched out (see [`Self::reap`]).
     evictions: Evictions,
     /// Reads and writes of cache files hold it shared, punching holds it exclusive: a
@@ -320,7 +326,6 @@ impl ChunkCache {
             .custom_flags(libc::O_DIRECT)
             .open(&path)
             .ok();
-        let chunks: Vec<ChunkAt> = (0..m.chunks.len()).map(|i| ChunkAt::of(m, i)).collect();
 
         // Stretches found at start-up give way to the chunks they hold.
         let found: Vec<(Slot, Arc<DiskEntry>)> = self
@@ -337,21 +342,17 @@ impl ChunkCache {
             let extents = data_extents(&rw).map_err(LazyError::io(&path))?;
             let mut covered = Vec::new();
             let mut k = 0;
-            for c in &chunks {
+            for c in (0..m.chunks.len()).map(|i| ChunkAt::of(m, i)) {
                 let end = c.offset + c.len as u64;
                 while k < extents.len() && extents[k].1 <= c.offset {
                     k += 1;
                 }
                 if k < extents.len() && extents[k].0 <= c.offset && end <= extents[k].1 {
-                    let slot = Slot::Chunk {
-                        layer,
-                        index: c.index,
-                    };
                     self.disk.insert(
-                        slot,
+                        c.slot(),
                         self.entry(c.offset, c.len as u64, Some(c.digest), false),
                     );
-                    self.note_location(c);
+                    self.note_location(&c);
                     covered.push((c.offset, round_up(end)));
                 }
             }
@@ -371,7 +372,7 @@ impl ChunkCache {
                 }
             }
         }
-        let file = Arc::new(LayerFile { rw, direct, chunks });
+        let file = Arc::new(LayerFile { rw, direct });
         if let Ok(mut f) = self.files.write() {
             f.insert(layer, file);
         }
@@ -382,7 +383,7 @@ impl ChunkCache {
 
     fn note_location(&self, c: &ChunkAt) {
         if let Ok(mut m) = self.by_digest.lock() {
-            m.entry(c.digest).or_insert((c.layer, c.index));
+            m.entry(c.digest).or_insert(*c);
         }
     }
 
@@ -408,22 +409,22 @@ impl ChunkCache {
         }
     }
 
-    fn touch(&self, slot: &Slot) -> Option<Arc<DiskEntry>> {
-        let e = self.disk.get(slot)?;
+    /// Marks a disk entry used now; false if there is none.
+    fn touch(&self, slot: &Slot) -> bool {
+        let Some(e) = self.disk.get(slot) else {
+            return false;
+        };
         e.used.store(
             self.clock.fetch_add(1, Ordering::Relaxed),
             Ordering::Relaxed,
         );
-        Some(e)
+        true
     }
 
     /// A chunk from memory, without touching the disk.
     pub fn get_hot(&self, c: &ChunkAt) -> Option<Hot> {
         let mut h = self.hot.get(&c.digest)?;
-        self.touch(&Slot::Chunk {
-            layer: c.layer,
-            index: c.index,
-        });
+        self.touch(&c.slot());
         // A chunk still in use after most of its span's chunks left memory would keep the
         // whole span's buffer alive (the cache weighs chunks, not buffers): it moves to a
         // buffer of its own.
@@ -446,17 +447,14 @@ impl ChunkCache {
         if let Some(h) = self.get_hot(c) {
             return Some(h.data);
         }
-        let mine = Slot::Chunk {
-            layer: c.layer,
-            index: c.index,
-        };
-        if self.touch(&mine).is_some() {
+        if self.touch(&c.slot()) {
             return self.load_run(&[*c]).into_iter().next().flatten();
         }
-        // Same content cached for another layer: read it there, always verified.
-        let (layer, index) = self.by_digest.lock().ok()?.get(&c.digest).copied()?;
-        let other = self.file(&layer)?.chunks.get(index as usize).copied()?;
-        self.touch(&Slot::Chunk { layer, index })?;
+        // Same content cached for another layer: read it there (verified as that layer's).
+        let other = self.by_digest.lock().ok()?.get(&c.digest).copied()?;
+        if !self.touch(&other.slot()) {
+            return None;
+        }
         self.load_run(&[other]).into_iter().next().flatten()
     }
 
@@ -509,15 +507,8 @@ impl ChunkCache {
         span: usize,
     ) -> Vec<Option<Bytes>> {
         let none = || run.iter().map(|_| None).collect();
-        let entries: Vec<Option<Arc<DiskEntry>>> = run
-            .iter()
-            .map(|c| {
-                self.disk.get(&Slot::Chunk {
-                    layer: c.layer,
-                    index: c.index,
-                })
-            })
-            .collect();
+        let entries: Vec<Option<Arc<DiskEntry>>> =
+            run.iter().map(|c| self.disk.get(&c.slot())).collect();
         if entries.iter().all(Option::is_none) {
             return none();
         }
@@ -532,10 +523,7 @@ impl ChunkCache {
             Err(e) => {
                 tracing::warn!(layer = %run[0].layer, offset = base, error = %e, "cannot read the chunk cache");
                 for c in run {
-                    self.disk.invalidate(&Slot::Chunk {
-                        layer: c.layer,
-                        index: c.index,
-                    });
+                    self.disk.invalidate(&c.slot());
                 }
                 return none();
             }
@@ -544,10 +532,7 @@ impl ChunkCache {
             .zip(entries)
             .map(|(c, e)| {
                 let e = e?;
-                let slot = Slot::Chunk {
-                    layer: c.layer,
-                    index: c.index,
-                };
+                let slot = c.slot();
                 let lo = (c.offset - base) as usize;
                 let bytes = data.bytes.slice(lo..lo + c.len as usize);
                 if !e.verified.load(Ordering::Relaxed) {
@@ -581,10 +566,7 @@ impl ChunkCache {
 
     /// Whether a chunk of this layer is on disk (without reading it).
     pub fn on_disk(&self, c: &ChunkAt) -> bool {
-        self.disk.contains_key(&Slot::Chunk {
-            layer: c.layer,
-            index: c.index,
-        })
+        self.disk.contains_key(&c.slot())
     }
 
     /// Whether a chunk's content is cached anywhere (without reading it).
@@ -607,10 +589,7 @@ impl ChunkCache {
         file.rw
             .write_all_at(data, c.offset)
             .map_err(LazyError::io(&path))?;
-        let slot = Slot::Chunk {
-            layer: c.layer,
-            index: c.index,
-        };
+        let slot = c.slot();
         self.disk.insert(
             slot,
             self.entry(c.offset, c.len as u64, Some(c.digest), true),
@@ -642,12 +621,12 @@ impl ChunkCache {
             if matches!(slot, Slot::Found { layer, .. } if self.file(&layer).is_some()) {
                 continue;
             }
-            if let (Slot::Chunk { layer, index }, Some(d)) = (slot, e.digest) {
+            if let (Slot::Chunk { .. }, Some(d)) = (slot, e.digest) {
                 if self.disk.contains_key(&slot) {
                     continue;
                 }
                 if let Ok(mut m) = self.by_digest.lock() {
-                    if m.get(&d) == Some(&(layer, index)) {
+                    if m.get(&d).is_some_and(|c| c.slot() == slot) {
                         m.remove(&d);
                     }
                 }
@@ -670,10 +649,7 @@ impl ChunkCache {
     /// lay near a wanted one, or ahead of a reader, stay in memory until somebody reads
     /// them: the disk gets what sandboxes used, not everything the store sent.
     pub fn persist(self: &Arc<Self>, c: ChunkAt, data: Bytes, rt: &tokio::runtime::Handle) {
-        let slot = Slot::Chunk {
-            layer: c.layer,
-            index: c.index,
-        };
+        let slot = c.slot();
         // Indexed only once written, so a reader never reads a chunk before it is there;
         // the `writing` set makes concurrent readers of one chunk write it once.
         if self.disk.contains_key(&slot) || !self.writing.lock().is_ok_and(|mut w| w.insert(slot)) {
