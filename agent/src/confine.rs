@@ -1,12 +1,22 @@
-//! Turning the agent into the confined init of a sandbox: the root filesystem, /proc,
-//! /dev and /sys inside it, the pivot, then the restrictions every command inherits.
+//! Confinement: turning the agent into the confined init of a function-call sandbox (the
+//! root filesystem, /proc, /dev and /sys inside it, the pivot, then the restrictions every
+//! command inherits), and the [`Jail`] each command enters between fork and exec.
+//!
+//! The jail is what keeps a command away from the agent and from other commands: a
+//! Landlock domain of its own per exec (a process may only ptrace, read the memory of, or,
+//! where the kernel scopes signals, signal processes of its own domain or one nested in
+//! it, so not the agent and not another exec's processes), every inherited descriptor
+//! closed at exec, and, in a VM guest, where the agent itself stays privileged, the
+//! capabilities, `no_new_privs`, Landlock filesystem rules and seccomp filter a fncall
+//! agent applies to itself.
 
 use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::Path;
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
-use strata_agent::policy::{DENIED_SYSCALLS, KEPT_CAPS};
+use strata_agent_proto::policy::{DENIED_SYSCALLS, KEPT_CAPS};
 
 const LAST_CAP: u32 = 40;
 
@@ -26,9 +36,15 @@ pub fn enter(rootfs: &Path, hostname: &str) -> Result<(), String> {
     nix::unistd::sethostname(hostname).map_err(|e| format!("sethostname: {e}"))?;
     loopback_up()?;
     limit_resources()?;
-    drop_capabilities()?;
-    landlock_filesystem()?;
-    seccomp_filter()?;
+    drop_capabilities().map_err(|e| format!("dropping capabilities: {e}"))?;
+    if landlock_usable() {
+        filesystem_rules()?
+            .restrict_self()
+            .map_err(|e| format!("landlock: {e}"))?;
+    }
+    for prog in seccomp_programs()? {
+        seccompiler::apply_filter(&prog).map_err(|e| format!("seccomp: {e}"))?;
+    }
     Ok(())
 }
 
@@ -193,20 +209,34 @@ struct CapData {
     inheritable: u32,
 }
 
-fn drop_capabilities() -> Result<(), String> {
+/// Drops every capability but the shared policy's, from the bounding set too. Allocates
+/// nothing, so a forked child may call it before exec.
+fn drop_capabilities() -> std::io::Result<()> {
+    drop_bounding()?;
+    keep_policy_caps()
+}
+
+/// Removes every capability but the policy's from the bounding set: no later exec, of a
+/// set-user-ID file or not, gets one back.
+fn drop_bounding() -> std::io::Result<()> {
     for cap in 0..=LAST_CAP {
         if KEPT_CAPS.iter().any(|(_, c)| *c == cap) {
             continue;
         }
         // SAFETY: PR_CAPBSET_DROP takes a capability number; EINVAL for caps this kernel lacks.
         let r = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
-        if r != 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
-            return Err(format!(
-                "dropping capability {cap}: {}",
-                std::io::Error::last_os_error()
-            ));
+        if r != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(e);
+            }
         }
     }
+    Ok(())
+}
+
+/// Sets the effective and permitted sets to the policy's, nothing inheritable.
+fn keep_policy_caps() -> std::io::Result<()> {
     let mut mask = [0u32; 2];
     for (_, cap) in KEPT_CAPS {
         mask[(cap / 32) as usize] |= 1 << (cap % 32);
@@ -230,24 +260,26 @@ fn drop_capabilities() -> Result<(), String> {
     // SAFETY: capset with a v3 header and two data structs.
     let r = unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) };
     if r != 0 {
-        return Err(format!("capset: {}", std::io::Error::last_os_error()));
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
 }
 
-/// Full access to the sandbox's own tree, read-only /proc and /sys, and no device nodes
-/// made anywhere.
-fn landlock_filesystem() -> Result<(), String> {
+/// Full access to the sandbox's own tree, read-only /proc and /sys, no device nodes made
+/// anywhere; signals scoped to the domain where the kernel can (Landlock ABI 6).
+fn filesystem_rules() -> Result<landlock::RulesetCreated, String> {
     use landlock::{
-        Access, AccessFs, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, ABI,
+        Access, AccessFs, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, Scope, ABI,
     };
-    let abi = ABI::V5;
+    let abi = ABI::V6;
     let all = AccessFs::from_all(abi);
     let writable = all & !(AccessFs::MakeChar | AccessFs::MakeBlock);
     let read = AccessFs::from_read(abi);
     let err = |e: landlock::RulesetError| format!("landlock: {e}");
     let mut ruleset = Ruleset::default()
         .handle_access(all)
+        .map_err(err)?
+        .scope(Scope::Signal)
         .map_err(err)?
         .create()
         .map_err(err)?;
@@ -267,22 +299,61 @@ fn landlock_filesystem() -> Result<(), String> {
             .map_err(err)?;
     }
     // The root directory itself: list and read, and create new top-level entries.
-    ruleset = ruleset
+    ruleset
         .add_rule(PathBeneath::new(
             PathFd::new("/").map_err(|e| format!("landlock: {e}"))?,
             read | AccessFs::MakeDir | AccessFs::MakeReg | AccessFs::MakeSym,
         ))
-        .map_err(err)?;
-    ruleset.restrict_self().map_err(err)?;
-    Ok(())
+        .map_err(err)
 }
 
-fn seccomp_filter() -> Result<(), String> {
+/// Whether this kernel's Landlock can confine without breaking ordinary programs: ABI 1
+/// (Linux 5.13 to 5.18) refuses every rename or link across directories to a confined
+/// process (EXDEV), which breaks package managers and build tools, so it is not used.
+pub fn landlock_usable() -> bool {
+    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_uint = 1;
+    // SAFETY: landlock_create_ruleset with a null attribute and the VERSION flag only
+    // returns the ABI version (or an error); it reads no memory.
+    let abi = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<u8>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    abi >= 2
+}
+
+/// A ruleset that restricts no file access but makes a new Landlock domain, which is what
+/// scopes ptrace, /proc/PID/mem and (ABI 6) signals to the command's own process tree.
+fn scope_rules() -> Result<landlock::RulesetCreated, String> {
+    use landlock::{
+        AccessFs, PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, Scope,
+    };
+    let err = |e: landlock::RulesetError| format!("landlock: {e}");
+    // Moving a file across directories is refused by any Landlock domain unless the
+    // ruleset grants it, so it is handled and granted everywhere.
+    let granted = AccessFs::Execute | AccessFs::Refer;
+    Ruleset::default()
+        .handle_access(granted)
+        .map_err(err)?
+        .scope(Scope::Signal)
+        .map_err(err)?
+        .create()
+        .map_err(err)?
+        .add_rule(PathBeneath::new(
+            PathFd::new("/").map_err(|e| format!("landlock: {e}"))?,
+            granted,
+        ))
+        .map_err(err)
+}
+
+fn seccomp_programs() -> Result<Vec<seccompiler::BpfProgram>, String> {
     use seccompiler::{
         SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
         SeccompRule, TargetArch,
     };
-    let err = |e: seccompiler::Error| format!("seccomp: {e}");
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED_SYSCALLS
         .iter()
         .map(|(_, nr)| (*nr, Vec::new()))
@@ -320,9 +391,139 @@ fn seccomp_filter() -> Result<(), String> {
         TargetArch::x86_64,
     )
     .map_err(|e| format!("seccomp: {e}"))?;
-    for f in [clone3_filter, filter] {
-        let prog: seccompiler::BpfProgram = f.try_into().map_err(|e| format!("seccomp: {e:?}"))?;
-        seccompiler::apply_filter(&prog).map_err(err)?;
+    [clone3_filter, filter]
+        .into_iter()
+        .map(|f| f.try_into().map_err(|e| format!("seccomp: {e:?}")))
+        .collect()
+}
+
+/// Makes the agent non-dumpable: its memory, environment, descriptors and executable in
+/// /proc are then closed to every process without CAP_SYS_PTRACE (no command has it), and
+/// it cannot be ptraced. Inherited by a fork until the child's exec.
+pub fn not_dumpable() {
+    // SAFETY: prctl(PR_SET_DUMPABLE, 0) takes no pointers.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+}
+
+/// Marks every descriptor from `from` up close-on-exec, so none of the agent's reaches a
+/// command (std's own exec-error pipe is close-on-exec already).
+fn cloexec_from(from: u32) -> std::io::Result<()> {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    // SAFETY: close_range takes no pointers; with CLOEXEC it only sets descriptor flags.
+    let r = unsafe { libc::syscall(libc::SYS_close_range, from, u32::MAX, CLOSE_RANGE_CLOEXEC) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+/// Becomes `uid`:`gid` with no supplementary groups.
+fn set_ids(uid: u32, gid: u32) -> std::io::Result<()> {
+    let check = |r: libc::c_int| {
+        if r != 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    };
+    // SAFETY: setgroups with an empty list, then setgid and setuid: no pointers read.
+    unsafe {
+        check(libc::setgroups(0, std::ptr::null()))?;
+        check(libc::setgid(gid))?;
+        check(libc::setuid(uid))
+    }
+}
+
+/// What a VM guest's command enters on top of the scope: the agent there keeps its
+/// privileges (it sets the clock, mounts, writes cgroups), so each command drops them.
+struct GuestRules {
+    seccomp: Vec<seccompiler::BpfProgram>,
+}
+
+/// What each command enters between fork and exec. Prepared once (everything that
+/// allocates or opens happens here); [`Jail::enter`] only makes system calls.
+pub struct Jail {
+    /// A Landlock ruleset to restrict each command with (a new domain per command); none
+    /// where the kernel has no Landlock.
+    ruleset: Option<OwnedFd>,
+    guest: Option<GuestRules>,
+}
+
+impl Jail {
+    /// The jail of a fncall or container sandbox's commands: the agent is already
+    /// confined, so a new domain per command is what is added.
+    pub fn scope() -> Jail {
+        Jail {
+            ruleset: landlock_usable()
+                .then(scope_rules)
+                .and_then(Result::ok)
+                .and_then(Option::<OwnedFd>::from),
+            guest: None,
+        }
+    }
+
+    /// The jail of a VM guest's commands, made once the sandbox's root is in place: the
+    /// fncall confinement, which the privileged guest agent does not have itself.
+    pub fn guest() -> Result<Jail, String> {
+        Ok(Jail {
+            ruleset: landlock_usable()
+                .then(filesystem_rules)
+                .and_then(Result::ok)
+                .and_then(Option::<OwnedFd>::from),
+            guest: Some(GuestRules {
+                seccomp: seccomp_programs()?,
+            }),
+        })
+    }
+
+    /// Whether commands get a Landlock domain of their own (the kernel has Landlock).
+    pub fn scoped(&self) -> bool {
+        self.ruleset.is_some()
+    }
+
+    /// Enters the jail as `uid`:`gid`. Only system calls, nothing allocated on success: it
+    /// runs in a forked child of the multi-threaded agent.
+    pub fn enter(&self, uid: u32, gid: u32) -> std::io::Result<()> {
+        cloexec_from(3)?;
+        if self.guest.is_some() {
+            // SAFETY: prctl(PR_SET_NO_NEW_PRIVS, 1) takes no pointers.
+            if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            drop_bounding()?;
+            let zero = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: setrlimit with a valid rlimit struct.
+            unsafe { libc::setrlimit(libc::RLIMIT_CORE, &zero) };
+        }
+        set_ids(uid, gid)?;
+        if self.guest.is_some() && uid == 0 {
+            // A non-root user lost every capability with setuid; root keeps the policy's.
+            keep_policy_caps()?;
+        }
+        self.restrict()?;
+        if let Some(g) = &self.guest {
+            for prog in &g.seccomp {
+                seccompiler::apply_filter(prog).map_err(|e| match e {
+                    seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => io,
+                    _ => std::io::Error::from(std::io::ErrorKind::Other),
+                })?;
+            }
+        }
+        Ok(())
+    }
+
+    fn restrict(&self) -> std::io::Result<()> {
+        let Some(fd) = &self.ruleset else {
+            return Ok(());
+        };
+        // SAFETY: landlock_restrict_self with a ruleset descriptor we own and no flags.
+        let r = unsafe { libc::syscall(libc::SYS_landlock_restrict_self, fd.as_raw_fd(), 0) };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
 }

@@ -6,7 +6,10 @@
 //! snapshot captures, so a restored template probes the disks of *its* sandbox when the
 //! setup loads the disk driver. Setup mounts each layer's EROFS image (data blob as its
 //! `device=`), the writable ext4 disk, overlayfs over them, and switches into that root;
-//! commands then run in a cgroup holding the sandbox's memory and process budgets.
+//! commands then run in a cgroup holding the sandbox's memory and process budgets, each in
+//! the guest [`Jail`](crate::confine::Jail): the agent stays privileged, its commands do
+//! not. They see a /dev of their own (the standard character devices, pts, shm), never the
+//! guest's devtmpfs with its disks, console and the agent's virtio port.
 
 use std::collections::HashMap;
 use std::ffi::CString;
@@ -20,13 +23,18 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::mount::{mount, MsFlags};
-use strata_agent::{mux, GuestSetup, GuestStats};
+use strata_agent_proto::{mux, AgentError, ErrorKind, GuestSetup, GuestStats, SandboxKey};
 
 /// The name the host gives the agent's virtio-serial port.
 pub const PORT_NAME: &str = "strata.agent";
 const MODULES: &str = "/lib/modules";
 const RUN: &str = "/run/strata";
 const SANDBOX_CGROUP: &str = "/sys/fs/cgroup/sandbox";
+/// The sandbox's /dev, made at boot and moved into its root at setup.
+const SANDBOX_DEV: &str = "/run/strata/dev";
+
+/// The guest console, opened at boot: the sandbox's /dev has none.
+static CONSOLE: std::sync::OnceLock<Option<File>> = std::sync::OnceLock::new();
 
 static SET_UP: Mutex<bool> = Mutex::new(false);
 
@@ -47,7 +55,13 @@ pub fn main() -> ! {
 }
 
 fn console(line: &str) {
-    if let Ok(mut c) = std::fs::OpenOptions::new().write(true).open("/dev/console") {
+    let c = CONSOLE.get_or_init(|| {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/console")
+            .ok()
+    });
+    if let Some(mut c) = c.as_ref() {
         let _ = writeln!(c, "{line}");
     }
 }
@@ -62,6 +76,7 @@ fn boot() -> Result<(), String> {
         mount(Some(src), dir, Some(fstype), MsFlags::empty(), None::<&str>)
             .map_err(|e| format!("mounting {dir}: {e}"))?;
     }
+    console("strata-agent: booting");
     // The guest's OOM killer picks a command, never the agent.
     let _ = std::fs::write("/proc/self/oom_score_adj", "-1000");
     let cmdline = std::fs::read_to_string("/proc/cmdline").unwrap_or_default();
@@ -196,8 +211,21 @@ fn end_all(conns: &mut HashMap<u32, mux::Inbox>) {
     }
 }
 
-/// Mounts the sandbox's root from its disks and enters it (once per boot).
-pub fn setup(s: &GuestSetup) -> Result<(), String> {
+/// Mounts the sandbox's root from its disks, enters it and takes the sandbox's key (once
+/// per boot); from then on commands run, in the guest jail.
+pub fn setup(s: &GuestSetup) -> Result<(), AgentError> {
+    let key = SandboxKey::from_hex(&s.key).map_err(crate::serve::bad_key)?;
+    set_up(s).map_err(|e| AgentError::new(ErrorKind::Setup, e))?;
+    let jail = crate::confine::Jail::guest().map_err(|e| AgentError::new(ErrorKind::Setup, e))?;
+    if !jail.scoped() {
+        console("strata-agent: this kernel has no Landlock: commands are not scoped");
+    }
+    let _ = crate::serve::JAIL.set(jail);
+    crate::serve::set_key(key);
+    Ok(())
+}
+
+fn set_up(s: &GuestSetup) -> Result<(), String> {
     let mut done = SET_UP.lock().unwrap_or_else(|p| p.into_inner());
     if *done {
         return Err("this guest is already set up".into());
@@ -205,15 +233,15 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     let t = Instant::now();
     let mut marks = Vec::new();
     let mut mark = |what: &str| marks.push(format!("{what} {}ms", t.elapsed().as_millis()));
-    reseed(s.time_ns, &s.seed)?;
+    set_clock_and_entropy(s.time_ns, &s.seed)?;
     if s.display {
         load_module_list("modules.display", |_| true)?;
     }
     mark("driver");
     let mut wanted: Vec<&str> = vec![s.upper.as_str()];
-    for (meta, blob) in &s.layers {
-        wanted.push(meta);
-        wanted.extend(blob.as_deref());
+    for layer in &s.layers {
+        wanted.push(&layer.meta);
+        wanted.extend(layer.blob.as_deref());
     }
     wanted.extend(s.root_image.as_ref().map(|i| i.serial.as_str()));
     let disks = disks_by_serial(&wanted, Duration::from_secs(20))?;
@@ -227,10 +255,11 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     mark("disks");
 
     let mut lower = Vec::new();
-    for (i, (meta, blob)) in s.layers.iter().enumerate() {
+    for (i, layer) in s.layers.iter().enumerate() {
+        let meta = &layer.meta;
         let dir = format!("{RUN}/layers/{i}");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{dir}: {e}"))?;
-        let data = blob.as_deref().map(|b| format!("device={}", dev(b)));
+        let data = layer.blob.as_deref().map(|b| format!("device={}", dev(b)));
         mount(
             Some(dev(meta).as_str()),
             dir.as_str(),
@@ -264,14 +293,14 @@ pub fn setup(s: &GuestSetup) -> Result<(), String> {
     for d in [&upper, &work] {
         std::fs::create_dir_all(d).map_err(|e| format!("{d}: {e}"))?;
     }
-    for (rel, mode, uid, gid) in &s.merge_dirs {
-        let p = Path::new(&upper).join(rel);
+    for d in &s.merge_dirs {
+        let p = Path::new(&upper).join(&d.path);
         if p.exists() {
             continue;
         }
         std::fs::create_dir_all(&p).map_err(|e| format!("{}: {e}", p.display()))?;
-        let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(*mode));
-        let _ = std::os::unix::fs::lchown(&p, Some(*uid), Some(*gid));
+        let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(d.mode));
+        let _ = std::os::unix::fs::lchown(&p, Some(d.uid), Some(d.gid));
     }
     let root = format!("{RUN}/root");
     std::fs::create_dir_all(&root).map_err(|e| format!("{root}: {e}"))?;
@@ -464,31 +493,75 @@ fn disks_by_serial(serials: &[&str], within: Duration) -> Result<HashMap<String,
 /// the initramfs, moved into the sandbox's root by [`enter_root`]), and the cgroup its
 /// commands join.
 fn kernel_filesystems() -> Result<(), String> {
+    let pts = format!("{SANDBOX_DEV}/pts");
+    let shm = format!("{SANDBOX_DEV}/shm");
     for (src, dir, fstype, data) in [
+        ("tmpfs", SANDBOX_DEV, "tmpfs", Some("mode=0755,size=64k")),
         (
             "devpts",
-            "/dev/pts",
+            &pts,
             "devpts",
-            Some("newinstance,ptmxmode=0666"),
+            Some("newinstance,ptmxmode=0666,mode=620"),
         ),
-        ("tmpfs", "/dev/shm", "tmpfs", None),
+        ("tmpfs", &shm, "tmpfs", Some("mode=1777")),
         ("cgroup2", "/sys/fs/cgroup", "cgroup2", None),
     ] {
         std::fs::create_dir_all(dir).map_err(|e| format!("{dir}: {e}"))?;
-        mount(Some(src), dir, Some(fstype), MsFlags::empty(), data)
+        let flags = if fstype == "cgroup2" {
+            MsFlags::empty()
+        } else {
+            MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC
+        };
+        mount(Some(src), dir, Some(fstype), flags, data)
             .map_err(|e| format!("mounting {dir}: {e}"))?;
     }
+    sandbox_devices()?;
     std::fs::write("/sys/fs/cgroup/cgroup.subtree_control", "+memory +pids")
         .map_err(|e| format!("enabling the memory and pids controllers: {e}"))?;
     std::fs::create_dir_all(SANDBOX_CGROUP).map_err(|e| format!("{SANDBOX_CGROUP}: {e}"))
+}
+
+/// The character devices of the sandbox's /dev (what a container gets), and its links.
+fn sandbox_devices() -> Result<(), String> {
+    use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+    for (name, major, minor) in [
+        ("null", 1, 3),
+        ("zero", 1, 5),
+        ("full", 1, 7),
+        ("random", 1, 8),
+        ("urandom", 1, 9),
+        ("tty", 5, 0),
+    ] {
+        let path = format!("{SANDBOX_DEV}/{name}");
+        mknod(
+            path.as_str(),
+            SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            makedev(major, minor),
+        )
+        .map_err(|e| format!("{path}: {e}"))?;
+        // mknod applies the umask.
+        let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666));
+    }
+    for (link, to) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        let path = format!("{SANDBOX_DEV}/{link}");
+        std::os::unix::fs::symlink(to, &path).map_err(|e| format!("{path}: {e}"))?;
+    }
+    Ok(())
 }
 
 /// Makes `root` the root of the whole guest (as switch_root does: the initramfs cannot be
 /// pivoted away), with the boot's kernel filesystems moved inside.
 fn enter_root(root: &str) -> Result<(), String> {
     let sub = |p: &str| format!("{root}{p}");
-    for dir in ["/proc", "/sys", "/dev"] {
-        let target = sub(dir);
+    for (dir, to) in [("/proc", "/proc"), ("/sys", "/sys"), (SANDBOX_DEV, "/dev")] {
+        let target = sub(to);
         std::fs::create_dir_all(&target).map_err(|e| format!("{target}: {e}"))?;
         mount(
             Some(dir),
@@ -519,7 +592,7 @@ fn enter_root(root: &str) -> Result<(), String> {
 
 /// The allowlisted network: the one virtio NIC gets its address (its only neighbours are
 /// the host's forwarders for the allowed destinations), their names go into /etc/hosts.
-fn network(net: &strata_agent::GuestNetwork) -> Result<(), String> {
+fn network(net: &strata_agent_proto::GuestNetwork) -> Result<(), String> {
     let nic = std::fs::read_dir("/sys/class/net")
         .map_err(|e| format!("/sys/class/net: {e}"))?
         .flatten()
@@ -535,8 +608,8 @@ fn network(net: &strata_agent::GuestNetwork) -> Result<(), String> {
     if !hosts.is_empty() && !hosts.ends_with('\n') {
         hosts.push('\n');
     }
-    for (ip, name) in &net.hosts {
-        hosts.push_str(&format!("{ip}\t{name}\n"));
+    for h in &net.hosts {
+        hosts.push_str(&format!("{}\t{}\n", h.address, h.name));
     }
     std::fs::write("/etc/hosts", hosts).map_err(|e| format!("/etc/hosts: {e}"))
 }
@@ -606,8 +679,13 @@ fn budgets(memory: u64, pids: u32) -> Result<(), String> {
     Ok(())
 }
 
+/// After a restore: the host's clock and fresh entropy.
+pub fn reseed(time_ns: u64, seed: &[u8]) -> Result<(), AgentError> {
+    set_clock_and_entropy(time_ns, seed).map_err(|e| AgentError::new(ErrorKind::Other, e))
+}
+
 /// Sets the clock and credits the host's entropy to the guest's pool.
-pub fn reseed(time_ns: u64, seed: &[u8]) -> Result<(), String> {
+fn set_clock_and_entropy(time_ns: u64, seed: &[u8]) -> Result<(), String> {
     if !is_guest_init() {
         return Err("only a VM guest's agent takes clock and entropy from the host".into());
     }
@@ -643,9 +721,12 @@ pub fn reseed(time_ns: u64, seed: &[u8]) -> Result<(), String> {
 }
 
 /// The sandbox cgroup's budget counters and the writable disk's use.
-pub fn stats() -> Result<GuestStats, String> {
+pub fn stats() -> Result<GuestStats, AgentError> {
     if !*SET_UP.lock().unwrap_or_else(|p| p.into_inner()) {
-        return Err("no sandbox is set up in this agent".into());
+        return Err(AgentError::new(
+            ErrorKind::Invalid,
+            "no sandbox is set up in this agent",
+        ));
     }
     let read =
         |f: &str| std::fs::read_to_string(format!("{SANDBOX_CGROUP}/{f}")).unwrap_or_default();
@@ -654,7 +735,8 @@ pub fn stats() -> Result<GuestStats, String> {
             .find_map(|l| l.strip_prefix(key)?.trim().parse::<u64>().ok())
             .unwrap_or(0)
     };
-    let st = nix::sys::statvfs::statvfs("/").map_err(|e| format!("statvfs /: {e}"))?;
+    let st = nix::sys::statvfs::statvfs("/")
+        .map_err(|e| AgentError::new(ErrorKind::Other, format!("statvfs /: {e}")))?;
     let size = st.blocks() * st.fragment_size();
     let free = st.blocks_available() * st.fragment_size();
     Ok(GuestStats {

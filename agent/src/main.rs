@@ -1,21 +1,24 @@
-//! `strata-agent sandbox --rootfs DIR --socket PATH --hostname NAME [--netns PATH]`
+//! `strata-agent`: the in-sandbox side of Strata.
 //!
-//! Becomes pid 1 of a function-call sandbox: enters fresh mount, pid, network, IPC and UTS
+//! `strata-agent sandbox` (its boot settings, [`SandboxBoot`], as JSON on stdin) becomes
+//! pid 1 of a function-call sandbox: enters fresh mount, pid, network, IPC and UTS
 //! namespaces, pivots into the assembled root filesystem, locks itself down (capabilities,
 //! no_new_privs, landlock, seccomp, rlimits: all inherited by what it runs) and then serves
 //! the host over a Unix socket, forking each command from inside. Because the agent already
 //! sits in the sandbox's cgroups, a command joins them by inheritance, without paying a
-//! cgroup attach.
+//! cgroup attach. The first process prints the agent's host PID on stdout once it serves,
+//! then exits. With no `rootfs` it is a pooled agent: the same init started ahead of time,
+//! in its cgroups and fresh pid/IPC/UTS namespaces but still in the host's mount
+//! namespace, waiting for one `Setup` naming the root; a pool of these makes a sandbox
+//! start without the ~10 ms-per-hierarchy cgroup attach and the process start.
 //!
-//! The first process prints the agent's host PID on stdout once it serves, then exits.
+//! `strata-agent init --listen-fd N --key-fd M` is the init of a container (see
+//! [`container_init`]); as `/init` of a VM guest's initramfs it is the guest's pid 1 (see
+//! `guest`); `strata-agent relay` and `connect` are the host-side helpers of a VM (see
+//! `relay`).
 //!
-//! As `/init` of a VM guest's initramfs it is the guest's pid 1 (see `guest`); `strata-agent
-//! relay` is the host end of a VM's channel (see `relay`).
-//!
-//! `strata-agent sandbox --pooled --socket PATH` starts the same init ahead of time, in its
-//! cgroups and fresh pid/IPC/UTS namespaces but still in the host's mount namespace, and
-//! waits for one `Setup` message naming the root: a pool of these makes a sandbox start
-//! without the ~10 ms-per-hierarchy cgroup attach and the process start.
+//! In every role the agent is not dumpable (see [`confine::not_dumpable`]) and holds its
+//! sandbox's key only in memory.
 
 mod confine;
 mod guest;
@@ -23,80 +26,61 @@ mod relay;
 mod serve;
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
-use std::path::PathBuf;
+use std::sync::Mutex;
 
 use nix::sched::CloneFlags;
 use nix::unistd::{fork, ForkResult};
+use strata_agent_proto::{AgentError, AgentMsg, ErrorKind, HostMsg, SandboxBoot, SandboxKey};
 
-struct Args {
-    /// Empty when pooled (the root comes with `Setup`).
-    rootfs: PathBuf,
-    pooled: bool,
-    socket: PathBuf,
-    hostname: String,
-    /// A network namespace to join instead of a fresh, empty one.
-    netns: Option<PathBuf>,
+const USAGE: &str = "usage: strata-agent sandbox (settings as JSON on stdin) | strata-agent init --listen-fd N --key-fd M | strata-agent relay ... | strata-agent connect ...";
+
+fn read_boot() -> Result<SandboxBoot, String> {
+    let mut text = String::new();
+    std::io::stdin()
+        .read_to_string(&mut text)
+        .map_err(|e| format!("reading the boot settings from stdin: {e}"))?;
+    serde_json::from_str(&text).map_err(|e| format!("boot settings on stdin: {e}"))
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut it = std::env::args().skip(1);
-    match it.next().as_deref() {
-        Some("sandbox") => {}
-        Some("--version") => {
-            println!("strata-agent {}", env!("CARGO_PKG_VERSION"));
-            std::process::exit(0);
-        }
-        _ => return Err(
-            "usage: strata-agent sandbox --rootfs DIR --socket PATH --hostname NAME [--netns PATH]"
-                .into(),
-        ),
-    }
-    let (mut rootfs, mut socket, mut hostname, mut netns) = (None, None, None, None);
-    let mut pooled = false;
+/// Reads a whole descriptor (a pipe the host filled and closed) and closes it.
+fn read_fd(fd: i32) -> Result<String, String> {
+    // SAFETY: the host passed this descriptor, the read end of a pipe, for us alone.
+    let mut f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let mut text = String::new();
+    f.read_to_string(&mut text)
+        .map_err(|e| format!("reading descriptor {fd}: {e}"))?;
+    Ok(text)
+}
+
+/// `strata-agent init --listen-fd N --key-fd M`: the init of a container the OCI runtime
+/// already built and confined. It serves on a listening socket the host made and passed
+/// in (`--preserve-fds`), so the socket lives where the sandbox cannot see or replace it,
+/// takes the sandbox key from a pipe, and forks each command inside: commands inherit the
+/// container's namespaces, confinement and cgroups, with no OCI runtime `exec` and no
+/// cgroup attach per command.
+fn container_init() -> Result<(), String> {
+    let (mut listen, mut key) = (None, None);
+    let mut it = std::env::args().skip(2);
     while let Some(flag) = it.next() {
-        if flag == "--pooled" {
-            pooled = true;
-            continue;
-        }
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let fd: i32 = value.parse().map_err(|_| format!("bad fd {value}"))?;
         match flag.as_str() {
-            "--rootfs" => rootfs = Some(PathBuf::from(value)),
-            "--socket" => socket = Some(PathBuf::from(value)),
-            "--hostname" => hostname = Some(value),
-            "--netns" => netns = Some(PathBuf::from(value)),
+            "--listen-fd" => listen = Some(fd),
+            "--key-fd" => key = Some(fd),
             other => return Err(format!("unknown option {other}")),
         }
     }
-    if rootfs.is_none() && !pooled {
-        return Err("--rootfs is required (or --pooled)".into());
-    }
-    Ok(Args {
-        rootfs: rootfs.unwrap_or_default(),
-        pooled,
-        socket: socket.ok_or("--socket is required")?,
-        hostname: hostname.unwrap_or_else(|| "sandbox".into()),
-        netns,
-    })
-}
-
-/// `strata-agent init --listen-fd N`: the init of a container the OCI runtime already
-/// built and confined. It serves on a listening socket the host made and passed in
-/// (`--preserve-fds`), so the socket lives where the sandbox cannot see or replace it,
-/// and forks each command inside: commands inherit the container's namespaces,
-/// confinement and cgroups, with no OCI runtime `exec` and no cgroup attach per command.
-fn container_init() -> Result<(), String> {
-    use std::os::fd::FromRawFd;
-    let mut it = std::env::args().skip(2);
-    let fd: i32 = match (it.next().as_deref(), it.next()) {
-        (Some("--listen-fd"), Some(n)) => n.parse().map_err(|_| format!("bad fd {n}"))?,
-        _ => return Err("usage: strata-agent init --listen-fd N".into()),
+    let (Some(listen), Some(key)) = (listen, key) else {
+        return Err(USAGE.into());
     };
+    let key = SandboxKey::from_hex(&read_fd(key)?).map_err(|e| e.to_string())?;
+    serve::set_key(key);
     // SAFETY: the host passed this descriptor, a listening Unix socket, for us alone.
-    let listener = unsafe { UnixListener::from_raw_fd(fd) };
+    let listener = unsafe { UnixListener::from_raw_fd(listen) };
     close_inherited_stdio();
-    serve::serve(listener);
+    serve::serve(listener, confine::Jail::scope());
     Ok(())
 }
 
@@ -104,13 +88,15 @@ fn container_init() -> Result<(), String> {
 type Helper = fn(&[String]) -> Result<(), String>;
 
 fn main() {
+    confine::not_dumpable();
     if guest::is_guest_init() {
         guest::main();
     }
+    let role = std::env::args().nth(1).unwrap_or_default();
     // A VM's host-side helpers.
-    let helper: Option<(&str, Helper)> = match std::env::args().nth(1).as_deref() {
-        Some("connect") => Some(("connect", relay::connect)),
-        Some("relay") => Some(("relay", relay::main)),
+    let helper: Option<(&str, Helper)> = match role.as_str() {
+        "connect" => Some(("connect", relay::connect)),
+        "relay" => Some(("relay", relay::main)),
         _ => None,
     };
     if let Some((name, run_helper)) = helper {
@@ -121,36 +107,40 @@ fn main() {
         }
         return;
     }
-    if std::env::args().nth(1).as_deref() == Some("init") {
-        if let Err(e) = container_init() {
-            eprintln!("strata-agent: {e}");
-            std::process::exit(1);
+    let result = match role.as_str() {
+        "init" => container_init(),
+        "sandbox" => read_boot().and_then(run),
+        "--version" => {
+            println!(
+                "strata-agent {} (protocol v{})",
+                env!("CARGO_PKG_VERSION"),
+                strata_agent_proto::PROTOCOL_VERSION
+            );
+            return;
         }
-        return;
-    }
-    let args = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("strata-agent: {e}");
+        _ => {
+            eprintln!("{USAGE}");
             std::process::exit(2);
         }
     };
-    if let Err(e) = run(args) {
+    if let Err(e) = result {
         eprintln!("strata-agent: {e}");
         std::process::exit(1);
     }
 }
 
-fn run(args: Args) -> Result<(), String> {
+fn run(boot: SandboxBoot) -> Result<(), String> {
+    let key = SandboxKey::from_hex(&boot.key).map_err(|e| e.to_string())?;
+    serve::set_key(key);
     // Bound before the pivot, in the host's view of the filesystem, so the host can reach it.
-    let _ = std::fs::remove_file(&args.socket);
-    let listener = UnixListener::bind(&args.socket)
-        .map_err(|e| format!("listening on {}: {e}", args.socket.display()))?;
+    let _ = std::fs::remove_file(&boot.socket);
+    let listener = UnixListener::bind(&boot.socket)
+        .map_err(|e| format!("listening on {}: {e}", boot.socket))?;
     let flags = CloneFlags::CLONE_NEWPID | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS;
-    if args.pooled {
+    if boot.rootfs.is_none() {
         nix::sched::unshare(flags).map_err(|e| format!("unshare: {e}"))?;
     } else {
-        enter_network(args.netns.as_deref())?;
+        enter_network(boot.netns.as_deref())?;
         nix::sched::unshare(flags | CloneFlags::CLONE_NEWNS)
             .map_err(|e| format!("unshare: {e}"))?;
     }
@@ -174,27 +164,22 @@ fn run(args: Args) -> Result<(), String> {
                 })
             }
         }
-        ForkResult::Child if args.pooled => {
-            drop(ready_r);
-            let mut ready = std::fs::File::from(ready_w);
-            let _ = ready.write_all(b"ok");
-            drop(ready);
-            close_inherited_stdio();
-            if await_setup(&listener).is_ok() {
-                serve::serve(listener);
-            }
-            std::process::exit(1);
-        }
         ForkResult::Child => {
             drop(ready_r);
             let mut ready = std::fs::File::from(ready_w);
-            match confine::enter(&args.rootfs, &args.hostname) {
+            let entered = match &boot.rootfs {
+                None => Ok(()),
+                Some(rootfs) => confine::enter(std::path::Path::new(rootfs), &boot.hostname),
+            };
+            match entered {
                 Ok(()) => {
                     let _ = ready.write_all(b"ok");
                     drop(ready);
                     close_inherited_stdio();
-                    serve::serve(listener);
-                    std::process::exit(0);
+                    if boot.rootfs.is_some() || await_setup(&listener).is_ok() {
+                        serve::serve(listener, confine::Jail::scope());
+                    }
+                    std::process::exit(1);
                 }
                 Err(e) => {
                     let _ = ready.write_all(e.as_bytes());
@@ -206,51 +191,62 @@ fn run(args: Args) -> Result<(), String> {
 }
 
 /// Joins `netns`, or enters a fresh, empty network namespace.
-fn enter_network(netns: Option<&std::path::Path>) -> Result<(), String> {
+fn enter_network(netns: Option<&str>) -> Result<(), String> {
     match netns {
         Some(path) => {
-            let ns = std::fs::File::open(path)
-                .map_err(|e| format!("network namespace {}: {e}", path.display()))?;
+            let ns =
+                std::fs::File::open(path).map_err(|e| format!("network namespace {path}: {e}"))?;
             nix::sched::setns(ns, CloneFlags::CLONE_NEWNET)
-                .map_err(|e| format!("joining {}: {e}", path.display()))
+                .map_err(|e| format!("joining {path}: {e}"))
         }
         None => nix::sched::unshare(CloneFlags::CLONE_NEWNET).map_err(|e| format!("unshare: {e}")),
     }
 }
 
-/// A pooled agent's wait: the first connection must bring `Setup`; the agent then enters
-/// the root (still single-threaded, as setns and unshare require) and answers `Ready`.
+/// A pooled agent's wait: the first conversation that opens (the handshake proves the
+/// slot's key) must bring `Setup`; the agent then takes the sandbox's key, enters the root
+/// (still single-threaded, as setns and unshare require) and answers `Ready`.
 fn await_setup(listener: &UnixListener) -> Result<(), String> {
-    use strata_agent::{read_frame, write_control, AgentMsg, Frame, HostMsg};
     loop {
-        let (mut conn, _) = listener.accept().map_err(|e| e.to_string())?;
-        let Ok(Some(Frame::Control(msg))) = read_frame::<HostMsg>(&mut conn) else {
-            continue;
+        let (conn, _) = listener.accept().map_err(|e| e.to_string())?;
+        let mut reader = conn.try_clone().map_err(|e| e.to_string())?;
+        let writer = Mutex::new(conn);
+        let reply = |msg: AgentMsg| {
+            let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+            let _ = strata_agent_proto::write_control(&mut *w, &msg);
         };
-        let HostMsg::Setup {
-            rootfs,
-            hostname,
-            netns,
-        } = msg
-        else {
-            let _ = write_control(
-                &mut conn,
-                &AgentMsg::Error {
-                    message: "this agent waits for Setup".into(),
-                },
-            );
-            continue;
+        let setup = match serve::open(&mut reader, &writer) {
+            Ok(Some(HostMsg::Setup(s))) => s,
+            Ok(Some(HostMsg::Ping)) => {
+                reply(AgentMsg::Pong {
+                    version: strata_agent_proto::PROTOCOL_VERSION,
+                    pid: std::process::id(),
+                });
+                continue;
+            }
+            Ok(Some(_)) => {
+                reply(AgentMsg::Error(AgentError::new(
+                    ErrorKind::Invalid,
+                    "this agent waits for Setup",
+                )));
+                continue;
+            }
+            Ok(None) | Err(_) => continue,
         };
-        let entered = enter_network(netns.as_deref().map(std::path::Path::new))
-            .and_then(|()| {
-                nix::sched::unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare: {e}"))
-            })
-            .and_then(|()| confine::enter(std::path::Path::new(&rootfs), &hostname));
-        let reply = match &entered {
+        let entered = SandboxKey::from_hex(&setup.key)
+            .map_err(|e| e.to_string())
+            .and_then(|key| {
+                enter_network(setup.netns.as_deref())?;
+                nix::sched::unshare(CloneFlags::CLONE_NEWNS)
+                    .map_err(|e| format!("unshare: {e}"))?;
+                confine::enter(std::path::Path::new(&setup.rootfs), &setup.hostname)?;
+                serve::set_key(key);
+                Ok(())
+            });
+        reply(match &entered {
             Ok(()) => AgentMsg::Ready,
-            Err(e) => AgentMsg::Error { message: e.clone() },
-        };
-        let _ = write_control(&mut conn, &reply);
+            Err(e) => AgentMsg::Error(AgentError::new(ErrorKind::Setup, e.clone())),
+        });
         return entered;
     }
 }

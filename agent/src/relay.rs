@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use strata_agent::mux;
+use strata_agent_proto::mux;
 
 pub fn main(args: &[String]) -> Result<(), String> {
     let (mut port, mut listen) = (None, None);

@@ -1,21 +1,42 @@
-//! Serving the host: one thread per connection, one conversation per connection. As pid 1
-//! the agent also reaps every orphan in the sandbox.
+//! Serving the host: one thread per connection, one conversation per connection, each
+//! opened by the handshake (protocol version, proof of the sandbox key). As pid 1 the agent
+//! also reaps every orphan in the sandbox. Commands are forked here and enter the
+//! [`Jail`] between fork and exec.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, Stdio};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
-use strata_agent::{
-    read_frame, write_control, write_frame, AgentMsg, DirEntry, ExecSpec, Frame, FrameKind,
-    HostMsg, ProcessEntry, MAX_FRAME, PROTOCOL_VERSION,
+use serde_json::Value;
+use strata_agent_proto::{
+    handshake, read_frame, write_control, write_frame, AgentError, AgentMsg, DirEntry, EntryKind,
+    ErrorKind, ExecSpec, Frame, FrameKind, HostMsg, ProcessEntry, SandboxKey, MAX_FRAME,
+    PROTOCOL_VERSION,
 };
 
+use crate::confine::Jail;
+
 /// In a VM guest: the `cgroup.procs` file every command joins (the sandbox's budgets).
-pub static COMMAND_CGROUP: std::sync::OnceLock<std::ffi::CString> = std::sync::OnceLock::new();
+pub static COMMAND_CGROUP: OnceLock<std::ffi::CString> = OnceLock::new();
+
+/// What every command enters; set when the agent starts serving a sandbox (a VM guest's at
+/// its setup). No command runs before.
+pub static JAIL: OnceLock<Jail> = OnceLock::new();
+
+/// The sandbox's key; none only in a VM guest before its setup.
+static KEY: Mutex<Option<SandboxKey>> = Mutex::new(None);
+
+pub fn set_key(key: SandboxKey) {
+    *KEY.lock().unwrap_or_else(|p| p.into_inner()) = Some(key);
+}
+
+fn key() -> Option<SandboxKey> {
+    KEY.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
 
 /// Exit statuses of our own commands, collected by the reaper.
 #[derive(Default)]
@@ -37,7 +58,9 @@ pub(crate) fn start_reaper() -> Shared {
     shared
 }
 
-pub fn serve(listener: UnixListener) {
+/// Serves a sandbox whose root is in place: its commands get `jail`.
+pub fn serve(listener: UnixListener, jail: Jail) {
+    let _ = JAIL.set(jail);
     let shared = start_reaper();
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
@@ -45,6 +68,45 @@ pub fn serve(listener: UnixListener) {
         std::thread::spawn(move || {
             let _ = handle(conn, shared);
         });
+    }
+}
+
+fn send(writer: &Mutex<UnixStream>, msg: &AgentMsg) -> std::io::Result<()> {
+    let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+    write_control(&mut *w, msg)
+}
+
+/// Opens a conversation: the handshake, then the request. `None` when the peer was
+/// refused (another version, a wrong key) or left.
+pub(crate) fn open(
+    reader: &mut impl Read,
+    writer: &Mutex<UnixStream>,
+) -> std::io::Result<Option<HostMsg>> {
+    let Some(Frame::Control(first)) = read_frame::<Value>(reader)? else {
+        return Ok(None);
+    };
+    let answer = handshake::answer(key().as_ref(), &first);
+    send(writer, &answer)?;
+    if !matches!(answer, AgentMsg::Welcome { .. }) {
+        return Ok(None);
+    }
+    match read_frame::<HostMsg>(reader) {
+        Ok(Some(Frame::Control(m))) => Ok(Some(m)),
+        Ok(Some(Frame::Data(..))) => {
+            send(
+                writer,
+                &AgentError::new(ErrorKind::Invalid, "expected a request, got data").into(),
+            )?;
+            Ok(None)
+        }
+        Ok(None) => Ok(None),
+        Err(e) => {
+            send(
+                writer,
+                &AgentError::new(ErrorKind::Invalid, format!("bad request: {e}")).into(),
+            )?;
+            Ok(None)
+        }
     }
 }
 
@@ -86,61 +148,77 @@ fn reap(shared: Shared) {
 pub(crate) fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
     let mut reader = conn.try_clone()?;
     let writer = Arc::new(Mutex::new(conn));
-    let first = read_frame::<HostMsg>(&mut reader)?;
-    let reply = |msg: &AgentMsg| -> std::io::Result<()> {
-        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-        write_control(&mut *w, msg)
+    let Some(request) = open(&mut reader, &writer)? else {
+        return Ok(());
     };
-    match first {
-        Some(Frame::Control(HostMsg::Ping)) => reply(&AgentMsg::Pong {
+    let reply = |msg: AgentMsg| send(&writer, &msg);
+    let result = |r: Result<AgentMsg, AgentError>| r.unwrap_or_else(AgentMsg::Error);
+    // A guest before its setup has no key and no sandbox: nothing but the setup and a
+    // liveness check is served.
+    let set_up = JAIL.get().is_some();
+    match request {
+        HostMsg::Ping => reply(AgentMsg::Pong {
             version: PROTOCOL_VERSION,
             pid: std::process::id(),
         }),
-        Some(Frame::Control(HostMsg::Ps)) => reply(&AgentMsg::Processes { list: processes() }),
-        Some(Frame::Control(HostMsg::Exec(spec))) => exec(spec, reader, writer, shared),
-        Some(Frame::Control(HostMsg::ReadFile { path })) => match read_file(&path) {
+        HostMsg::GuestSetup(setup) => reply(result(
+            crate::guest::setup(&setup).map(|()| AgentMsg::Ready),
+        )),
+        HostMsg::Stats => reply(result(crate::guest::stats().map(AgentMsg::Stats))),
+        _ if !set_up => reply(AgentMsg::Error(AgentError::new(
+            ErrorKind::Invalid,
+            "this agent serves no sandbox yet",
+        ))),
+        HostMsg::Ps => reply(AgentMsg::Processes { list: processes() }),
+        HostMsg::Exec(spec) => exec(spec, reader, writer, shared),
+        HostMsg::ReadFile { path } => match read_file(&path) {
             Ok((mode, data)) => {
-                reply(&AgentMsg::FileFollows { mode })?;
+                reply(AgentMsg::FileFollows { mode })?;
                 let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
                 write_frame(&mut *w, FrameKind::Stdout, &data)
             }
-            Err(message) => reply(&AgentMsg::Error { message }),
+            Err(e) => reply(AgentMsg::Error(e)),
         },
-        Some(Frame::Control(HostMsg::WriteFile { path, mode })) => {
+        HostMsg::WriteFile { path, mode } => {
             let outcome = match read_frame::<HostMsg>(&mut reader)? {
                 Some(Frame::Data(FrameKind::Stdin, data)) => write_file(&path, &data, mode),
-                other => Err(format!("expected the file's bytes, got {other:?}")),
+                _ => Err(AgentError::new(
+                    ErrorKind::Invalid,
+                    "expected the file's bytes after write-file",
+                )),
             };
-            reply(&match outcome {
-                Ok(()) => AgentMsg::Done,
-                Err(message) => AgentMsg::Error { message },
-            })
+            reply(result(outcome.map(|()| AgentMsg::Done)))
         }
-        Some(Frame::Control(HostMsg::ListDir { path })) => reply(&match list_dir(&path) {
-            Ok(list) => AgentMsg::Entries { list },
-            Err(message) => AgentMsg::Error { message },
-        }),
-        Some(Frame::Control(HostMsg::Stats)) => reply(&match crate::guest::stats() {
-            Ok(stats) => AgentMsg::Stats(stats),
-            Err(message) => AgentMsg::Error { message },
-        }),
-        Some(Frame::Control(HostMsg::GuestSetup(setup))) => {
-            reply(&match crate::guest::setup(&setup) {
-                Ok(()) => AgentMsg::Ready,
-                Err(message) => AgentMsg::Error { message },
-            })
-        }
-        Some(Frame::Control(HostMsg::Reseed { time_ns, seed })) => {
-            reply(&match crate::guest::reseed(time_ns, &seed) {
-                Ok(()) => AgentMsg::Done,
-                Err(message) => AgentMsg::Error { message },
-            })
-        }
-        Some(other) => reply(&AgentMsg::Error {
-            message: format!("unexpected first frame {other:?}"),
-        }),
-        None => Ok(()),
+        HostMsg::ListDir { path } => reply(result(
+            list_dir(&path).map(|list| AgentMsg::Entries { list }),
+        )),
+        HostMsg::Reseed(r) => reply(result(
+            crate::guest::reseed(r.time_ns, &r.seed)
+                .and_then(|()| SandboxKey::from_hex(&r.key).map_err(bad_key))
+                .map(|k| {
+                    set_key(k);
+                    AgentMsg::Done
+                }),
+        )),
+        other => reply(AgentMsg::Error(AgentError::new(
+            ErrorKind::Invalid,
+            format!(
+                "`{}` is not a request this agent serves here",
+                op_name(&other)
+            ),
+        ))),
     }
+}
+
+pub(crate) fn bad_key(e: strata_agent_proto::HandshakeError) -> AgentError {
+    AgentError::new(ErrorKind::Invalid, e.to_string())
+}
+
+fn op_name(m: &HostMsg) -> String {
+    serde_json::to_value(m)
+        .ok()
+        .and_then(|v| v.get("op").and_then(Value::as_str).map(str::to_string))
+        .unwrap_or_default()
 }
 
 fn exec(
@@ -149,22 +227,18 @@ fn exec(
     writer: Arc<Mutex<UnixStream>>,
     shared: Shared,
 ) -> std::io::Result<()> {
-    let send = |msg: &AgentMsg| {
-        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-        write_control(&mut *w, msg)
-    };
+    let send = |msg: &AgentMsg| self::send(&writer, msg);
     let Some(program) = spec.argv.first() else {
-        return send(&AgentMsg::Error {
-            message: "empty command".into(),
-        });
+        return send(&AgentError::new(ErrorKind::Invalid, "empty command").into());
+    };
+    let Some(jail) = JAIL.get() else {
+        return send(&AgentError::new(ErrorKind::Invalid, "no sandbox to run in").into());
     };
     let mut cmd = Command::new(program);
     cmd.args(&spec.argv[1..])
         .env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .envs(spec.env.iter())
         .current_dir(&spec.cwd)
-        .uid(spec.uid)
-        .gid(spec.gid)
         .process_group(0)
         .stdin(if spec.stdin {
             Stdio::piped()
@@ -173,11 +247,13 @@ fn exec(
         })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if let Some(procs) = COMMAND_CGROUP.get() {
-        let procs = procs.clone();
-        // SAFETY: between fork and exec only open/write/close run, all async-signal-safe.
-        unsafe {
-            cmd.pre_exec(move || {
+    let procs = COMMAND_CGROUP.get().cloned();
+    let (uid, gid) = (spec.uid, spec.gid);
+    // SAFETY: between fork and exec only system calls run (open, write, close, prctl,
+    // capset, setuid, landlock, seccomp), all async-signal-safe; nothing is allocated.
+    unsafe {
+        cmd.pre_exec(move || {
+            if let Some(procs) = &procs {
                 // Join the budget cgroup, and be an OOM victim again (the agent is not).
                 for (path, value) in [
                     (procs.as_ptr(), &b"0"[..]),
@@ -194,9 +270,9 @@ fn exec(
                         return Err(std::io::Error::last_os_error());
                     }
                 }
-                Ok(())
-            });
-        }
+            }
+            jail.enter(uid, gid)
+        });
     }
     let (lock, cv) = &*shared;
     lock.lock().unwrap_or_else(|p| p.into_inner()).spawning += 1;
@@ -213,9 +289,13 @@ fn exec(
             Err(e) => {
                 cv.notify_all();
                 drop(c);
-                return send(&AgentMsg::Error {
-                    message: format!("cannot run `{program}`: {e}"),
-                });
+                return send(
+                    &AgentError::new(
+                        ErrorKind::ExecFailed,
+                        format!("cannot run `{program}`: {e}"),
+                    )
+                    .into(),
+                );
             }
         }
     };
@@ -305,7 +385,7 @@ fn exec(
     let st = std::process::ExitStatus::from_raw(status);
     let guest = before.and_then(|b| {
         let a = crate::guest::stats().ok()?;
-        Some(strata_agent::GuestStats {
+        Some(strata_agent_proto::GuestStats {
             oom_kills: a.oom_kills.saturating_sub(b.oom_kills),
             pids_max_hits: a.pids_max_hits.saturating_sub(b.pids_max_hits),
             ..a
@@ -319,55 +399,49 @@ fn exec(
 }
 
 /// A whole file of the agent's root, with its permission bits.
-fn read_file(path: &str) -> Result<(u32, Vec<u8>), String> {
+fn read_file(path: &str) -> Result<(u32, Vec<u8>), AgentError> {
     use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).map_err(|e| format!("{path}: {e}"))?;
+    let meta = std::fs::metadata(path).map_err(|e| AgentError::io(path, &e))?;
     if meta.len() > MAX_FRAME as u64 {
-        return Err(format!(
-            "{path}: {} bytes is more than the {MAX_FRAME} one read returns; copy it out with a command",
-            meta.len()
+        return Err(AgentError::new(
+            ErrorKind::TooLarge,
+            format!(
+                "{path}: {} bytes is more than the {MAX_FRAME} one read returns; copy it out with a command",
+                meta.len()
+            ),
         ));
     }
-    let data = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
+    let data = std::fs::read(path).map_err(|e| AgentError::io(path, &e))?;
     Ok((meta.permissions().mode() & 0o7777, data))
 }
 
 /// Writes a whole file (parent directories made as needed), replacing it atomically.
-fn write_file(path: &str, data: &[u8], mode: u32) -> Result<(), String> {
+fn write_file(path: &str, data: &[u8], mode: u32) -> Result<(), AgentError> {
     use std::os::unix::fs::PermissionsExt;
     let target = std::path::Path::new(path);
     if let Some(parent) = target.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+        std::fs::create_dir_all(parent)
+            .map_err(|e| AgentError::io(&parent.display().to_string(), &e))?;
     }
     let tmp = format!("{path}.strata-tmp");
-    std::fs::write(&tmp, data).map_err(|e| format!("{path}: {e}"))?;
+    std::fs::write(&tmp, data).map_err(|e| AgentError::io(path, &e))?;
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
         .and_then(|()| std::fs::rename(&tmp, target))
         .map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
-            format!("{path}: {e}")
+            AgentError::io(path, &e)
         })
 }
 
-fn list_dir(path: &str) -> Result<Vec<DirEntry>, String> {
+fn list_dir(path: &str) -> Result<Vec<DirEntry>, AgentError> {
     use std::os::unix::fs::PermissionsExt;
     let mut out = Vec::new();
-    for e in std::fs::read_dir(path).map_err(|e| format!("{path}: {e}"))? {
-        let e = e.map_err(|e| format!("{path}: {e}"))?;
+    for e in std::fs::read_dir(path).map_err(|e| AgentError::io(path, &e))? {
+        let e = e.map_err(|e| AgentError::io(path, &e))?;
         let Ok(meta) = e.metadata() else { continue };
-        let ft = meta.file_type();
-        let kind = if ft.is_dir() {
-            "dir"
-        } else if ft.is_symlink() {
-            "symlink"
-        } else if ft.is_file() {
-            "file"
-        } else {
-            "other"
-        };
         out.push(DirEntry {
             name: e.file_name().to_string_lossy().into_owned(),
-            kind: kind.into(),
+            kind: EntryKind::of(&meta.file_type()),
             size: meta.len(),
             mode: meta.permissions().mode() & 0o7777,
         });
@@ -412,7 +486,7 @@ fn read_process(pid: u32) -> Option<ProcessEntry> {
     let state = fields.first()?.to_string();
     let ppid = fields.get(1)?.parse().ok()?;
     let rss_pages: u64 = fields.get(21)?.parse().ok()?;
-    let cmdline = strata_agent::proc_cmdline(pid);
+    let cmdline = strata_agent_proto::proc_cmdline(pid);
     Some(ProcessEntry {
         pid,
         ppid,

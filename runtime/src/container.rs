@@ -1,12 +1,17 @@
 //! The container backend: an OCI bundle (generated with `oci-spec`) over the sandbox's
 //! overlay root, run detached by an OCI runtime binary (crun by default, runc supported).
-//! The container's init is catatonit in pause mode, bound in read-only from the host, so
-//! any base works; commands enter with `<runtime> exec`.
+//! With the static agent the container's init is `strata-agent init`, executed from a
+//! descriptor the runtime passes (nothing of the host's layout is mounted or named inside),
+//! serving on a listening socket and taking the sandbox key from a pipe, both passed the
+//! same way; commands are forked by it. Without one, the init is catatonit in pause mode,
+//! bound in read-only from the host, and commands enter with `<runtime> exec`.
 //!
 //! Debian's crun refuses hybrid cgroup hosts ("cgroups in hybrid mode not supported"). On
 //! such a host every crun call runs in a private mount namespace in which the cgroup2
 //! mount at /sys/fs/cgroup/unified is detached, so crun sees plain v1 and works.
 
+use std::io::Write;
+use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -18,7 +23,7 @@ use oci_spec::runtime::{
     MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec,
     UserBuilder,
 };
-use strata_agent::policy::{DENIED_SYSCALLS, KEPT_CAPS};
+use strata_agent_proto::policy::{DENIED_SYSCALLS, KEPT_CAPS};
 
 use crate::cgroup::Cgroup;
 use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
@@ -95,12 +100,15 @@ pub fn static_agent_for(exe: &Path) -> Option<PathBuf> {
     candidate.is_file().then_some(candidate)
 }
 
-/// Where a container's own files (init, agent) are bound, inside the container.
+/// Where a container's own init (catatonit, without the static agent) is bound, inside
+/// the container.
 pub const RUNTIME_DIR: &str = "/.strata";
 const INIT_PATH: &str = "/.strata/init";
-const AGENT_PATH: &str = "/.strata/agent";
-/// The descriptor the host's listening socket has in the container's init.
+/// The descriptors the agent gets in the container's init, in this order: the host's
+/// listening socket, the pipe holding the sandbox key, the agent's executable.
 const LISTEN_FD: i32 = 3;
+const KEY_FD: i32 = 4;
+const AGENT_FD: i32 = 5;
 
 impl ContainerBackend {
     /// The engine that made container `id`: this one, or the other OCI runtime if its
@@ -156,23 +164,34 @@ fn hybrid_cgroups() -> bool {
 
 impl ContainerBackend {
     fn command(&self) -> Command {
-        self.command_passing(None)
+        self.command_passing(Vec::new())
     }
 
-    /// The OCI runtime command; `pass_fd` becomes its descriptor 3 (for `--preserve-fds`).
-    fn command_passing(&self, pass_fd: Option<i32>) -> Command {
+    /// The OCI runtime command; `pass` become its descriptors 3, 4, ... in order (for
+    /// `--preserve-fds`).
+    fn command_passing(&self, pass: Vec<i32>) -> Command {
         let mut cmd = Command::new(self.runtime.binary());
         cmd.arg("--root").arg(&self.state_root);
         let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && hybrid_cgroups();
-        if hybrid || pass_fd.is_some() {
+        if hybrid || !pass.is_empty() {
             // SAFETY: only async-signal-safe syscalls between fork and exec.
             unsafe {
                 cmd.pre_exec(move || {
-                    if let Some(fd) = pass_fd {
-                        // dup2 clears close-on-exec on the copy.
-                        if libc::dup2(fd, LISTEN_FD) < 0 {
+                    // Copied out of the way first, so no dup2 onto a target overwrites a
+                    // source still to be placed.
+                    let mut high = [0i32; 8];
+                    for (i, fd) in pass.iter().enumerate().take(high.len()) {
+                        high[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 64);
+                        if high[i] < 0 {
                             return Err(std::io::Error::last_os_error());
                         }
+                    }
+                    for (i, fd) in high.iter().take(pass.len()).enumerate() {
+                        // dup2 clears close-on-exec on the copy.
+                        if libc::dup2(*fd, LISTEN_FD + i as i32) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        libc::close(*fd);
                     }
                     if !hybrid {
                         return Ok(());
@@ -201,7 +220,7 @@ impl ContainerBackend {
     }
 
     fn run_checked(&self, args: &[&str], what: &str) -> Result<(), RuntimeError> {
-        self.run_logged(args, what, None, None)
+        self.run_logged(args, what, None, Vec::new())
     }
 
     /// Runs the OCI runtime. Its stderr goes to a file, not a pipe: a detached container's
@@ -211,7 +230,7 @@ impl ContainerBackend {
         args: &[&str],
         what: &str,
         log: Option<&Path>,
-        pass_fd: Option<i32>,
+        pass: Vec<i32>,
     ) -> Result<(), RuntimeError> {
         let tmp = self
             .state_root
@@ -219,7 +238,7 @@ impl ContainerBackend {
         let log = log.unwrap_or(&tmp);
         let file = std::fs::File::create(log).map_err(RuntimeError::io(log))?;
         let status = self
-            .command_passing(pass_fd)
+            .command_passing(pass)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -252,10 +271,12 @@ impl ContainerBackend {
             .terminal(false)
             .args(match &self.agent {
                 Some(_) => vec![
-                    AGENT_PATH.to_string(),
+                    format!("/proc/self/fd/{AGENT_FD}"),
                     "init".to_string(),
                     "--listen-fd".to_string(),
                     LISTEN_FD.to_string(),
+                    "--key-fd".to_string(),
+                    KEY_FD.to_string(),
                 ],
                 None => vec![INIT_PATH.to_string(), "-P".to_string()],
             })
@@ -282,24 +303,22 @@ impl ContainerBackend {
             .into_iter()
             .filter(|m| !m.destination().starts_with("/sys/fs/cgroup"))
             .collect();
-        let (init_dest, init_src) = match &self.agent {
-            Some(a) => (AGENT_PATH, a),
-            None => (INIT_PATH, &self.init),
-        };
-        mounts.push(
-            MountBuilder::default()
-                .destination(init_dest)
-                .typ("bind")
-                .source(init_src)
-                .options(vec![
-                    "bind".into(),
-                    "ro".into(),
-                    "nosuid".into(),
-                    "nodev".into(),
-                ])
-                .build()
-                .map_err(bad)?,
-        );
+        if self.agent.is_none() {
+            mounts.push(
+                MountBuilder::default()
+                    .destination(INIT_PATH)
+                    .typ("bind")
+                    .source(&self.init)
+                    .options(vec![
+                        "bind".into(),
+                        "ro".into(),
+                        "nosuid".into(),
+                        "nodev".into(),
+                    ])
+                    .build()
+                    .map_err(bad)?,
+            );
+        }
         let limits = &ctx.spec.limits;
         let mut cpu = LinuxCpuBuilder::default();
         if let Some(c) = limits.cpus {
@@ -412,15 +431,22 @@ impl SandboxBackend for ContainerBackend {
             .map_err(|e| RuntimeError::Backend(format!("writing {}: {e}", config.display())))?;
         let pid_file = ctx.dir.join("init.pid");
         // With the agent as init, the host makes its listening socket (outside anything the
-        // sandbox sees) and hands it over as descriptor 3.
-        let listener = match &self.agent {
-            Some(_) => {
-                let sock = crate::fncall::socket_path(&ctx.dir);
+        // sandbox sees), a pipe holding the key and a descriptor of the agent's binary,
+        // and hands them over as descriptors 3, 4 and 5.
+        let passed = match &self.agent {
+            Some(agent) => {
+                let sock = crate::agent::socket_path(&ctx.dir);
                 let _ = std::fs::remove_file(&sock);
-                Some(
-                    std::os::unix::net::UnixListener::bind(&sock)
-                        .map_err(RuntimeError::io(&sock))?,
-                )
+                let listener = std::os::unix::net::UnixListener::bind(&sock)
+                    .map_err(RuntimeError::io(&sock))?;
+                let (key_r, key_w) =
+                    nix::unistd::pipe().map_err(|e| RuntimeError::Setup(format!("pipe: {e}")))?;
+                let key = crate::agent::read_key(&ctx.dir)?;
+                std::fs::File::from(key_w)
+                    .write_all(key.to_hex().as_bytes())
+                    .map_err(|e| RuntimeError::Setup(format!("passing the sandbox key: {e}")))?;
+                let exe = std::fs::File::open(agent).map_err(RuntimeError::io(agent))?;
+                Some((listener, key_r, exe))
             }
             None => None,
         };
@@ -434,17 +460,16 @@ impl SandboxBackend for ContainerBackend {
             "--pid-file",
             &pid_arg,
         ];
-        if listener.is_some() {
-            args.extend(["--preserve-fds", "1"]);
+        if passed.is_some() {
+            args.extend(["--preserve-fds", "3"]);
         }
         args.push(&ctx.id);
-        self.run_logged(
-            &args,
-            "run",
-            Some(&ctx.dir.join("oci.log")),
-            listener.as_ref().map(std::os::fd::AsRawFd::as_raw_fd),
-        )?;
-        drop(listener);
+        let fds = passed
+            .as_ref()
+            .map(|(l, k, e)| vec![l.as_raw_fd(), k.as_raw_fd(), e.as_raw_fd()])
+            .unwrap_or_default();
+        self.run_logged(&args, "run", Some(&ctx.dir.join("oci.log")), fds)?;
+        drop(passed);
         let pid = std::fs::read_to_string(&pid_file)
             .map_err(RuntimeError::io(&pid_file))?
             .trim()
@@ -462,9 +487,8 @@ impl SandboxBackend for ContainerBackend {
         req: &ExecRequest,
         sink: &mut dyn FnMut(Stream, &[u8]),
     ) -> Result<Collected, RuntimeError> {
-        let sock = crate::fncall::socket_path(dir);
-        if sock.exists() {
-            return crate::fncall::agent_exec(&sock, cgroup, env, req, sink);
+        if crate::agent::socket_path(dir).exists() {
+            return crate::agent::AgentClient::of(dir)?.exec(cgroup, env, req, sink);
         }
         let n = crate::audit::now_ms();
         let process_file = dir.join(format!("exec-{n}-{}.json", std::process::id()));

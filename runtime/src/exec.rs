@@ -110,7 +110,7 @@ pub struct RawExit {
     pub code: Option<i32>,
     pub signal: Option<i32>,
     /// A VM guest's own budget counters over the run (see `AgentMsg::Exited`).
-    pub guest: Option<strata_agent::GuestStats>,
+    pub guest: Option<strata_agent_proto::GuestStats>,
 }
 
 /// What a backend's reader threads report.

@@ -7,6 +7,7 @@
 //! [`cgroup`] holds the budgets; [`audit`] records what happened. All state lives under one
 //! directory, so a restarted runtime finds what a dead one left and reaps it.
 
+mod agent;
 pub mod audit;
 pub mod cgroup;
 pub mod container;
@@ -67,6 +68,23 @@ pub enum RuntimeError {
     Exec(String),
     #[error("{0} is not supported yet (use the container backend for it)")]
     Unsupported(String),
+    /// The agent is of another protocol version, or failed to prove the sandbox's key.
+    #[error(transparent)]
+    Handshake(#[from] strata_agent_proto::HandshakeError),
+    #[error("the sandbox agent refused the request: {0}")]
+    AgentRefused(String),
+    /// A failure the agent reported, with its code.
+    #[error("sandbox agent: {message}")]
+    Agent {
+        kind: strata_agent_proto::ErrorKind,
+        message: String,
+    },
+    /// The agent could not be reached, or the conversation broke off.
+    #[error("sandbox agent unreachable: {0}")]
+    AgentGone(String),
+    /// The agent sent something the protocol does not allow there.
+    #[error("sandbox agent protocol violation: {0}")]
+    Protocol(String),
     #[error(transparent)]
     Lazyfs(#[from] LazyError),
 }
@@ -434,6 +452,8 @@ impl Runtime {
         let dir = self.sandbox_dir(&id);
         std::fs::create_dir_all(&dir).map_err(RuntimeError::io(&dir))?;
         let lock = DirLock::take(&dir, true, true)?;
+        // The key every conversation with the sandbox's agent proves (see `agent`).
+        agent::write_key(&dir, &strata_agent_proto::SandboxKey::generate()?)?;
         let audit = self.audit(&id);
         audit.record(
             "created",
@@ -758,7 +778,7 @@ impl Runtime {
         }
         report
             .orphans
-            .extend((0..self.inner.fncall.drain(true)).map(|_| "dead pooled agent".to_string()));
+            .extend((0..self.inner.fncall.drain(true)).map(|_| "stale pooled agent".to_string()));
         for id in Cgroup::existing(&self.inner.cgroup_parent) {
             // Pooled agents' cgroups belong to their pool slots.
             if id.starts_with("pool-") {

@@ -3,8 +3,9 @@
 //! goes), stacked with overlayfs `toolkits:workspace:base` under the sandbox's quota'd upper.
 
 use std::ffi::CString;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use strata_lazyfs::{mounts, Attached, Request, Response};
@@ -59,18 +60,30 @@ pub fn assemble(
         std::fs::set_permissions(&target, std::fs::Permissions::from_mode(dir.mode))
             .map_err(RuntimeError::io(&target))?;
     }
-    let lower = paths
+    // The directories are named by descriptors (`/proc/self/fd/N`): the options show in
+    // the sandbox's mountinfo, and must not show where anything lives on the host.
+    let open = |p: &PathBuf| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+            .open(p)
+            .map_err(RuntimeError::io(p))
+    };
+    let lower_fds = paths
         .layers
         .iter()
-        .map(|p| escape(p))
-        .collect::<Vec<_>>()
-        .join(":");
+        .map(open)
+        .collect::<Result<Vec<_>, _>>()?;
+    let (upper_fd, work_fd) = (open(&paths.upper)?, open(&paths.work)?);
+    let named = |f: &std::fs::File| format!("/proc/self/fd/{}", f.as_raw_fd());
+    let lower = lower_fds.iter().map(named).collect::<Vec<_>>().join(":");
     let data = format!(
         "lowerdir={lower},upperdir={},workdir={}",
-        escape(&paths.upper),
-        escape(&paths.work)
+        named(&upper_fd),
+        named(&work_fd)
     );
     mount_overlay(&paths.merged, &data)?;
+    drop((lower_fds, upper_fd, work_fd));
     tracing::debug!(
         binds_ms = t_binds.as_secs_f64() * 1e3,
         overlay_ms = (t.elapsed() - t_binds).as_secs_f64() * 1e3,
@@ -218,15 +231,6 @@ fn whiteout_dirs(facts: &Path, id: &str, root: &Path) -> Result<Vec<PathBuf>, Ru
     std::fs::write(&tmp, &bytes).map_err(RuntimeError::io(&tmp))?;
     std::fs::rename(&tmp, &cached).map_err(RuntimeError::io(&cached))?;
     Ok(dirs.into_iter().collect())
-}
-
-fn escape(p: &Path) -> String {
-    // overlayfs splits options on ',' and lowerdirs on ':'; both are escaped with '\'.
-    p.display()
-        .to_string()
-        .replace('\\', "\\\\")
-        .replace(',', "\\,")
-        .replace(':', "\\:")
 }
 
 fn mount_overlay(target: &Path, data: &str) -> Result<(), RuntimeError> {

@@ -77,7 +77,7 @@ pub trait SandboxBackend: Send + Sync {
         req: &ExecRequest,
         sink: &mut dyn FnMut(Stream, &[u8]),
     ) -> Result<Collected, RuntimeError> {
-        crate::fncall::agent_exec(&crate::fncall::socket_path(dir), cgroup, env, req, sink)
+        crate::agent::AgentClient::of(dir)?.exec(cgroup, env, req, sink)
     }
     /// Kills every process of the sandbox; by default everything in its cgroup (a VM's
     /// QEMU and relay live there too).
@@ -417,7 +417,7 @@ impl Sandbox {
     /// Bytes used in the sandbox's writable upper, and its quota.
     pub fn disk_usage(&self) -> Result<(u64, u64), RuntimeError> {
         if self.in_guest() {
-            let s = crate::vm::stats(&self.dir())?;
+            let s = crate::agent::AgentClient::of(&self.dir())?.stats()?;
             return Ok((s.disk_used, s.disk_size));
         }
         self.rt.uppers().usage(&self.record.id)
@@ -503,7 +503,7 @@ impl Sandbox {
     pub fn read_file(&self, path: &str) -> Result<Vec<u8>, RuntimeError> {
         self.rt.touch(&self.record.id);
         if self.in_guest() {
-            return crate::vm::read_file(&self.dir(), path);
+            return crate::agent::AgentClient::of(&self.dir())?.read_file(path);
         }
         files::read_file(&self.rootfs(), path)
     }
@@ -511,7 +511,7 @@ impl Sandbox {
     pub fn write_file(&self, path: &str, data: &[u8], mode: u32) -> Result<(), RuntimeError> {
         self.rt.touch(&self.record.id);
         let r = if self.in_guest() {
-            crate::vm::write_file(&self.dir(), path, data, mode)
+            crate::agent::AgentClient::of(&self.dir()).and_then(|a| a.write_file(path, data, mode))
         } else {
             files::write_file(&self.rootfs(), path, data, mode)
         };
@@ -525,11 +525,12 @@ impl Sandbox {
     pub fn list_dir(&self, path: &str) -> Result<Vec<FileEntry>, RuntimeError> {
         self.rt.touch(&self.record.id);
         if self.in_guest() {
-            return Ok(crate::vm::list_dir(&self.dir(), path)?
+            return Ok(crate::agent::AgentClient::of(&self.dir())?
+                .list_dir(path)?
                 .into_iter()
                 .map(|e| FileEntry {
                     name: e.name,
-                    kind: e.kind,
+                    kind: e.kind.as_str().to_string(),
                     size: e.size,
                     mode: e.mode,
                 })
@@ -542,7 +543,8 @@ impl Sandbox {
     /// their host PID is then 0).
     pub fn processes(&self) -> Vec<ProcessInfo> {
         if self.in_guest() {
-            return crate::vm::processes(&self.dir())
+            return crate::agent::AgentClient::of(&self.dir())
+                .and_then(|a| a.processes())
                 .unwrap_or_default()
                 .into_iter()
                 .map(|p| ProcessInfo {
@@ -571,7 +573,7 @@ impl Sandbox {
                     .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
                     .unwrap_or(0)
                     * 1024;
-                let cmdline = strata_agent::proc_cmdline(host_pid);
+                let cmdline = strata_agent_proto::proc_cmdline(host_pid);
                 Some(ProcessInfo {
                     pid,
                     host_pid,

@@ -4,8 +4,10 @@
 //! layer's metadata image and data blob), so a VM loads lazily like a container; the
 //! guest's agent mounts EROFS over them with `device=`, and overlayfs under a writable
 //! disk (a sparse ext4 image sized to the disk budget). The host talks to the agent over
-//! virtio-serial through a relay process ([`strata_agent`]'s `relay`), on the same
-//! socket path and protocol as a function-call sandbox, so exec is shared code.
+//! virtio-serial through a relay process (`strata-agent relay`), on the same socket path
+//! and protocol as a function-call sandbox, so exec is shared code. A guest has no key
+//! until its setup gives it the sandbox's; a restored snapshot proves the key it was
+//! saved with, which its snapshot directory keeps, and is given the new sandbox's.
 //!
 //! Fast start: per machine shape a template (a booted guest whose agent waits for its
 //! disks, saved to a file) is restored instead of booting; the guest probes its disks
@@ -20,14 +22,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use strata_agent::{
-    read_frame, write_control, write_frame, AgentMsg, DirEntry, Frame, FrameKind, GuestRootImage,
-    GuestSetup, GuestStats, HostMsg,
+use strata_agent_proto::{
+    AgentMsg, GuestLayer, GuestRootImage, GuestSetup, HostMsg, HostName, Reseed,
 };
 use strata_lazyfs::Attached;
 
+use crate::agent::{read_key, socket_path, write_key, AgentClient};
 use crate::cgroup::Cgroup;
-use crate::fncall::socket_path;
 use crate::rootfs::MergeDir;
 use crate::sandbox::{SandboxBackend, SandboxRecord, StartContext};
 use crate::RuntimeError;
@@ -265,12 +266,12 @@ impl VmBackend {
     fn network(
         &self,
         rules: &[crate::NetRule],
-    ) -> Result<Option<(String, strata_agent::GuestNetwork)>, RuntimeError> {
+    ) -> Result<Option<(String, strata_agent_proto::GuestNetwork)>, RuntimeError> {
         if rules.is_empty() {
             return Ok(None);
         }
         let mut opts = String::from("restrict=on,net=10.0.2.0/24,dhcpstart=10.0.2.15");
-        let mut hosts: Vec<(String, String)> = Vec::new();
+        let mut hosts: Vec<HostName> = Vec::new();
         for rule in rules {
             // QEMU runs the forwarder through a shell: a name is letters, digits, dots
             // and hyphens, or it is refused.
@@ -296,11 +297,14 @@ impl VmBackend {
                     self.machine.as_str()
                 )));
             }
-            let ip = match hosts.iter().find(|(_, name)| *name == rule.host) {
-                Some((ip, _)) => ip.clone(),
+            let ip = match hosts.iter().find(|h| h.name == rule.host) {
+                Some(h) => h.address.clone(),
                 None => {
                     let ip = format!("10.0.2.{}", 100 + hosts.len());
-                    hosts.push((ip.clone(), rule.host.clone()));
+                    hosts.push(HostName {
+                        address: ip.clone(),
+                        name: rule.host.clone(),
+                    });
                     ip
                 }
             };
@@ -316,7 +320,7 @@ impl VmBackend {
         }
         Ok(Some((
             opts,
-            strata_agent::GuestNetwork {
+            strata_agent_proto::GuestNetwork {
                 address: "10.0.2.15".into(),
                 prefix: 24,
                 hosts,
@@ -631,15 +635,16 @@ fn tail(path: &Path) -> String {
     lines[lines.len().saturating_sub(8)..].join(" | ")
 }
 
-/// A ping straight over the port's socket (no relay): the guest's agent is up.
+/// A ping straight over the port's socket (no relay): the guest's agent is up. The guest
+/// has no key yet, so neither does the ping.
 fn guest_ping(port: &Path, within: Duration) -> Result<(), RuntimeError> {
-    use strata_agent::mux;
+    use strata_agent_proto::{handshake, mux, read_frame, write_control, Frame};
     let deadline = Instant::now() + within;
     let stream = loop {
         match std::os::unix::net::UnixStream::connect(port) {
             Ok(s) => break s,
             Err(e) if Instant::now() > deadline => {
-                return Err(RuntimeError::Backend(format!("{}: {e}", port.display())))
+                return Err(RuntimeError::AgentGone(format!("{}: {e}", port.display())))
             }
             Err(_) => std::thread::sleep(Duration::from_millis(5)),
         }
@@ -649,7 +654,9 @@ fn guest_ping(port: &Path, within: Duration) -> Result<(), RuntimeError> {
         .ok();
     let mut w = stream.try_clone().map_err(rt_io("port"))?;
     let mut r = std::io::BufReader::new(stream);
+    let (hello, opening) = handshake::hello(None)?;
     let mut ping = Vec::new();
+    write_control(&mut ping, &HostMsg::Hello(hello)).map_err(rt_io("ping"))?;
     write_control(&mut ping, &HostMsg::Ping).map_err(rt_io("ping"))?;
     mux::write(&mut w, 1, mux::OPEN, b"").map_err(rt_io("port"))?;
     mux::write(&mut w, 1, mux::DATA, &ping).map_err(rt_io("port"))?;
@@ -658,135 +665,27 @@ fn guest_ping(port: &Path, within: Duration) -> Result<(), RuntimeError> {
         match mux::read(&mut r).map_err(rt_io("waiting for the guest's agent"))? {
             Some((1, mux::DATA, data)) => {
                 got.extend_from_slice(&data);
+                if got.len() > strata_agent_proto::MAX_FRAME {
+                    return Err(RuntimeError::Protocol(
+                        "the guest's answer to a ping is too long".into(),
+                    ));
+                }
+                let mut rest = &got[..];
+                let Ok(Some(Frame::Control(answer))) = read_frame::<serde_json::Value>(&mut rest)
+                else {
+                    continue;
+                };
+                opening.check(&answer)?;
                 if let Ok(Some(Frame::Control(AgentMsg::Pong { .. }))) =
-                    read_frame::<AgentMsg>(&mut &got[..])
+                    read_frame::<AgentMsg>(&mut rest)
                 {
                     let _ = mux::write(&mut w, 1, mux::CLOSE, b"");
                     return Ok(());
                 }
             }
             Some(_) => {}
-            None => return Err(RuntimeError::Backend("the guest closed its port".into())),
+            None => return Err(RuntimeError::AgentGone("the guest closed its port".into())),
         }
-    }
-}
-
-/// One request to the guest's agent through the relay: the reply, and the data frame
-/// that follows a `FileFollows`.
-fn converse(
-    dir: &Path,
-    msg: &HostMsg,
-    data: Option<&[u8]>,
-    timeout: Duration,
-) -> Result<(AgentMsg, Option<Vec<u8>>), RuntimeError> {
-    let sock = socket_path(dir);
-    let conn = std::os::unix::net::UnixStream::connect(&sock).map_err(|e| {
-        RuntimeError::Backend(format!("the VM's agent relay at {}: {e}", sock.display()))
-    })?;
-    conn.set_read_timeout(Some(timeout)).ok();
-    let mut w = conn.try_clone().map_err(rt_io("guest agent"))?;
-    let mut r = std::io::BufReader::new(conn);
-    write_control(&mut w, msg).map_err(rt_io("guest agent"))?;
-    if let Some(d) = data {
-        write_frame(&mut w, FrameKind::Stdin, d).map_err(rt_io("guest agent"))?;
-    }
-    let reply = match read_frame::<AgentMsg>(&mut r).map_err(rt_io("guest agent"))? {
-        Some(Frame::Control(m)) => m,
-        Some(other) => {
-            return Err(RuntimeError::Backend(format!(
-                "the guest's agent sent {other:?}"
-            )))
-        }
-        None => {
-            return Err(RuntimeError::Backend(
-                "the guest's agent closed the conversation".into(),
-            ))
-        }
-    };
-    let follows = if matches!(reply, AgentMsg::FileFollows { .. }) {
-        match read_frame::<AgentMsg>(&mut r).map_err(rt_io("guest agent"))? {
-            Some(Frame::Data(_, d)) => Some(d),
-            _ => {
-                return Err(RuntimeError::Backend(
-                    "the guest's agent sent no file data".into(),
-                ))
-            }
-        }
-    } else {
-        None
-    };
-    Ok((reply, follows))
-}
-
-fn file_error(path: &str, message: String) -> RuntimeError {
-    let kind = if message.contains("No such file") {
-        std::io::ErrorKind::NotFound
-    } else if message.contains("ermission denied") {
-        std::io::ErrorKind::PermissionDenied
-    } else {
-        std::io::ErrorKind::Other
-    };
-    RuntimeError::File {
-        path: path.to_string(),
-        source: std::io::Error::new(kind, message),
-    }
-}
-
-const FILE_TIMEOUT: Duration = Duration::from_secs(60);
-
-pub(crate) fn read_file(dir: &Path, path: &str) -> Result<Vec<u8>, RuntimeError> {
-    let msg = HostMsg::ReadFile { path: path.into() };
-    match converse(dir, &msg, None, FILE_TIMEOUT)? {
-        (AgentMsg::FileFollows { .. }, Some(data)) => Ok(data),
-        (AgentMsg::Error { message }, _) => Err(file_error(path, message)),
-        (other, _) => Err(RuntimeError::Backend(format!("read {path}: {other:?}"))),
-    }
-}
-
-pub(crate) fn write_file(
-    dir: &Path,
-    path: &str,
-    data: &[u8],
-    mode: u32,
-) -> Result<(), RuntimeError> {
-    if data.len() > strata_agent::MAX_FRAME {
-        return Err(RuntimeError::Invalid(format!(
-            "{path}: a VM sandbox takes files of at most {} bytes in one write",
-            strata_agent::MAX_FRAME
-        )));
-    }
-    let msg = HostMsg::WriteFile {
-        path: path.into(),
-        mode,
-    };
-    match converse(dir, &msg, Some(data), FILE_TIMEOUT)? {
-        (AgentMsg::Done, _) => Ok(()),
-        (AgentMsg::Error { message }, _) => Err(file_error(path, message)),
-        (other, _) => Err(RuntimeError::Backend(format!("write {path}: {other:?}"))),
-    }
-}
-
-pub(crate) fn list_dir(dir: &Path, path: &str) -> Result<Vec<DirEntry>, RuntimeError> {
-    let msg = HostMsg::ListDir { path: path.into() };
-    match converse(dir, &msg, None, FILE_TIMEOUT)? {
-        (AgentMsg::Entries { list }, _) => Ok(list),
-        (AgentMsg::Error { message }, _) => Err(file_error(path, message)),
-        (other, _) => Err(RuntimeError::Backend(format!("list {path}: {other:?}"))),
-    }
-}
-
-pub(crate) fn processes(dir: &Path) -> Result<Vec<strata_agent::ProcessEntry>, RuntimeError> {
-    match converse(dir, &HostMsg::Ps, None, FILE_TIMEOUT)? {
-        (AgentMsg::Processes { list }, _) => Ok(list),
-        (other, _) => Err(RuntimeError::Backend(format!("ps: {other:?}"))),
-    }
-}
-
-pub(crate) fn stats(dir: &Path) -> Result<GuestStats, RuntimeError> {
-    match converse(dir, &HostMsg::Stats, None, FILE_TIMEOUT)? {
-        (AgentMsg::Stats(s), _) => Ok(s),
-        (AgentMsg::Error { message }, _) => Err(RuntimeError::Backend(message)),
-        (other, _) => Err(RuntimeError::Backend(format!("stats: {other:?}"))),
     }
 }
 
@@ -876,36 +775,45 @@ impl SandboxBackend for VmBackend {
                 .map_err(fail)?;
             qmp.execute("cont", serde_json::Value::Null).map_err(fail)?;
         }
-        let (msg, what) = if ctx.restore.is_some() {
-            (
-                HostMsg::Reseed {
+        let key = read_key(&ctx.dir)?;
+        // A restored guest proves the key it was saved with; a template's guest has none.
+        let (msg, what, guest_key) = match &ctx.restore {
+            Some(snapshot) => (
+                HostMsg::Reseed(Reseed {
                     time_ns: now_ns(),
                     seed: fresh_seed(),
-                },
+                    key: key.to_hex(),
+                }),
                 "reseed",
-            )
-        } else {
-            let mut layers = Vec::new();
-            let image_layer = disks.image_layer();
-            for (i, layer) in disks.layers.iter().enumerate() {
-                if image_layer.is_some_and(|(base, _)| base == i) {
-                    continue;
+                Some(read_key(snapshot)?),
+            ),
+            None => {
+                let mut layers = Vec::new();
+                let image_layer = disks.image_layer();
+                for (i, layer) in disks.layers.iter().enumerate() {
+                    if image_layer.is_some_and(|(base, _)| base == i) {
+                        continue;
+                    }
+                    layers.push(GuestLayer {
+                        meta: format!("s{}", qemu::meta_slot(i)),
+                        blob: layer
+                            .blob_path
+                            .as_ref()
+                            .map(|_| format!("s{}", qemu::meta_slot(i) + 1)),
+                    });
                 }
-                let meta = format!("s{}", qemu::meta_slot(i));
-                let blob = layer
-                    .blob_path
-                    .as_ref()
-                    .map(|_| format!("s{}", qemu::meta_slot(i) + 1));
-                layers.push((meta, blob));
-            }
-            (
-                HostMsg::GuestSetup(GuestSetup {
+                let setup = GuestSetup {
                     layers,
                     upper: "s0".into(),
                     merge_dirs: disks
                         .merge_dirs
                         .iter()
-                        .map(|d| (d.path.display().to_string(), d.mode, d.uid, d.gid))
+                        .map(|d| strata_agent_proto::MergeDir {
+                            path: d.path.display().to_string(),
+                            mode: d.mode,
+                            uid: d.uid,
+                            gid: d.gid,
+                        })
                         .collect(),
                     hostname: ctx.hostname.clone(),
                     memory_bytes: l.memory_bytes,
@@ -918,11 +826,14 @@ impl SandboxBackend for VmBackend {
                         serial: format!("s{}", qemu::meta_slot(base)),
                         partition: image.partition,
                     }),
-                }),
-                "setup",
-            )
+                    key: key.to_hex(),
+                };
+                (HostMsg::GuestSetup(setup), "setup", None)
+            }
         };
-        let reply = converse(&ctx.dir, &msg, None, BOOT_TIMEOUT).map_err(fail)?;
+        let reply = AgentClient::at(socket_path(&ctx.dir), guest_key)
+            .request(&msg, None, BOOT_TIMEOUT)
+            .map_err(|e| fail(RuntimeError::Setup(format!("guest {what}: {e}"))))?;
         tracing::debug!(
             sandbox = %ctx.id,
             relay_ms = t_relay.as_secs_f64() * 1e3,
@@ -932,10 +843,7 @@ impl SandboxBackend for VmBackend {
         );
         match reply {
             (AgentMsg::Ready | AgentMsg::Done, _) => Ok(pid),
-            (AgentMsg::Error { message }, _) => Err(fail(RuntimeError::Backend(format!(
-                "guest {what}: {message}"
-            )))),
-            (other, _) => Err(fail(RuntimeError::Backend(format!(
+            (other, _) => Err(fail(RuntimeError::Protocol(format!(
                 "guest {what}: unexpected {other:?}"
             )))),
         }
@@ -974,6 +882,8 @@ impl SandboxBackend for VmBackend {
             let disk = dest.join("upper.img");
             crate::quota::copy_sparse(upper_image, &disk, file_len(upper_image))?;
             qmp.save(&dest.join("state"))?;
+            // The restored guest proves the key it holds now.
+            write_key(dest, &read_key(dir)?)?;
             let record = SnapshotRecord {
                 spec: rec.spec.clone(),
                 shape,

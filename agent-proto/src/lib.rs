@@ -1,0 +1,38 @@
+//! The host–agent protocol, shared by the runtime (client) and `strata-agent` (server).
+//!
+//! One connection carries one conversation (a ping, one exec, a file read). It opens with
+//! a handshake ([`handshake`]): the host's `Hello` names the protocol version and proves
+//! it holds the sandbox's key; the agent's `Welcome` names its version and proves the
+//! same, so neither side acts on a peer that is not the other (a command that got hold of
+//! a socket, an agent of another build). Then the byte stream is a sequence of frames
+//! ([`frame`]): control frames carry typed JSON messages ([`msg`]), data frames raw stdin,
+//! stdout or stderr bytes, so output is never re-encoded. The same framing runs over a
+//! Unix socket (function-call sandboxes, containers) and, multiplexed ([`mux`]), over a
+//! VM's virtio-serial port. [`policy`] is the confinement every sandbox gets, one list for
+//! every backend.
+
+pub mod frame;
+pub mod handshake;
+pub mod msg;
+pub mod mux;
+pub mod policy;
+
+pub use frame::{read_frame, write_control, write_frame, Frame, FrameKind, MAX_FRAME};
+pub use handshake::{HandshakeError, SandboxKey};
+pub use msg::*;
+
+/// Bumped whenever a message changes incompatibly. Both ends check it on every
+/// connection; the `Hello` / `Welcome` / `Refused` frames keep their shape across versions
+/// so that a mismatch is always reported with both numbers.
+pub const PROTOCOL_VERSION: u32 = 2;
+
+/// A process's command line from /proc, arguments joined by spaces.
+pub fn proc_cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .trim_end_matches('\0')
+                .replace('\0', " ")
+        })
+        .unwrap_or_default()
+}
