@@ -160,24 +160,30 @@ impl Opening {
 /// with the reason (another version, no `Hello`, a wrong proof). `key` is the agent's
 /// (none: a guest before setup, which accepts any host).
 pub fn answer(key: Option<&SandboxKey>, first: &Value) -> AgentMsg {
+    answer_as(PROTOCOL_VERSION, key, first)
+}
+
+/// [`answer`] by an agent that speaks protocol `ours` (another build's, as a test makes
+/// one pretend to be).
+pub fn answer_as(ours: u32, key: Option<&SandboxKey>, first: &Value) -> AgentMsg {
     let refused = |kind, message: String| AgentMsg::Refused {
-        version: PROTOCOL_VERSION,
+        version: ours,
         kind,
         message,
     };
     if first.get("op").and_then(Value::as_str) != Some("hello") {
         return refused(
             ErrorKind::ProtocolVersion,
-            format!("a conversation must open with hello (this agent speaks protocol v{PROTOCOL_VERSION})"),
+            format!("a conversation must open with hello (this agent speaks protocol v{ours})"),
         );
     }
     match version_of(first) {
-        Some(v) if v == PROTOCOL_VERSION => {}
+        Some(v) if v == ours => {}
         other => {
             return refused(
                 ErrorKind::ProtocolVersion,
                 format!(
-                    "this agent speaks protocol v{PROTOCOL_VERSION}; the host speaks v{}",
+                    "this agent speaks protocol v{ours}; the host speaks v{}",
                     other.map_or("?".to_string(), |v| v.to_string())
                 ),
             )
@@ -195,11 +201,11 @@ pub fn answer(key: Option<&SandboxKey>, first: &Value) -> AgentMsg {
             "the hello does not prove this sandbox's key".into(),
         ),
         Some(k) => AgentMsg::Welcome {
-            version: PROTOCOL_VERSION,
+            version: ours,
             proof: k.mac("agent", &nonce).to_hex().to_string(),
         },
         None => AgentMsg::Welcome {
-            version: PROTOCOL_VERSION,
+            version: ours,
             proof: String::new(),
         },
     }

@@ -89,6 +89,12 @@ type Helper = fn(&[String]) -> Result<(), String>;
 
 fn main() {
     confine::not_dumpable();
+    if let Some(v) = std::env::var("STRATA_AGENT_PROTOCOL")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        let _ = serve::SPEAKS.set(v);
+    }
     if guest::is_guest_init() {
         guest::main();
     }

@@ -27,6 +27,15 @@ pub static COMMAND_CGROUP: OnceLock<std::ffi::CString> = OnceLock::new();
 /// its setup). No command runs before.
 pub static JAIL: OnceLock<Jail> = OnceLock::new();
 
+/// The protocol version this agent answers with: its own, unless `STRATA_AGENT_PROTOCOL`
+/// makes it pretend to be another build's (how the tests check that a host refuses an
+/// agent of another version, and drains a pool of them).
+pub static SPEAKS: OnceLock<u32> = OnceLock::new();
+
+fn speaks() -> u32 {
+    *SPEAKS.get().unwrap_or(&PROTOCOL_VERSION)
+}
+
 /// The sandbox's key; none only in a VM guest before its setup.
 static KEY: Mutex<Option<SandboxKey>> = Mutex::new(None);
 
@@ -85,7 +94,7 @@ pub(crate) fn open(
     let Some(Frame::Control(first)) = read_frame::<Value>(reader)? else {
         return Ok(None);
     };
-    let answer = handshake::answer(key().as_ref(), &first);
+    let answer = handshake::answer_as(speaks(), key().as_ref(), &first);
     send(writer, &answer)?;
     if !matches!(answer, AgentMsg::Welcome { .. }) {
         return Ok(None);
@@ -158,7 +167,7 @@ pub(crate) fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
     let set_up = JAIL.get().is_some();
     match request {
         HostMsg::Ping => reply(AgentMsg::Pong {
-            version: PROTOCOL_VERSION,
+            version: speaks(),
             pid: std::process::id(),
         }),
         HostMsg::GuestSetup(setup) => reply(result(

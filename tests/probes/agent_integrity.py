@@ -4,8 +4,10 @@
 exec's processes, and reports what worked.
 
     agent_integrity.py scan               one pass; the JSON report on stdout
-    agent_integrity.py attack SECS FILE   keep attacking for SECS seconds (while the host
-                                          runs its execs); the JSON report into FILE
+    agent_integrity.py attack SECS FILE   keep attacking (while the host runs its execs)
+                                          until FILE.stop exists or SECS seconds pass;
+                                          the JSON report into FILE
+    agent_integrity.py selftest           the control: ptrace of its own child works
 
 A finding is an attack that worked. The report also carries what the probe could read
 (/proc/1/cmdline, its own mountinfo, cgroup, environment), so the test can check that
@@ -250,7 +252,7 @@ def main():
     if len(sys.argv) == 4 and sys.argv[1] == "attack":
         until = time.monotonic() + float(sys.argv[2])
         passes = 0
-        while time.monotonic() < until:
+        while time.monotonic() < until and not os.path.exists(sys.argv[3] + ".stop"):
             one_pass()
             passes += 1
             time.sleep(0.01)
@@ -258,6 +260,25 @@ def main():
         with open(tmp, "w") as f:
             json.dump(report(passes), f)
         os.rename(tmp, sys.argv[3])
+        return
+    if len(sys.argv) == 2 and sys.argv[1] == "selftest":
+        # What the probe's attacks do is allowed on a process of the command's own: a
+        # debugger or strace keeps working, and the probe's machinery is sound.
+        child = os.fork()
+        if child == 0:
+            time.sleep(30)
+            os._exit(0)
+        try:
+            ok = LIBC.ptrace(PTRACE_SEIZE, child, None, None) == 0
+            err = ctypes.get_errno()
+            fields = stat_fields(child)
+            env = read(f"/proc/{child}/environ")
+            readable = not isinstance(env, Exception) and len(env) > 0
+            print(json.dumps({"ptrace": ok, "errno": err, "environ": readable,
+                              "startcode": int(fields[24]) if fields else 0}))
+        finally:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
         return
     sys.exit(__doc__)
 

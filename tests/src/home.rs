@@ -331,3 +331,99 @@ impl SampleEnv {
         }
     }
 }
+
+/// What the agent-integrity probe (`tests/probes/agent_integrity.py`) reports.
+#[derive(Debug, serde::Deserialize)]
+struct ProbeReport {
+    passes: u64,
+    findings: Vec<serde_json::Value>,
+    readable: std::collections::BTreeMap<String, String>,
+}
+
+impl SampleEnv {
+    /// Threat model, "the sandbox's processes" (SECURITY.md): a hostile command cannot take
+    /// over the agent that reports every exec's result, nor reach another exec's
+    /// processes, nor learn the host's layout. In a new `backend` sandbox the probe scans
+    /// once, then attacks in the background (ptrace and /proc/PID/mem of every process not
+    /// its own, signals to the agent, accept on every inherited socket, every socket it
+    /// can find) while the host runs 20 execs; every exec must return its real output and
+    /// status, and the probe must have found nothing.
+    pub fn assert_agent_integrity(&self, backend: &str) {
+        let probe = Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/agent_integrity.py");
+        let id = self.create(&["--backend", backend]);
+        let dest = format!("{id}:/tmp/probe.py");
+        self.ok(&["sandbox", "cp", &probe.display().to_string(), &dest]);
+        let run = |args: &[&str]| {
+            let mut all = vec!["sandbox", "exec", id.as_str(), "--"];
+            all.extend_from_slice(args);
+            self.ok(&all)
+        };
+        // The control: the probe's own attacks work on a process of its own.
+        let control: serde_json::Value =
+            serde_json::from_str(&run(&["python3", "/tmp/probe.py", "selftest"]))
+                .expect("selftest JSON");
+        assert_eq!(control["ptrace"], true, "{backend}: {control}");
+        assert_eq!(control["environ"], true, "{backend}: {control}");
+        let host_paths: Vec<String> = [
+            self.cli.home.clone(),
+            self.cli.store.clone(),
+            strata_bin()
+                .parent()
+                .map(Path::to_path_buf)
+                .unwrap_or_default(),
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")),
+        ]
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect();
+        let check = |report: &ProbeReport, when: &str| {
+            assert!(
+                report.findings.is_empty(),
+                "{backend} ({when}): the probe got through: {:#?}",
+                report.findings
+            );
+            for (file, content) in &report.readable {
+                for host in &host_paths {
+                    assert!(
+                        !content.contains(host.as_str()),
+                        "{backend} ({when}): {file} inside shows the host path {host}: {content}"
+                    );
+                }
+            }
+        };
+        let scan: ProbeReport =
+            serde_json::from_str(&run(&["python3", "/tmp/probe.py", "scan"])).expect("scan JSON");
+        check(&scan, "scan");
+        run(&[
+            "sh",
+            "-c",
+            "setsid python3 /tmp/probe.py attack 300 /tmp/report.json >/dev/null 2>&1 </dev/null &",
+        ]);
+        // The attack is under way once it has made a pass.
+        std::thread::sleep(Duration::from_millis(500));
+        for i in 0..20 {
+            let script = format!("echo out-{i}; echo err-{i} >&2; exit {}", i % 5);
+            let o = self.sh(&id, &script);
+            let (out, err) = text(&o);
+            assert_eq!(
+                (out.as_str(), err.as_str(), o.status.code()),
+                (
+                    format!("out-{i}\n").as_str(),
+                    format!("err-{i}\n").as_str(),
+                    Some(i % 5)
+                ),
+                "{backend}: exec {i} under attack"
+            );
+        }
+        run(&["touch", "/tmp/report.json.stop"]);
+        let text_report = run(&[
+            "sh",
+            "-c",
+            "for i in $(seq 600); do [ -f /tmp/report.json ] && break; sleep 0.1; done; cat /tmp/report.json",
+        ]);
+        let attack: ProbeReport = serde_json::from_str(&text_report).expect("attack report");
+        assert!(attack.passes > 0, "{backend}: the attack never ran");
+        check(&attack, "attack");
+        self.ok(&["sandbox", "rm", &id]);
+    }
+}

@@ -97,6 +97,84 @@ fn the_sample_test_suite_passes_in_both_backends() {
 }
 
 #[test]
+fn a_hostile_command_cannot_take_over_the_agent() {
+    let Some(env) = env("runtime_agent_integrity") else {
+        return;
+    };
+    for backend in BACKENDS {
+        env.assert_agent_integrity(backend);
+    }
+}
+
+/// The host-agent channel checks the protocol version on every connection: an agent of
+/// another build is refused with both versions named, and a pool of them is drained.
+#[test]
+fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
+    let Some(env) = env("runtime_agent_version") else {
+        return;
+    };
+    let ready = env.cli.runtime_dir().join("pool/ready");
+    let pool_pids = || -> Vec<u32> {
+        std::fs::read_dir(&ready)
+            .map(|rd| {
+                rd.flatten()
+                    .filter_map(|e| {
+                        let t = std::fs::read_to_string(e.path().join("pid")).ok()?;
+                        t.split_whitespace().next()?.parse().ok()
+                    })
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    env.ok(&["sandbox", "pool", "--drain"]);
+    // Agents that answer as protocol v1 (an older build's pool).
+    let o = env
+        .cmd(&["sandbox", "pool", "--fill", "2"])
+        .env("STRATA_AGENT_PROTOCOL", "1")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", text(&o).1);
+    let old = pool_pids();
+    assert_eq!(old.len(), 2, "pool: {old:?}");
+    // A create claims one, is refused, drains the rest and starts its agent cold.
+    let o = env
+        .cmd(&["sandbox", "create", "--backend", "fncall", &env.reference])
+        .env("STRATA_POOL", "0")
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}{err}");
+    let current = format!("v{}", strata_agent_proto::PROTOCOL_VERSION);
+    assert!(
+        err.contains("protocol v1") && err.contains(&current),
+        "the refusal names both versions: {err}"
+    );
+    let id = out.lines().last().unwrap().trim().to_string();
+    let o = env.sh(&id, "echo fresh");
+    assert_eq!(text(&o).0, "fresh\n", "{}", text(&o).1);
+    for pid in &old {
+        let alive =
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "));
+        assert!(!alive, "pooled agent {pid} of protocol v1 still runs");
+    }
+    assert!(pool_pids().is_empty(), "the stale pool was not drained");
+    env.ok(&["sandbox", "rm", &id]);
+    // Started cold, such an agent is refused at once, naming both versions.
+    let o = env
+        .cmd(&["run", "--backend", "fncall", &env.reference, "--", "true"])
+        .env("STRATA_AGENT_PROTOCOL", "1")
+        .env("STRATA_POOL", "0")
+        .output()
+        .unwrap();
+    let (_, err) = text(&o);
+    assert!(!o.status.success(), "a v1 agent ran a command");
+    assert!(
+        err.contains("protocol v1") && err.contains(&current),
+        "the refusal names both versions: {err}"
+    );
+}
+
+#[test]
 fn budgets_hold_and_say_which_one_ended_the_command() {
     let Some(env) = env("runtime_budgets") else {
         return;

@@ -76,6 +76,16 @@ fn the_sample_test_suite_passes_in_a_microvm_and_a_vm() {
 }
 
 #[test]
+fn a_hostile_command_cannot_take_over_the_guest_agent() {
+    let Some(env) = env("vm_agent_integrity") else {
+        return;
+    };
+    for backend in ["microvm", "vm"] {
+        env.assert_agent_integrity(backend);
+    }
+}
+
+#[test]
 fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     let Some(env) = env("vm_budgets") else {
         return;
