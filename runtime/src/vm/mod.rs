@@ -999,12 +999,14 @@ mod tests {
         );
         assert!(opts.contains("guestfwd=tcp:10.0.2.100:80-cmd:"), "{opts}");
         assert!(opts.contains("guestfwd=tcp:10.0.2.101:443-cmd:"), "{opts}");
+        let hosts: Vec<(&str, &str)> = guest
+            .hosts
+            .iter()
+            .map(|h| (h.address.as_str(), h.name.as_str()))
+            .collect();
         assert_eq!(
-            guest.hosts,
-            vec![
-                ("10.0.2.100".to_string(), "pypi.org".to_string()),
-                ("10.0.2.101".to_string(), "files.example".to_string())
-            ]
+            hosts,
+            [("10.0.2.100", "pypi.org"), ("10.0.2.101", "files.example")]
         );
         assert_eq!(guest.address, "10.0.2.15");
     }
