@@ -407,10 +407,19 @@ fn storage_row(env: &Env, environments: usize) -> Result<Row> {
             continue;
         }
         let history = env.json(&["catalog", "history", id, "--json"])?;
-        for record in history.as_array().cloned().unwrap_or_default() {
+        let records = history.as_array().cloned().unwrap_or_default();
+        let removed: Vec<&str> = records
+            .iter()
+            .filter(|r| r["action"] == "remove")
+            .filter_map(|r| r["version"].as_str())
+            .collect();
+        for record in &records {
             let Some(v) = record["version"].as_str() else {
                 continue;
             };
+            if record["action"] == "remove" || removed.contains(&v) {
+                continue;
+            }
             let shown = env.json(&["catalog", "show", &format!("{id}@{v}"), "--json"])?;
             let entry: Entry = serde_json::from_value(shown["entry"].clone())?;
             for (_, layer) in entry.layers() {

@@ -6,10 +6,17 @@
 //! - `meta/<aa>/<digest>`: a layer's EROFS metadata image;
 //! - `layers/<id>.json`: the layer manifest, written last: a layer exists once it does;
 //! - `layers/<id>.provenance.json`: where the layer came from;
+//! - `layers/<id>.prefetch.json`, `builds/<key>.json`: a layer's prefetch list and the
+//!   step builds that made it (mutable records);
 //! - `leases/<uuid>.json`, `gc/running`: the build/GC handshake (see [`maintenance`]).
+//!
+//! Nothing is ever rewritten in place: a layer goes away only by [`Store::remove_layers`]
+//! (its manifest and records), and what no remaining manifest references is deleted by
+//! [`gc`].
 
 pub mod chunk;
 mod digest;
+pub mod gc;
 mod location;
 pub mod maintenance;
 pub mod manifest;
@@ -20,7 +27,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use serde::Serialize;
 
 pub use digest::{Digest, ParseDigestError};
 pub use location::{default_store_url, strata_home, StoreUrl};
@@ -69,6 +77,14 @@ pub enum StoreError {
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// What [`Store::remove_layers`] deleted.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RemovedLayers {
+    pub layers: Vec<Digest>,
+    /// Build-cache records (`builds/<key>.json`) that named a removed layer.
+    pub build_records: u64,
+}
 
 /// A handle on one store. Cheap to clone.
 #[derive(Clone)]
@@ -387,6 +403,44 @@ impl Store {
         ObjectPath::from(format!("layers/{id}.prefetch.json"))
     }
 
+    /// Removes layers: each manifest first (the layer stops existing at that instant),
+    /// then its provenance and prefetch list, then every build-cache record that names
+    /// it. Fails before removing anything if one of `ids` is not in the store. The
+    /// chunks and images stay until [`Store::gc`] finds nothing references them; who
+    /// still uses a layer (catalog versions, sandboxes) is for the caller to check.
+    pub async fn remove_layers(&self, ids: &[Digest]) -> Result<RemovedLayers> {
+        for id in ids {
+            if !self.has_layer(id).await? {
+                return Err(StoreError::LayerNotFound(id.to_hex()));
+            }
+        }
+        let mut removed = RemovedLayers::default();
+        for id in ids {
+            if self.delete_if_present(&Self::manifest_key(id)).await? {
+                removed.layers.push(*id);
+            }
+            self.delete_if_present(&Self::provenance_key(id)).await?;
+            self.delete_if_present(&Self::prefetch_key(id)).await?;
+        }
+        for (obj, layer) in self.build_records().await? {
+            if layer.is_some_and(|l| ids.contains(&l))
+                && self.delete_if_present(&obj.location).await?
+            {
+                removed.build_records += 1;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Deletes an object; `false` if it was not there.
+    async fn delete_if_present(&self, key: &ObjectPath) -> Result<bool> {
+        match self.backend.delete(key).await {
+            Ok(()) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(backend_err("delete", key)(e)),
+        }
+    }
+
     /// Writes a small mutable JSON record.
     async fn put_record<T: serde::Serialize>(&self, key: &ObjectPath, value: &T) -> Result<()> {
         let body = serde_json::to_vec(value).map_err(|source| StoreError::Json {
@@ -452,6 +506,31 @@ impl Store {
         }
         let record: Option<Record> = self.get_record(&Self::build_record_key(build_key)).await?;
         Ok(record.map(|r| r.layer))
+    }
+
+    /// Every build-cache record with the layer it names (`None` if it cannot be read).
+    pub(crate) async fn build_records(&self) -> Result<Vec<(ObjectMeta, Option<Digest>)>> {
+        #[derive(serde::Deserialize)]
+        struct Record {
+            layer: Digest,
+        }
+        let prefix = ObjectPath::from("builds");
+        let metas: Vec<ObjectMeta> = self
+            .backend
+            .list(Some(&prefix))
+            .try_collect()
+            .await
+            .map_err(backend_err("list", &prefix))?;
+        let mut out = Vec::with_capacity(metas.len());
+        for meta in metas {
+            let record = match self.get_record::<Record>(&meta.location).await {
+                Ok(r) => r.map(|r| r.layer),
+                Err(StoreError::Json { .. }) => None,
+                Err(e) => return Err(e),
+            };
+            out.push((meta, record));
+        }
+        Ok(out)
     }
 
     /// Every committed layer ID, sorted.

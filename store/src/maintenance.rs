@@ -1,10 +1,12 @@
-//! Whole-store operations: the dedup index builds consult, statistics, verification, and
-//! garbage collection with its handshake against builds running at the same time.
+//! Whole-store operations: the dedup index builds consult, build leases, statistics and
+//! verification. Garbage collection is in [`crate::gc`].
 //!
-//! The handshake: a build puts `leases/<uuid>.json` (renewed while it runs), then checks
-//! for `gc/running` and waits while it is there. GC puts `gc/running`, then lists leases and
-//! stops if any is live. Either GC sees the build's lease, or the build sees GC's marker, so
-//! no chunk a build relies on (uploaded or reused) is deleted before its manifest lands.
+//! The build/GC handshake: a build puts `leases/<uuid>.json` (renewed while it runs), then
+//! checks for `gc/running` and waits while it is there and renewed. GC puts `gc/running`
+//! (renewed while it runs), then lists leases and stops if any is live, and lists them
+//! again after marking, just before it deletes anything. Either GC sees the build's lease,
+//! or the build sees GC's marker, so no chunk a build relies on (uploaded or reused) is
+//! deleted before its manifest lands.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::{Duration, SystemTime};
@@ -14,15 +16,14 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectMeta, ObjectStoreExt, PutPayload};
 use serde::Serialize;
 
+use crate::gc::{GC_MARKER, GC_MARKER_TTL};
 use crate::{backend_err, chunk, Digest, LayerManifest, Result, Store, StoreError};
 
 /// A lease not renewed for this long belongs to a build that died.
 pub const LEASE_TTL: Duration = Duration::from_secs(600);
 const LEASE_RENEW: Duration = Duration::from_secs(60);
-/// A GC marker older than this belongs to a GC that died.
-const GC_MARKER_TTL: Duration = Duration::from_secs(1800);
+/// How long a build waits for a running GC before giving up.
 const GC_WAIT: Duration = Duration::from_secs(600);
-const GC_MARKER: &str = "gc/running";
 const PARALLEL: usize = 16;
 
 /// Where a chunk is stored.
@@ -34,7 +35,8 @@ pub struct ChunkLocation {
     pub length: u32,
 }
 
-fn age(meta: &ObjectMeta) -> Duration {
+/// How long ago an object was last written.
+pub(crate) fn age(meta: &ObjectMeta) -> Duration {
     let modified = SystemTime::UNIX_EPOCH
         + Duration::from_millis(meta.last_modified.timestamp_millis().max(0) as u64);
     SystemTime::now()
@@ -92,30 +94,7 @@ pub struct VerifyReport {
     pub problems: Vec<String>,
 }
 
-/// What `gc` removed.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct GcReport {
-    pub layers: u64,
-    pub deleted_packs: u64,
-    pub deleted_metadata: u64,
-    pub deleted_bytes: u64,
-    pub expired_leases: u64,
-    /// Unreferenced objects kept because they are younger than the grace period.
-    pub kept_young: u64,
-    /// Bytes of dead chunks inside packs that still hold live ones.
-    pub dead_bytes_in_live_packs: u64,
-}
-
 impl Store {
-    async fn list_prefix(&self, prefix: &str) -> Result<Vec<ObjectMeta>> {
-        let p = ObjectPath::from(prefix);
-        self.backend
-            .list(Some(&p))
-            .try_collect()
-            .await
-            .map_err(backend_err("list", &p))
-    }
-
     /// Every layer manifest in the store.
     pub async fn all_layers(&self) -> Result<Vec<LayerManifest>> {
         let ids = self.list_layers().await?;
@@ -314,106 +293,6 @@ impl Store {
         report.problems.sort();
         Ok(report)
     }
-
-    /// Deletes packs and metadata images no manifest references and that are older than
-    /// `grace`. Refuses to run while a build holds a live lease.
-    pub async fn gc(&self, grace: Duration) -> Result<GcReport> {
-        let marker = ObjectPath::from(GC_MARKER);
-        self.backend
-            .put(
-                &marker,
-                PutPayload::from(format!("pid {}", std::process::id())),
-            )
-            .await
-            .map_err(backend_err("put", &marker))?;
-        let result = self.gc_marked(grace).await;
-        if let Err(e) = self.backend.delete(&marker).await {
-            tracing::warn!(error = %e, "could not remove the GC marker `{GC_MARKER}`");
-        }
-        result
-    }
-
-    async fn gc_marked(&self, grace: Duration) -> Result<GcReport> {
-        let mut report = GcReport::default();
-        let mut live_leases = Vec::new();
-        for lease in self.list_prefix("leases").await? {
-            if age(&lease) < LEASE_TTL {
-                live_leases.push(lease.location.to_string());
-            } else {
-                self.backend
-                    .delete(&lease.location)
-                    .await
-                    .map_err(backend_err("delete", &lease.location))?;
-                report.expired_leases += 1;
-            }
-        }
-        if !live_leases.is_empty() {
-            return Err(StoreError::Busy(format!(
-                "{} build(s) in progress ({}); run gc again when they finish",
-                live_leases.len(),
-                live_leases.join(", ")
-            )));
-        }
-        // A manifest that cannot be read may still reference chunks: stop rather than guess.
-        let layers = self.all_layers().await?;
-        report.layers = layers.len() as u64;
-        // Live stored bytes per pack (each chunk once across layers), and live images.
-        let mut live_packs: HashMap<Digest, u64> = HashMap::new();
-        let mut live_meta = HashSet::new();
-        let mut seen = HashSet::new();
-        for m in &layers {
-            live_meta.insert(m.metadata.digest);
-            for c in &m.chunks {
-                let pack = m.packs[c.pack as usize];
-                if seen.insert((pack, c.pack_offset)) {
-                    *live_packs.entry(pack).or_default() += c.stored_length as u64;
-                }
-            }
-        }
-        for obj in self.list_prefix("packs").await? {
-            let Some(d) = digest_of(&obj) else { continue };
-            match live_packs.get(&d) {
-                Some(live) => report.dead_bytes_in_live_packs += obj.size.saturating_sub(*live),
-                None => {
-                    if self.sweep(&obj, grace, &mut report).await? {
-                        report.deleted_packs += 1;
-                    }
-                }
-            }
-        }
-        for obj in self.list_prefix("meta").await? {
-            let Some(d) = digest_of(&obj) else { continue };
-            if !live_meta.contains(&d) && self.sweep(&obj, grace, &mut report).await? {
-                report.deleted_metadata += 1;
-            }
-        }
-        Ok(report)
-    }
-}
-
-impl Store {
-    /// Deletes an unreferenced object unless it is younger than `grace`.
-    async fn sweep(
-        &self,
-        obj: &ObjectMeta,
-        grace: Duration,
-        report: &mut GcReport,
-    ) -> Result<bool> {
-        if age(obj) < grace {
-            report.kept_young += 1;
-            return Ok(false);
-        }
-        self.backend
-            .delete(&obj.location)
-            .await
-            .map_err(backend_err("delete", &obj.location))?;
-        report.deleted_bytes += obj.size;
-        Ok(true)
-    }
-}
-
-fn digest_of(obj: &ObjectMeta) -> Option<Digest> {
-    obj.location.filename()?.parse().ok()
 }
 
 fn list(ids: &BTreeSet<Digest>) -> String {

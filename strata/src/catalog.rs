@@ -1,10 +1,10 @@
-//! `strata catalog ...`: register, show, list and trace catalog entries.
+//! `strata catalog ...`: register, show, list, trace and remove catalog entries.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use strata_catalog::{Catalog, Entry};
+use strata_catalog::{Action, Catalog, Entry};
 use strata_store::Store;
 
 use crate::output::print_json;
@@ -28,11 +28,18 @@ pub enum CatalogCommand {
         #[arg(default_value = "")]
         prefix: String,
     },
-    /// Every registration of an entry, oldest first.
+    /// Every registration and removal of an entry, oldest first.
     History {
         id: String,
         #[arg(long)]
         json: bool,
+    },
+    /// Remove `namespace/name@version`, or every version of `namespace/name`: a tombstone
+    /// in the entry's log (its history keeps both). The layers stay (`strata layer rm`).
+    Rm {
+        /// `namespace/name@version` or `namespace/name`.
+        #[arg(required = true)]
+        ids: Vec<String>,
     },
 }
 
@@ -95,7 +102,21 @@ pub async fn run(store: &Store, cmd: CatalogCommand) -> Result<i32> {
                 print_json(&h)?;
             } else {
                 for r in h {
-                    println!("{:>6}  {:<12} {}  {}", r.seq, r.version, r.at, r.by);
+                    let action = match r.action {
+                        Action::Register => "register",
+                        Action::Remove => "remove",
+                    };
+                    println!(
+                        "{:>6}  {:<8}  {:<12} {}  {}",
+                        r.seq, action, r.version, r.at, r.by
+                    );
+                }
+            }
+        }
+        CatalogCommand::Rm { ids } => {
+            for id in ids {
+                for reference in catalog.remove(&id).await? {
+                    println!("removed {reference}");
                 }
             }
         }

@@ -1,4 +1,4 @@
-//! `strata layer ...`: build, inspect, list and export layers.
+//! `strata layer ...`: build, inspect, list, export and remove layers.
 
 use std::path::PathBuf;
 
@@ -70,6 +70,17 @@ pub enum StoredLayerCommand {
     },
     /// Write a layer's tree into a directory.
     Export { id: String, dir: PathBuf },
+    /// Remove layers from the store (their manifests and records; `strata store gc` then
+    /// frees their data). Refused while a catalog version or a live sandbox on this host
+    /// uses one of them, naming those, unless --force.
+    Rm {
+        /// Layer IDs or unique prefixes of 8+ hex digits.
+        #[arg(required = true)]
+        ids: Vec<String>,
+        /// Remove them even though catalog versions or sandboxes use them.
+        #[arg(long)]
+        force: bool,
+    },
 }
 
 pub async fn run(url: Option<String>, cmd: LayerCommand) -> Result<i32> {
@@ -215,6 +226,7 @@ async fn run_stored(store: &Store, url: Option<String>, cmd: StoredLayerCommand)
             }
             Ok(0)
         }
+        StoredLayerCommand::Rm { ids, force } => crate::layer_rm::remove(store, &ids, force).await,
         StoredLayerCommand::Export { id, dir } => {
             let id = store.resolve_layer(&id).await?;
             let m = store.get_layer(&id).await?;

@@ -4,6 +4,7 @@
 mod build_steps;
 mod catalog;
 mod layer;
+mod layer_rm;
 mod lazy;
 mod output;
 mod sandbox;

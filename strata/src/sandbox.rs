@@ -189,12 +189,17 @@ fn agent_path() -> Result<PathBuf> {
     Ok(exe.with_file_name("strata-agent"))
 }
 
+/// The local runtime's state directory (`$STRATA_HOME/runtime`).
+pub fn runtime_dir() -> PathBuf {
+    strata_home().join("runtime")
+}
+
 pub fn open_runtime(store_url: Option<String>) -> Result<Runtime> {
     let lazyfs = strata_runtime::LazyfsAccess {
         paths: crate::lazy::paths(),
         start: daemon_starter(store_url),
     };
-    let mut cfg = RuntimeConfig::new(strata_home().join("runtime"), lazyfs, agent_path()?)?;
+    let mut cfg = RuntimeConfig::new(runtime_dir(), lazyfs, agent_path()?)?;
     cfg.container_agent = std::env::current_exe()
         .ok()
         .and_then(|exe| strata_runtime::container::static_agent_for(&exe));

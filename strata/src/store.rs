@@ -20,7 +20,7 @@ pub enum StoreCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Delete packs and metadata images no layer references.
+    /// Delete the packs, metadata images and records no remaining layer references.
     Gc {
         /// Keep unreferenced objects younger than this (they may belong to a build that
         /// has not committed yet).
@@ -86,13 +86,16 @@ pub async fn run(store: &Store, cmd: StoreCommand) -> Result<i32> {
                 print_json(&r)?;
             } else {
                 println!(
-                    "deleted {} packs and {} metadata images ({}); kept {} young unreferenced objects; {} expired leases; {} dead in live packs",
+                    "deleted {} packs and {} metadata images ({}) and {} records; kept {} for {} layers ({} of it dead chunks in live packs) and {} young unreferenced objects; {} expired leases",
                     r.deleted_packs,
                     r.deleted_metadata,
                     human_bytes(r.deleted_bytes),
+                    r.deleted_records,
+                    human_bytes(r.kept_bytes),
+                    r.layers,
+                    human_bytes(r.dead_bytes_in_live_packs),
                     r.kept_young,
                     r.expired_leases,
-                    human_bytes(r.dead_bytes_in_live_packs)
                 );
             }
             Ok(0)

@@ -1,4 +1,5 @@
-//! The store on a real S3 server (Ceph radosgw on 127.0.0.1, started by the test).
+//! The store on a real S3 server (Ceph radosgw on 127.0.0.1, started by the test):
+//! builds, verify, gc, export, concurrent registrations, and removal of versions and layers.
 
 use strata_builder::{LayerKind, Source};
 use strata_store::{Store, StoreUrl};
@@ -71,4 +72,24 @@ fn builds_verify_gc_and_export_against_radosgw() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(j["layers"], 1);
+
+    // Retention on S3: the layer is refused while the entry's versions use it; once they
+    // are all tombstoned, it goes and gc leaves nothing stored.
+    let id = first.id.to_hex();
+    let o = strata(&server.url, &["layer", "rm", &id]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("conc/entry@v"), "{err}");
+    let o = strata(&server.url, &["catalog", "rm", "conc/entry"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).lines().count(), 20);
+    let o = strata(&server.url, &["layer", "rm", &id]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = strata(&server.url, &["store", "gc", "--grace", "0s"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = strata(&server.url, &["store", "stats", "--json"]);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(
+        (j["layers"].as_u64(), j["stored_bytes"].as_u64()),
+        (Some(0), Some(0))
+    );
 }
