@@ -3,7 +3,7 @@
 //! predecessor left (dead FUSE mount, EROFS and bind mounts on it) and restores its binds.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
@@ -47,6 +47,8 @@ pub struct DaemonConfig {
     /// bursts, and re-attaching a large layer (manifest, metadata check, chunk table, EROFS
     /// mount) costs milliseconds each time.
     pub idle_detach: std::time::Duration,
+    /// How layers' EROFS images are mounted; `None`: probe the kernel once at start.
+    pub erofs: Option<mounts::ErofsSource>,
 }
 
 /// Bind mounts made for clients, per layer; persisted so a restarted daemon restores them.
@@ -65,6 +67,8 @@ struct Daemon {
     state: Mutex<State>,
     /// Serializes attach/detach so two clients do not mount one layer twice.
     attach_lock: tokio::sync::Mutex<()>,
+    /// How this kernel mounts the layers' images (probed once at start).
+    erofs: mounts::ErofsSource,
     rt: tokio::runtime::Handle,
 }
 
@@ -76,7 +80,7 @@ fn reap_stale(paths: &Paths, state: &State) {
     let ours = |m: &mounts::MountEntry| {
         m.mount_point.starts_with(&paths.root)
             || recorded.contains(&m.mount_point)
-            || (m.fstype == "erofs" && Path::new(&m.source).starts_with(&paths.root))
+            || (m.fstype == "erofs" && mounts::erofs_source_under(&m.source, &paths.root))
     };
     for m in all.iter().rev().filter(|m| ours(m)) {
         match mounts::unmount(&m.mount_point, true) {
@@ -158,7 +162,8 @@ impl Daemon {
         if !mounts::is_mount_point(&mount) {
             let device = (blob.size() > 0).then(|| paths.blob_file(&id));
             let (m, d, t) = (meta_path.clone(), device.clone(), mount.clone());
-            tokio::task::spawn_blocking(move || mounts::mount_erofs(&m, d.as_deref(), &t))
+            let source = self.erofs;
+            tokio::task::spawn_blocking(move || mounts::mount_erofs(&m, d.as_deref(), &t, source))
                 .await
                 .map_err(|e| LazyError::Daemon(format!("mount task: {e}")))?
                 .map_err(|e| {
@@ -397,6 +402,18 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
     for d in [paths.fuse_dir(), paths.mnt_dir(), paths.meta_dir()] {
         std::fs::create_dir_all(&d).map_err(LazyError::io(&d))?;
     }
+    let erofs = match cfg.erofs {
+        Some(chosen) => chosen,
+        None => strata_host::erofs_file_backed(&paths.meta_dir())
+            .map_err(|e| LazyError::Mount(format!("probing how this kernel mounts EROFS: {e}")))?,
+    };
+    tracing::info!(
+        erofs = match erofs {
+            mounts::ErofsSource::File => "file-backed",
+            mounts::ErofsSource::Loop => "through loop devices",
+        },
+        "layer images mount"
+    );
 
     let cache = Arc::new(ChunkCache::open(&paths.cache_dir(), cfg.cache_max_bytes)?);
     let layers = Arc::new(Layers::default());
@@ -422,6 +439,7 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
         recording: Mutex::new(BTreeSet::new()),
         state: Mutex::new(State::default()),
         attach_lock: tokio::sync::Mutex::new(()),
+        erofs,
         rt: tokio::runtime::Handle::current(),
     });
 

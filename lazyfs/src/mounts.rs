@@ -1,5 +1,6 @@
-//! Kernel mounts: file-backed EROFS, read-only bind mounts, unmounting, and reading
-//! `/proc/self/mountinfo` to find what an earlier daemon left behind.
+//! Kernel mounts: EROFS (straight from the image file where the kernel can, else through
+//! loop devices), read-only bind mounts, unmounting, and reading `/proc/self/mountinfo` to
+//! find what an earlier daemon left behind.
 
 use std::ffi::CString;
 use std::io;
@@ -19,9 +20,60 @@ fn check(rc: libc::c_int) -> io::Result<()> {
     }
 }
 
-/// Mounts the EROFS image file `meta` (no loop device) at `target`, read-only, with `blob`
-/// as its extra device.
-pub fn mount_erofs(meta: &Path, blob: Option<&Path>, target: &Path) -> io::Result<()> {
+pub use strata_host::ErofsSource;
+
+/// Mounts the EROFS image file `meta` at `target`, read-only, with `blob` as its extra
+/// device: straight from the files, or (`Loop`, kernels before 6.12) through loop devices,
+/// the image's read with direct I/O (it is on local disk; cached once, by the device) and
+/// the blob's buffered (the FUSE file's page cache and readahead are what make warm reads
+/// fast). The loop devices detach themselves when the mount goes (autoclear).
+pub fn mount_erofs(
+    meta: &Path,
+    blob: Option<&Path>,
+    target: &Path,
+    source: ErofsSource,
+) -> io::Result<()> {
+    if source == ErofsSource::File {
+        return mount_erofs_from(meta, blob, target);
+    }
+    use strata_host::loopdev::{attach, Options};
+    let meta_dev = attach(
+        meta,
+        Options {
+            read_only: true,
+            direct_io: true,
+            block_size: 4096,
+        },
+    )?;
+    let blob_dev = blob
+        .map(|b| {
+            attach(
+                b,
+                Options {
+                    read_only: true,
+                    direct_io: false,
+                    block_size: 4096,
+                },
+            )
+        })
+        .transpose()?;
+    // The devices stay open until the mount holds them, or autoclear would free them.
+    mount_erofs_from(
+        &meta_dev.path,
+        blob_dev.as_ref().map(|d| d.path.as_path()),
+        target,
+    )
+}
+
+/// Whether an EROFS mount's source (`/proc/self/mountinfo`) is under `root`: the image
+/// file itself, or a loop device bound to one.
+pub fn erofs_source_under(source: &str, root: &Path) -> bool {
+    let source = Path::new(source);
+    source.starts_with(root)
+        || strata_host::loopdev::backing_file(source).is_some_and(|f| f.starts_with(root))
+}
+
+fn mount_erofs_from(meta: &Path, blob: Option<&Path>, target: &Path) -> io::Result<()> {
     let src = cstr(meta)?;
     let dst = cstr(target)?;
     let fstype = CString::new("erofs").map_err(io::Error::other)?;

@@ -1,18 +1,22 @@
-//! Per-sandbox cgroups on this kind of host: cgroup v1 hierarchies under /sys/fs/cgroup
-//! (hybrid mode, no systemd), one directory `strata/<sandbox>` in each controller. The
-//! container backend lets the OCI runtime create them at the same path; the fncall backend
-//! creates them itself. Both read the budget counters from here.
+//! Per-sandbox cgroups, behind one small interface ([`Hierarchy`]) with two
+//! implementations chosen by probing the host at start: [`V1`], one directory per
+//! controller hierarchy (`<root>/<controller>/<parent>/<sandbox>`; also hybrid hosts, which
+//! mount cgroup2 beside the v1 controllers), and [`V2`], the unified hierarchy every current
+//! distribution boots with (`<root>/<parent>/<sandbox>`, controllers delegated to the
+//! runtime's parent through `cgroup.subtree_control`). The container backend lets the OCI
+//! runtime create a sandbox's cgroup at the same path; the fncall and VM backends create
+//! it themselves. Budget counters read the same on both, so attribution is shared code.
 
+use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::RuntimeError;
 
-const ROOT: &str = "/sys/fs/cgroup";
-/// The controllers a sandbox is limited by.
-pub const CONTROLLERS: [&str; 4] = ["memory", "cpu", "pids", "freezer"];
-/// Parent directory of one runtime's sandbox cgroups in each hierarchy: `strata-<hash of
-/// the runtime's state directory>`, so two runtimes on one host (a test's and the
-/// default one) never reap each other's sandboxes.
+/// Parent directory of one runtime's sandbox cgroups: `strata-<hash of the runtime's
+/// state directory>`, so two runtimes on one host (a test's and the default one) never
+/// reap each other's sandboxes.
 pub fn parent_for(state_dir: &Path) -> String {
     // FNV-1a: stable across builds and platforms, unlike std's hasher.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -31,55 +35,400 @@ pub struct Counters {
     pub memory_peak: u64,
 }
 
-#[derive(Debug, Clone)]
-pub struct Cgroup {
-    name: String,
+/// How a host's cgroups are laid out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CgroupMode {
+    /// Only v1 hierarchies.
+    V1,
+    /// v1 controllers with a cgroup2 mount beside them (`<root>/unified`), no controllers
+    /// on it. Debian's crun refuses such hosts; the container backend hides the cgroup2
+    /// mount from it.
+    Hybrid,
+    /// The unified hierarchy.
+    V2,
 }
 
-fn controller_dir(ctrl: &str) -> PathBuf {
-    Path::new(ROOT).join(ctrl)
+impl fmt::Display for CgroupMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CgroupMode::V1 => "v1",
+            CgroupMode::Hybrid => "hybrid (v1 controllers, cgroup2 mounted beside)",
+            CgroupMode::V2 => "v2 (unified)",
+        })
+    }
 }
 
-impl Cgroup {
-    pub fn for_sandbox(parent: &str, id: &str) -> Cgroup {
-        Cgroup {
-            name: format!("{parent}/{id}"),
+/// One cgroup layout: where a cgroup's files are and how its budgets are written and read.
+pub(crate) trait Hierarchy: Send + Sync + fmt::Debug {
+    fn mode(&self) -> CgroupMode;
+    /// Every directory that makes up cgroup `name` (one per controller on v1).
+    fn dirs(&self, name: &str) -> Vec<PathBuf>;
+    /// The file listing every process of cgroup `name`.
+    fn members(&self, name: &str) -> PathBuf;
+    /// Makes `parent` a subtree the runtime owns, with the controllers it needs.
+    fn prepare_parent(&self, parent: &str) -> Result<(), RuntimeError>;
+    /// Every directory the runtime's parent has (to remove it when empty).
+    fn parent_dirs(&self, parent: &str) -> Vec<PathBuf>;
+    fn set_limits(
+        &self,
+        name: &str,
+        memory: u64,
+        cpus: Option<f64>,
+        pids: u32,
+    ) -> Result<(), RuntimeError>;
+    fn freeze(&self, name: &str, frozen: bool) -> Result<(), RuntimeError>;
+    fn counters(&self, name: &str) -> Counters;
+    fn memory_usage(&self, name: &str) -> u64;
+    /// Moves cgroup `from` (and every process in it) to `to`.
+    fn rename(&self, from: &str, to: &str) -> Result<(), RuntimeError>;
+    /// Kills every process at once, if the kernel can (`cgroup.kill`); false otherwise.
+    fn kill_at_once(&self, _name: &str) -> bool {
+        false
+    }
+}
+
+/// The v1 controllers a sandbox is limited by.
+const V1_CONTROLLERS: [&str; 4] = ["memory", "cpu", "pids", "freezer"];
+/// The v2 controllers the runtime delegates to its subtree; `memory` and `pids` are
+/// required, `cpu` and `io` used where the host has them.
+const V2_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "io"];
+
+#[derive(Debug)]
+pub(crate) struct V1 {
+    root: PathBuf,
+    hybrid: bool,
+}
+
+impl V1 {
+    fn dir(&self, ctrl: &str, name: &str) -> PathBuf {
+        self.root.join(ctrl).join(name)
+    }
+}
+
+impl Hierarchy for V1 {
+    fn mode(&self) -> CgroupMode {
+        if self.hybrid {
+            CgroupMode::Hybrid
+        } else {
+            CgroupMode::V1
         }
     }
 
+    fn dirs(&self, name: &str) -> Vec<PathBuf> {
+        V1_CONTROLLERS.iter().map(|c| self.dir(c, name)).collect()
+    }
+
+    fn members(&self, name: &str) -> PathBuf {
+        self.dir("pids", name).join("cgroup.procs")
+    }
+
+    fn prepare_parent(&self, _parent: &str) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+
+    fn parent_dirs(&self, parent: &str) -> Vec<PathBuf> {
+        // The OCI runtimes create the parent in every hierarchy, not just ours.
+        std::fs::read_dir(&self.root)
+            .map(|rd| rd.flatten().map(|e| e.path().join(parent)).collect())
+            .unwrap_or_default()
+    }
+
+    fn set_limits(
+        &self,
+        name: &str,
+        memory: u64,
+        cpus: Option<f64>,
+        pids: u32,
+    ) -> Result<(), RuntimeError> {
+        let mem = self.dir("memory", name);
+        write(&mem.join("memory.limit_in_bytes"), &memory.to_string())?;
+        // memsw exists only with swap accounting; without it there is no swap to escape to.
+        let memsw = mem.join("memory.memsw.limit_in_bytes");
+        if memsw.exists() {
+            write(&memsw, &memory.to_string())?;
+        }
+        write(&mem.join("memory.swappiness"), "0").ok();
+        let cpu = self.dir("cpu", name);
+        write(&cpu.join("cpu.cfs_period_us"), "100000")?;
+        let quota = match cpus {
+            Some(c) => cpu_quota(c).to_string(),
+            None => "-1".to_string(),
+        };
+        write(&cpu.join("cpu.cfs_quota_us"), &quota)?;
+        write(&self.dir("pids", name).join("pids.max"), &pids.to_string())
+    }
+
+    fn freeze(&self, name: &str, frozen: bool) -> Result<(), RuntimeError> {
+        write(
+            &self.dir("freezer", name).join("freezer.state"),
+            if frozen { "FROZEN" } else { "THAWED" },
+        )
+    }
+
+    fn counters(&self, name: &str) -> Counters {
+        let mem = self.dir("memory", name);
+        Counters {
+            oom_kills: read_field(&mem.join("memory.oom_control"), "oom_kill"),
+            pids_max_hits: read_field(&self.dir("pids", name).join("pids.events"), "max"),
+            memory_peak: read_number(&mem.join("memory.max_usage_in_bytes")),
+        }
+    }
+
+    fn memory_usage(&self, name: &str) -> u64 {
+        read_number(&self.dir("memory", name).join("memory.usage_in_bytes"))
+    }
+
+    fn rename(&self, from: &str, to: &str) -> Result<(), RuntimeError> {
+        // v1 renames a cgroup within its parent; processes inside stay inside.
+        for c in V1_CONTROLLERS {
+            let (src, dest) = (self.dir(c, from), self.dir(c, to));
+            std::fs::rename(&src, &dest).map_err(RuntimeError::io(&src))?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct V2 {
+    root: PathBuf,
+}
+
+impl V2 {
+    fn dir(&self, name: &str) -> PathBuf {
+        self.root.join(name)
+    }
+
+    /// Enables the controllers for the children of `dir` (those the host has).
+    fn delegate(&self, dir: &Path) -> Result<(), RuntimeError> {
+        let available = std::fs::read_to_string(dir.join("cgroup.controllers")).unwrap_or_default();
+        let control = dir.join("cgroup.subtree_control");
+        let enabled = std::fs::read_to_string(&control).unwrap_or_default();
+        for c in V2_CONTROLLERS {
+            let has = |text: &str| text.split_whitespace().any(|w| w == c);
+            if !has(&available) || has(&enabled) {
+                continue;
+            }
+            let r = write(&control, &format!("+{c}"));
+            if r.is_err() && matches!(c, "memory" | "pids") {
+                return r;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Hierarchy for V2 {
+    fn mode(&self) -> CgroupMode {
+        CgroupMode::V2
+    }
+
+    fn dirs(&self, name: &str) -> Vec<PathBuf> {
+        vec![self.dir(name)]
+    }
+
+    fn members(&self, name: &str) -> PathBuf {
+        self.dir(name).join("cgroup.procs")
+    }
+
+    fn prepare_parent(&self, parent: &str) -> Result<(), RuntimeError> {
+        self.delegate(&self.root)?;
+        let dir = self.dir(parent);
+        std::fs::create_dir_all(&dir).map_err(RuntimeError::io(&dir))?;
+        self.delegate(&dir)
+    }
+
+    fn parent_dirs(&self, parent: &str) -> Vec<PathBuf> {
+        vec![self.dir(parent)]
+    }
+
+    fn set_limits(
+        &self,
+        name: &str,
+        memory: u64,
+        cpus: Option<f64>,
+        pids: u32,
+    ) -> Result<(), RuntimeError> {
+        let dir = self.dir(name);
+        write(&dir.join("memory.max"), &memory.to_string())?;
+        // No swap to escape to, as v1's memsw limit equal to the memory limit.
+        let swap = dir.join("memory.swap.max");
+        if swap.exists() {
+            write(&swap, "0")?;
+        }
+        let cpu = dir.join("cpu.max");
+        if cpu.exists() || cpus.is_some() {
+            let quota = cpus.map_or("max".to_string(), |c| cpu_quota(c).to_string());
+            write(&cpu, &format!("{quota} 100000"))?;
+        }
+        write(&dir.join("pids.max"), &pids.to_string())
+    }
+
+    fn freeze(&self, name: &str, frozen: bool) -> Result<(), RuntimeError> {
+        let dir = self.dir(name);
+        write(&dir.join("cgroup.freeze"), if frozen { "1" } else { "0" })?;
+        // Freezing is asynchronous: wait (briefly) until every task has stopped.
+        let events = dir.join("cgroup.events");
+        let want = if frozen { 1 } else { 0 };
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while events.exists() && read_field(&events, "frozen") != want && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    fn counters(&self, name: &str) -> Counters {
+        let dir = self.dir(name);
+        Counters {
+            oom_kills: read_field(&dir.join("memory.events"), "oom_kill"),
+            pids_max_hits: read_field(&dir.join("pids.events"), "max"),
+            // memory.peak exists from Linux 5.19.
+            memory_peak: read_number(&dir.join("memory.peak")),
+        }
+    }
+
+    fn memory_usage(&self, name: &str) -> u64 {
+        read_number(&self.dir(name).join("memory.current"))
+    }
+
+    fn rename(&self, from: &str, to: &str) -> Result<(), RuntimeError> {
+        // cgroup2 has no rename: make the new group and move the processes over.
+        let (src, dest) = (self.dir(from), self.dir(to));
+        std::fs::create_dir_all(&dest).map_err(RuntimeError::io(&dest))?;
+        let procs = dest.join("cgroup.procs");
+        for pid in read_pids(&src.join("cgroup.procs")) {
+            write(&procs, &pid.to_string())?;
+        }
+        let _ = std::fs::remove_dir(&src);
+        Ok(())
+    }
+
+    fn kill_at_once(&self, name: &str) -> bool {
+        // cgroup.kill exists from Linux 5.14.
+        let kill = self.dir(name).join("cgroup.kill");
+        kill.exists() && write(&kill, "1").is_ok()
+    }
+}
+
+/// The host's cgroups as the runtime uses them: the layout and the runtime's parent.
+#[derive(Clone, Debug)]
+pub struct Cgroups {
+    h: Arc<dyn Hierarchy>,
+    parent: String,
+}
+
+impl Cgroups {
+    /// Probes the layout under `root` (normally `/sys/fs/cgroup`): v2 when it is a
+    /// cgroup2 mount, v1 (or hybrid) when the v1 controllers are there.
+    pub fn probe(root: &Path, parent: String) -> Result<Cgroups, RuntimeError> {
+        let h: Arc<dyn Hierarchy> = if root.join("cgroup.controllers").exists() {
+            let available =
+                std::fs::read_to_string(root.join("cgroup.controllers")).unwrap_or_default();
+            let missing: Vec<&str> = ["memory", "pids"]
+                .into_iter()
+                .filter(|c| !available.split_whitespace().any(|w| w == *c))
+                .collect();
+            if !missing.is_empty() {
+                return Err(RuntimeError::Setup(format!(
+                    "cgroup v2 at {} has no {} controller (available: {}); enable it in the kernel or free it from cgroup v1",
+                    root.display(),
+                    missing.join(" or "),
+                    available.trim()
+                )));
+            }
+            Arc::new(V2 {
+                root: root.to_path_buf(),
+            })
+        } else {
+            let missing: Vec<&str> = V1_CONTROLLERS
+                .into_iter()
+                .filter(|c| !root.join(c).join("cgroup.procs").exists())
+                .collect();
+            if !missing.is_empty() {
+                return Err(RuntimeError::Setup(format!(
+                    "no cgroup v2 at {root} and no cgroup v1 {} hierarchies under it; mount cgroup2 there (`mount -t cgroup2 none {root}`) or boot a kernel with cgroups",
+                    missing.join(", "),
+                    root = root.display()
+                )));
+            }
+            Arc::new(V1 {
+                root: root.to_path_buf(),
+                hybrid: root.join("unified").join("cgroup.controllers").exists(),
+            })
+        };
+        Ok(Cgroups { h, parent })
+    }
+
+    pub fn mode(&self) -> CgroupMode {
+        self.h.mode()
+    }
+
+    /// The cgroup of sandbox (or pool slot) `id`.
+    pub fn sandbox(&self, id: &str) -> Cgroup {
+        Cgroup {
+            name: format!("{}/{id}", self.parent),
+            h: self.h.clone(),
+        }
+    }
+
+    /// Makes the runtime's parent ready for new cgroups (on v2, with its controllers
+    /// delegated); a no-op on v1.
+    pub fn prepare(&self) -> Result<(), RuntimeError> {
+        self.h.prepare_parent(&self.parent)
+    }
+
+    /// Removes the runtime's parent wherever it is empty, so a runtime home that goes
+    /// away leaves no cgroup behind.
+    pub fn remove_parent(&self) {
+        for d in self.h.parent_dirs(&self.parent) {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+
+    /// Sandbox IDs that have a cgroup on this host (for reaping).
+    pub fn existing(&self) -> Vec<String> {
+        let mut ids = std::collections::BTreeSet::new();
+        for d in self.h.dirs(&self.parent) {
+            if let Ok(rd) = std::fs::read_dir(d) {
+                for e in rd.flatten() {
+                    if e.path().is_dir() {
+                        if let Ok(n) = e.file_name().into_string() {
+                            ids.insert(n);
+                        }
+                    }
+                }
+            }
+        }
+        ids.into_iter().collect()
+    }
+}
+
+/// One sandbox's (or pool slot's) cgroup.
+#[derive(Clone, Debug)]
+pub struct Cgroup {
+    name: String,
+    h: Arc<dyn Hierarchy>,
+}
+
+impl Cgroup {
     /// The OCI `cgroupsPath` for this cgroup.
     pub fn oci_path(&self) -> String {
         format!("/{}", self.name)
     }
 
-    pub fn dir(&self, ctrl: &str) -> PathBuf {
-        controller_dir(ctrl).join(&self.name)
-    }
-
-    /// Whether this host has the v1 hierarchies we use.
-    pub fn host_supported() -> bool {
-        CONTROLLERS
-            .iter()
-            .all(|c| controller_dir(c).join("cgroup.procs").exists())
-    }
-
-    /// Creates the directories and writes the limits (fncall; crun does this itself).
+    /// Creates the directories and writes the limits (fncall, VMs; crun does this itself).
     pub fn create(&self, memory: u64, cpus: Option<f64>, pids: u32) -> Result<(), RuntimeError> {
-        for c in CONTROLLERS {
-            let d = self.dir(c);
+        for d in self.h.dirs(&self.name) {
             std::fs::create_dir_all(&d).map_err(RuntimeError::io(&d))?;
         }
         self.set_limits(memory, cpus, pids)
     }
 
-    /// Renames the cgroup in every hierarchy (v1 allows it within one parent); processes
-    /// inside stay inside, which is what makes a pooled init cheap to hand out.
+    /// Renames the cgroup; processes inside stay inside, which is what makes a pooled init
+    /// cheap to hand out.
     pub fn rename(&self, to: &Cgroup) -> Result<(), RuntimeError> {
-        for c in CONTROLLERS {
-            let (from, dest) = (self.dir(c), to.dir(c));
-            std::fs::rename(&from, &dest).map_err(RuntimeError::io(&from))?;
-        }
-        Ok(())
+        self.h.rename(&self.name, &to.name)
     }
 
     /// Writes the memory, CPU and process limits.
@@ -89,39 +438,27 @@ impl Cgroup {
         cpus: Option<f64>,
         pids: u32,
     ) -> Result<(), RuntimeError> {
-        let mem = self.dir("memory");
-        write(&mem.join("memory.limit_in_bytes"), &memory.to_string())?;
-        // memsw exists only with swap accounting; without it there is no swap to escape to.
-        let memsw = mem.join("memory.memsw.limit_in_bytes");
-        if memsw.exists() {
-            write(&memsw, &memory.to_string())?;
-        }
-        write(&mem.join("memory.swappiness"), "0").ok();
-        let cpu = self.dir("cpu");
-        write(&cpu.join("cpu.cfs_period_us"), "100000")?;
-        let quota = match cpus {
-            Some(c) => ((c * 100_000.0).round().max(1000.0) as i64).to_string(),
-            None => "-1".to_string(),
-        };
-        write(&cpu.join("cpu.cfs_quota_us"), &quota)?;
-        write(&self.dir("pids").join("pids.max"), &pids.to_string())?;
-        Ok(())
+        self.h.set_limits(&self.name, memory, cpus, pids)
+    }
+
+    fn procs_files(&self) -> Vec<PathBuf> {
+        self.h
+            .dirs(&self.name)
+            .into_iter()
+            .map(|d| d.join("cgroup.procs"))
+            .collect()
     }
 
     /// Makes `cmd` join this cgroup between fork and exec, so everything it starts is
     /// inside from its first instruction.
     pub fn join_on_exec(&self, cmd: &mut std::process::Command) -> Result<(), RuntimeError> {
         use std::os::unix::process::CommandExt;
-        let procs: Vec<std::ffi::CString> = CONTROLLERS
+        let procs: Vec<std::ffi::CString> = self
+            .procs_files()
             .iter()
-            .map(|c| {
-                std::ffi::CString::new(
-                    self.dir(c)
-                        .join("cgroup.procs")
-                        .as_os_str()
-                        .as_encoded_bytes(),
-                )
-                .map_err(|_| RuntimeError::Invalid("cgroup path has a NUL".into()))
+            .map(|p| {
+                std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+                    .map_err(|_| RuntimeError::Invalid("cgroup path has a NUL".into()))
             })
             .collect::<Result<_, _>>()?;
         // SAFETY: only open/write/close between fork and exec.
@@ -146,59 +483,43 @@ impl Cgroup {
 
     /// Stops (`true`) or resumes every process inside through the freezer.
     pub fn freeze(&self, frozen: bool) -> Result<(), RuntimeError> {
-        write(
-            &self.dir("freezer").join("freezer.state"),
-            if frozen { "FROZEN" } else { "THAWED" },
-        )
+        self.h.freeze(&self.name, frozen)
     }
 
-    /// Moves a process in (costs an RCU grace period per hierarchy on v1).
+    /// Moves a process in (costs an RCU grace period per hierarchy).
     pub fn attach(&self, pid: u32) -> Result<(), RuntimeError> {
-        for c in CONTROLLERS {
-            write(&self.dir(c).join("cgroup.procs"), &pid.to_string())?;
+        for p in self.procs_files() {
+            write(&p, &pid.to_string())?;
         }
         Ok(())
     }
 
     pub fn counters(&self) -> Counters {
-        let mem = self.dir("memory");
-        let oom_kills = std::fs::read_to_string(mem.join("memory.oom_control"))
-            .ok()
-            .and_then(|t| field(&t, "oom_kill"))
-            .unwrap_or(0);
-        let pids_max_hits = std::fs::read_to_string(self.dir("pids").join("pids.events"))
-            .ok()
-            .and_then(|t| field(&t, "max"))
-            .unwrap_or(0);
-        let memory_peak = std::fs::read_to_string(mem.join("memory.max_usage_in_bytes"))
-            .ok()
-            .and_then(|t| t.trim().parse().ok())
-            .unwrap_or(0);
-        Counters {
-            oom_kills,
-            pids_max_hits,
-            memory_peak,
-        }
+        self.h.counters(&self.name)
     }
 
     pub fn memory_usage(&self) -> u64 {
-        std::fs::read_to_string(self.dir("memory").join("memory.usage_in_bytes"))
-            .ok()
-            .and_then(|t| t.trim().parse().ok())
-            .unwrap_or(0)
+        self.h.memory_usage(&self.name)
     }
 
     /// Every process in the sandbox, by host PID.
     pub fn pids(&self) -> Vec<u32> {
-        std::fs::read_to_string(self.dir("pids").join("cgroup.procs"))
-            .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
-            .unwrap_or_default()
+        read_pids(&self.h.members(&self.name))
     }
 
-    /// Kills everything inside: freeze, SIGKILL all, thaw, so nothing forks away meanwhile.
+    /// Kills everything inside: at once where the kernel can, else freeze, SIGKILL all,
+    /// thaw, so nothing forks away meanwhile.
     pub fn kill_all(&self) {
-        let freezer = self.dir("freezer");
-        let frozen = write(&freezer.join("freezer.state"), "FROZEN").is_ok();
+        if self.h.kill_at_once(&self.name) {
+            let deadline = Instant::now() + Duration::from_secs(2);
+            while !self.pids().is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            if self.pids().is_empty() {
+                return;
+            }
+        }
+        let frozen = self.freeze(true).is_ok();
         for _ in 0..50 {
             let pids = self.pids();
             if pids.is_empty() {
@@ -209,12 +530,12 @@ impl Cgroup {
                 unsafe { libc::kill(p as i32, libc::SIGKILL) };
             }
             if frozen {
-                let _ = write(&freezer.join("freezer.state"), "THAWED");
+                let _ = self.freeze(false);
             }
-            std::thread::sleep(std::time::Duration::from_millis(10));
+            std::thread::sleep(Duration::from_millis(10));
         }
         if frozen {
-            let _ = write(&freezer.join("freezer.state"), "THAWED");
+            let _ = self.freeze(false);
         }
     }
 
@@ -222,9 +543,8 @@ impl Cgroup {
     /// including children re-parented away from it), with the cgroup frozen so nothing
     /// forks away meanwhile.
     pub fn kill_except(&self, keep: &std::collections::HashSet<u32>) {
-        let state = self.dir("freezer").join("freezer.state");
         for _ in 0..20 {
-            let frozen = write(&state, "FROZEN").is_ok();
+            let frozen = self.freeze(true).is_ok();
             let victims: Vec<u32> = self
                 .pids()
                 .into_iter()
@@ -235,22 +555,21 @@ impl Cgroup {
                 unsafe { libc::kill(*p as i32, libc::SIGKILL) };
             }
             if frozen {
-                let _ = write(&state, "THAWED");
+                let _ = self.freeze(false);
             }
             if victims.is_empty() {
                 break;
             }
-            std::thread::sleep(std::time::Duration::from_millis(5));
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
     /// Removes the directories (they must be empty of processes).
     pub fn remove(&self) -> Result<(), RuntimeError> {
         let mut last = None;
-        for c in CONTROLLERS {
-            let d = self.dir(c);
+        for d in self.h.dirs(&self.name) {
             // Up to 10 s: a killed init stays a zombie until the host's init reaps it, and
-            // a zombie keeps a v1 cgroup busy (some inits reap only every second or two).
+            // a zombie keeps a cgroup busy (some inits reap only every second or two).
             for _ in 0..500 {
                 match std::fs::remove_dir(&d) {
                     Ok(()) => break,
@@ -258,7 +577,7 @@ impl Cgroup {
                     // EBUSY while the last exited task is still being torn down.
                     Err(e) => {
                         last = Some(RuntimeError::io(&d)(e));
-                        std::thread::sleep(std::time::Duration::from_millis(20));
+                        std::thread::sleep(Duration::from_millis(20));
                         continue;
                     }
                 }
@@ -271,34 +590,32 @@ impl Cgroup {
         }
         Ok(())
     }
+}
 
-    /// Removes a runtime's parent directory from every hierarchy where it is empty (the
-    /// OCI runtimes create it in all of them), so a runtime home that goes away leaves no
-    /// cgroup behind.
-    pub fn remove_parent(parent: &str) {
-        if let Ok(rd) = std::fs::read_dir(ROOT) {
-            for e in rd.flatten() {
-                let _ = std::fs::remove_dir(e.path().join(parent));
-            }
-        }
-    }
+/// A CPU budget as a CFS quota per 100 ms period (at least 1 ms).
+fn cpu_quota(cpus: f64) -> i64 {
+    (cpus * 100_000.0).round().max(1000.0) as i64
+}
 
-    /// Sandbox IDs that have a cgroup on this host (for reaping).
-    pub fn existing(parent: &str) -> Vec<String> {
-        let mut ids = std::collections::BTreeSet::new();
-        for c in CONTROLLERS {
-            if let Ok(rd) = std::fs::read_dir(controller_dir(c).join(parent)) {
-                for e in rd.flatten() {
-                    if e.path().is_dir() {
-                        if let Ok(n) = e.file_name().into_string() {
-                            ids.insert(n);
-                        }
-                    }
-                }
-            }
-        }
-        ids.into_iter().collect()
-    }
+fn read_pids(path: &Path) -> Vec<u32> {
+    std::fs::read_to_string(path)
+        .map(|t| t.lines().filter_map(|l| l.trim().parse().ok()).collect())
+        .unwrap_or_default()
+}
+
+fn read_number(path: &Path) -> u64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| t.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A `key value` line's value in a cgroup's flat-keyed file; 0 when missing.
+fn read_field(path: &Path, key: &str) -> u64 {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|t| field(&t, key))
+        .unwrap_or(0)
 }
 
 fn field(text: &str, key: &str) -> Option<u64> {
@@ -310,4 +627,162 @@ fn field(text: &str, key: &str) -> Option<u64> {
 
 fn write(path: &Path, value: &str) -> Result<(), RuntimeError> {
     std::fs::write(path, value).map_err(RuntimeError::io(path))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The v1 and v2 logic against directories laid out like cgroupfs (no root needed).
+    use super::*;
+
+    fn put(path: &Path, text: &str) {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(path, text).unwrap();
+    }
+
+    fn v1_host(hybrid: bool) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        for c in ["memory", "cpu", "pids", "freezer", "blkio"] {
+            put(&root.path().join(c).join("cgroup.procs"), "");
+        }
+        if hybrid {
+            put(&root.path().join("unified/cgroup.controllers"), "");
+        }
+        root
+    }
+
+    fn v2_host(controllers: &str) -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        put(&root.path().join("cgroup.controllers"), controllers);
+        put(&root.path().join("cgroup.subtree_control"), "");
+        root
+    }
+
+    fn read(p: PathBuf) -> String {
+        std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+    }
+
+    #[test]
+    fn the_layout_is_probed() {
+        let v1 = v1_host(false);
+        let hybrid = v1_host(true);
+        let v2 = v2_host("cpuset cpu io memory hugetlb pids rdma misc\n");
+        let mode = |root: &Path| Cgroups::probe(root, "strata-x".into()).unwrap().mode();
+        assert_eq!(mode(v1.path()), CgroupMode::V1);
+        assert_eq!(mode(hybrid.path()), CgroupMode::Hybrid);
+        assert_eq!(mode(v2.path()), CgroupMode::V2);
+        // Missing pieces are named, with what to do.
+        let bare = tempfile::tempdir().unwrap();
+        let e = Cgroups::probe(bare.path(), "p".into())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("memory, cpu, pids, freezer") && e.contains("mount -t cgroup2"),
+            "{e}"
+        );
+        let no_pids = v2_host("cpu io memory\n");
+        let e = Cgroups::probe(no_pids.path(), "p".into())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no pids controller"), "{e}");
+    }
+
+    #[test]
+    fn v1_writes_limits_in_each_hierarchy_and_renames_in_all() {
+        let host = v1_host(true);
+        let root = host.path();
+        let cg = Cgroups::probe(root, "strata-x".into()).unwrap();
+        let pool = cg.sandbox("pool-1");
+        pool.create(512 << 20, Some(1.5), 64).unwrap();
+        let d = |ctrl: &str, f: &str| root.join(ctrl).join("strata-x/pool-1").join(f);
+        assert_eq!(read(d("memory", "memory.limit_in_bytes")), "536870912");
+        assert_eq!(read(d("cpu", "cpu.cfs_quota_us")), "150000");
+        assert_eq!(read(d("cpu", "cpu.cfs_period_us")), "100000");
+        assert_eq!(read(d("pids", "pids.max")), "64");
+        assert_eq!(
+            pool.procs_files(),
+            ["memory", "cpu", "pids", "freezer"]
+                .map(|c| root.join(c).join("strata-x/pool-1/cgroup.procs"))
+        );
+        let sb = cg.sandbox("abc");
+        pool.rename(&sb).unwrap();
+        assert!(root.join("freezer/strata-x/abc").is_dir());
+        assert!(!root.join("memory/strata-x/pool-1").exists());
+        sb.set_limits(1 << 30, None, 10).unwrap();
+        assert_eq!(read(root.join("cpu/strata-x/abc/cpu.cfs_quota_us")), "-1");
+        sb.freeze(true).unwrap();
+        assert_eq!(
+            read(root.join("freezer/strata-x/abc/freezer.state")),
+            "FROZEN"
+        );
+        assert_eq!(cg.existing(), vec!["abc".to_string()]);
+        assert_eq!(cg.sandbox("abc").oci_path(), "/strata-x/abc");
+    }
+
+    #[test]
+    fn v2_delegates_its_controllers_and_moves_processes_on_rename() {
+        let host = v2_host("cpuset cpu io memory pids\n");
+        let root = host.path();
+        let cg = Cgroups::probe(root, "strata-x".into()).unwrap();
+        cg.prepare().unwrap();
+        // Each controller is enabled with its own write; the fixture keeps the last.
+        assert_eq!(read(root.join("cgroup.subtree_control")), "+io");
+        put(
+            &root.join("strata-x/cgroup.controllers"),
+            "cpu io memory pids",
+        );
+        cg.prepare().unwrap();
+        assert!(root.join("strata-x/cgroup.subtree_control").exists());
+        let pool = cg.sandbox("pool-1");
+        pool.create(256 << 20, Some(0.5), 32).unwrap();
+        let d = |f: &str| root.join("strata-x/pool-1").join(f);
+        assert_eq!(read(d("memory.max")), "268435456");
+        assert_eq!(read(d("cpu.max")), "50000 100000");
+        assert_eq!(read(d("pids.max")), "32");
+        assert_eq!(pool.procs_files(), vec![d("cgroup.procs")]);
+        put(&d("cgroup.procs"), "4242\n");
+        let sb = cg.sandbox("abc");
+        pool.rename(&sb).unwrap();
+        assert_eq!(read(root.join("strata-x/abc/cgroup.procs")), "4242");
+        sb.set_limits(1 << 30, None, 10).unwrap();
+        // No CPU budget and no cpu.max (the fixture's new group has none): nothing written.
+        assert!(!root.join("strata-x/abc/cpu.max").exists());
+        sb.freeze(true).unwrap();
+        assert_eq!(read(root.join("strata-x/abc/cgroup.freeze")), "1");
+        // cgroupfs removes the emptied group; the fixture's plain files keep it here.
+        assert!(cg.existing().contains(&"abc".to_string()));
+    }
+
+    #[test]
+    fn both_layouts_count_budget_hits_the_same() {
+        let (v1, v2) = (v1_host(false), v2_host("memory pids cpu\n"));
+        let c1 = Cgroups::probe(v1.path(), "p".into()).unwrap().sandbox("s");
+        let c2 = Cgroups::probe(v2.path(), "p".into()).unwrap().sandbox("s");
+        put(
+            &v1.path().join("memory/p/s/memory.oom_control"),
+            "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n",
+        );
+        put(&v1.path().join("pids/p/s/pids.events"), "max 5\n");
+        put(
+            &v1.path().join("memory/p/s/memory.max_usage_in_bytes"),
+            "1048576\n",
+        );
+        put(
+            &v2.path().join("p/s/memory.events"),
+            "low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\noom_group_kill 0\n",
+        );
+        put(&v2.path().join("p/s/pids.events"), "max 5\n");
+        put(&v2.path().join("p/s/memory.peak"), "1048576\n");
+        let want = Counters {
+            oom_kills: 2,
+            pids_max_hits: 5,
+            memory_peak: 1 << 20,
+        };
+        assert_eq!(c1.counters(), want);
+        assert_eq!(c2.counters(), want);
+        // A cgroup without counters yet reads as nothing hit.
+        let fresh = Cgroups::probe(v2.path(), "p".into())
+            .unwrap()
+            .sandbox("none");
+        assert_eq!(fresh.counters(), Counters::default());
+    }
 }

@@ -7,8 +7,9 @@
 //! bound in read-only from the host, and commands enter with `<runtime> exec`.
 //!
 //! Debian's crun refuses hybrid cgroup hosts ("cgroups in hybrid mode not supported"). On
-//! such a host every crun call runs in a private mount namespace in which the cgroup2
-//! mount at /sys/fs/cgroup/unified is detached, so crun sees plain v1 and works.
+//! such a host (and only there) every crun call runs in a private mount namespace in which
+//! the cgroup2 mount at /sys/fs/cgroup/unified is detached, so crun sees plain v1 and
+//! works; on v1 and v2 hosts crun runs as it is.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -81,6 +82,9 @@ pub struct ContainerBackend {
     /// A statically linked `strata-agent`: when set, it is the container's init and runs
     /// every command (no `exec` of the OCI runtime per command).
     pub agent: Option<PathBuf>,
+    /// The host mounts cgroup2 beside its v1 controllers, which Debian's crun refuses:
+    /// every crun call then runs with that mount detached.
+    pub hybrid_cgroups: bool,
 }
 
 /// The statically linked agent for container init: `STRATA_STATIC_AGENT`, or the one
@@ -129,6 +133,7 @@ impl ContainerBackend {
                 state_root: root,
                 init: self.init.clone(),
                 agent: self.agent.clone(),
+                hybrid_cgroups: self.hybrid_cgroups,
             };
         }
         self.clone()
@@ -152,16 +157,6 @@ fn kept_capabilities() -> Result<oci_spec::runtime::LinuxCapabilities, RuntimeEr
         .map_err(|e| RuntimeError::Backend(format!("OCI spec: {e}")))
 }
 
-/// Whether /sys/fs/cgroup is a v1 tmpfs with a cgroup2 mount beside it.
-fn hybrid_cgroups() -> bool {
-    let all = strata_lazyfs::mounts::mounts().unwrap_or_default();
-    let is = |p: &str, t: &str| {
-        all.iter()
-            .any(|m| m.mount_point == Path::new(p) && m.fstype == t)
-    };
-    is("/sys/fs/cgroup", "tmpfs") && is("/sys/fs/cgroup/unified", "cgroup2")
-}
-
 impl ContainerBackend {
     fn command(&self) -> Command {
         self.command_passing(Vec::new())
@@ -172,7 +167,7 @@ impl ContainerBackend {
     fn command_passing(&self, pass: Vec<i32>) -> Command {
         let mut cmd = Command::new(self.runtime.binary());
         cmd.arg("--root").arg(&self.state_root);
-        let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && hybrid_cgroups();
+        let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && self.hybrid_cgroups;
         if hybrid || !pass.is_empty() {
             // SAFETY: only async-signal-safe syscalls between fork and exec.
             unsafe {

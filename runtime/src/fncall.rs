@@ -20,17 +20,17 @@ use strata_agent_proto::{
 };
 
 use crate::agent::{read_key, socket_path, write_key, AgentClient};
-use crate::cgroup::Cgroup;
+use crate::cgroup::{Cgroup, Cgroups};
 use crate::sandbox::{process_start, SandboxBackend, StartContext};
 use crate::spec::{DEFAULT_MEMORY, DEFAULT_PIDS};
 use crate::RuntimeError;
 
 pub struct FncallBackend {
     pub agent: PathBuf,
-    /// Pooled agents: `ready/<slot>/` (socket, key, pid, version), `filling/`,
+    /// Pooled agents: `ready/<slot>/` (socket, key, pid, version, slot name), `filling/`,
     /// `claimed/<sandbox>/`.
     pub pool: PathBuf,
-    pub cgroup_parent: String,
+    pub cgroups: Cgroups,
 }
 
 impl FncallBackend {
@@ -39,7 +39,19 @@ impl FncallBackend {
     }
 
     fn pool_cgroup(&self, slot: &str) -> Cgroup {
-        Cgroup::for_sandbox(&self.cgroup_parent, &format!("pool-{slot}"))
+        self.cgroups.sandbox(&format!("pool-{slot}"))
+    }
+
+    /// Whether pool slot `slot` exists in any state (its cgroup is then its own).
+    pub(crate) fn has_slot(&self, slot: &str) -> bool {
+        ["ready", "filling"]
+            .iter()
+            .any(|s| self.pool_dir(s).join(slot).exists())
+            || std::fs::read_dir(self.pool_dir("claimed")).is_ok_and(|rd| {
+                rd.flatten().any(|e| {
+                    std::fs::read_to_string(e.path().join("slot")).is_ok_and(|t| t.trim() == slot)
+                })
+            })
     }
 
     /// Starts the agent inside `cgroup` (joined between fork and exec, so everything it
@@ -96,6 +108,7 @@ impl FncallBackend {
             let p = self.pool_dir(d);
             std::fs::create_dir_all(&p).map_err(RuntimeError::io(&p))?;
         }
+        self.cgroups.prepare()?;
         let mut started = 0;
         while self.pooled().len() < target {
             let slot = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();

@@ -14,7 +14,6 @@ pub mod container;
 pub mod exec;
 pub mod files;
 pub mod fncall;
-mod loopdev;
 pub mod network;
 pub mod quota;
 pub mod rootfs;
@@ -37,7 +36,7 @@ pub use files::FileEntry;
 pub use sandbox::{EndReason, ProcessInfo, Sandbox, SandboxRecord};
 pub use spec::{Limits, NetRule, Overrides, SandboxSpec};
 
-use cgroup::Cgroup;
+use cgroup::{Cgroup, Cgroups};
 use sandbox::{DirLock, SandboxBackend, StartContext};
 
 #[derive(Debug, thiserror::Error)]
@@ -209,6 +208,8 @@ pub struct RuntimeConfig {
     pub container_agent: Option<PathBuf>,
     /// How microVMs and VMs run here.
     pub vm: vm::VmConfig,
+    /// Where the host's cgroups are mounted (`/sys/fs/cgroup`).
+    pub cgroup_root: PathBuf,
 }
 
 impl RuntimeConfig {
@@ -227,6 +228,7 @@ impl RuntimeConfig {
             container_init: PathBuf::from("/usr/bin/catatonit"),
             container_agent: None,
             vm: vm::VmConfig::from_env(),
+            cgroup_root: PathBuf::from("/sys/fs/cgroup"),
         })
     }
 }
@@ -234,7 +236,7 @@ impl RuntimeConfig {
 struct Inner {
     cfg: RuntimeConfig,
     uppers: quota::Uppers,
-    cgroup_parent: String,
+    cgroups: Cgroups,
     container: container::ContainerBackend,
     fncall: fncall::FncallBackend,
     microvm: vm::VmBackend,
@@ -278,11 +280,6 @@ impl Runtime {
                 "the runtime needs root: it mounts overlays, creates namespaces and cgroups".into(),
             ));
         }
-        if !Cgroup::host_supported() {
-            return Err(RuntimeError::Setup(
-                "this host has no cgroup v1 memory/cpu/pids/freezer/blkio hierarchies under /sys/fs/cgroup".into(),
-            ));
-        }
         for d in ["sandboxes", "audit"] {
             let p = cfg.state_dir.join(d);
             std::fs::create_dir_all(&p).map_err(RuntimeError::io(&p))?;
@@ -294,17 +291,19 @@ impl Runtime {
             &cfg.state_dir.join("uppers"),
             &cfg.state_dir.join("upper-pool"),
         )?;
+        let cgroups = Cgroups::probe(&cfg.cgroup_root, cgroup::parent_for(&cfg.state_dir))?;
+        tracing::debug!(mode = %cgroups.mode(), "cgroups");
         let container = container::ContainerBackend {
             runtime: cfg.oci_runtime.clone(),
             state_root: cfg.state_dir.join(cfg.oci_runtime.name()),
             init: cfg.container_init.clone(),
             agent: cfg.container_agent.clone(),
+            hybrid_cgroups: cgroups.mode() == cgroup::CgroupMode::Hybrid,
         };
-        let cgroup_parent = cgroup::parent_for(&cfg.state_dir);
         let fncall = fncall::FncallBackend {
             agent: cfg.agent.clone(),
             pool: cfg.state_dir.join("pool"),
-            cgroup_parent: cgroup_parent.clone(),
+            cgroups: cgroups.clone(),
         };
         let vm_backend = |machine| vm::VmBackend {
             machine,
@@ -319,7 +318,7 @@ impl Runtime {
         );
         let rt = Runtime {
             inner: Arc::new(Inner {
-                cgroup_parent,
+                cgroups,
                 cfg,
                 uppers,
                 container,
@@ -345,7 +344,12 @@ impl Runtime {
     }
 
     pub fn cgroup(&self, id: &str) -> Cgroup {
-        Cgroup::for_sandbox(&self.inner.cgroup_parent, id)
+        self.inner.cgroups.sandbox(id)
+    }
+
+    /// How this host's cgroups are laid out.
+    pub fn cgroup_mode(&self) -> cgroup::CgroupMode {
+        self.inner.cgroups.mode()
     }
 
     pub(crate) fn uppers(&self) -> &quota::Uppers {
@@ -398,7 +402,7 @@ impl Runtime {
         let n = self.inner.fncall.drain(false);
         self.uppers().drain();
         if self.ids().is_empty() {
-            Cgroup::remove_parent(&self.inner.cgroup_parent);
+            self.inner.cgroups.remove_parent();
         }
         n
     }
@@ -488,6 +492,9 @@ impl Runtime {
         owner: Option<(u32, u64)>,
         restore: Option<PathBuf>,
     ) -> Result<SandboxRecord, RuntimeError> {
+        // On cgroup v2 the runtime's subtree must exist, with its controllers delegated,
+        // before any backend (or the OCI runtime) makes the sandbox's group.
+        self.inner.cgroups.prepare()?;
         if backend.in_guest() {
             return self.build_guest(id, dir, spec, backend, owner, restore);
         }
@@ -779,9 +786,12 @@ impl Runtime {
         report
             .orphans
             .extend((0..self.inner.fncall.drain(true)).map(|_| "stale pooled agent".to_string()));
-        for id in Cgroup::existing(&self.inner.cgroup_parent) {
-            // Pooled agents' cgroups belong to their pool slots.
-            if id.starts_with("pool-") {
+        for id in self.inner.cgroups.existing() {
+            // Pooled agents' cgroups belong to their pool slots, while those exist.
+            if id
+                .strip_prefix("pool-")
+                .is_some_and(|slot| self.inner.fncall.has_slot(slot))
+            {
                 continue;
             }
             if !live(&id) {
@@ -793,7 +803,7 @@ impl Runtime {
             }
         }
         if self.ids().is_empty() && self.inner.fncall.pooled().is_empty() {
-            Cgroup::remove_parent(&self.inner.cgroup_parent);
+            self.inner.cgroups.remove_parent();
         }
         for name in self.uppers().entries() {
             if !live(&name) && !self.uppers().is_pooled(&name) {

@@ -136,7 +136,8 @@ impl Uppers {
         let template = self.template(bytes)?;
         copy_sparse(&template, &image, bytes)?;
         std::fs::create_dir_all(&dir).map_err(RuntimeError::io(&dir))?;
-        let device = crate::loopdev::attach(&image)?;
+        let device = strata_host::loopdev::attach(&image, Default::default())
+            .map_err(|e| RuntimeError::Setup(e.to_string()))?;
         nix::mount::mount(
             Some(&device.path),
             &dir,

@@ -91,9 +91,32 @@ pub enum LazyfsCommand {
         /// How long a layer stays mounted after the last sandbox using it goes.
         #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
         idle_detach: Duration,
+        /// How layer images are mounted: `file` (straight from the image file, Linux
+        /// 6.12+), `loop` (through loop devices, any kernel), or `auto` (probe once).
+        #[arg(long, env = "STRATA_EROFS_MOUNT", value_enum, default_value_t = ErofsMount::Auto)]
+        erofs_mount: ErofsMount,
     },
     /// Stop the daemon, unmounting everything it serves.
     Stop,
+}
+
+/// How the daemon mounts layer images (`--erofs-mount`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ErofsMount {
+    Auto,
+    File,
+    Loop,
+}
+
+impl ErofsMount {
+    pub fn source(self) -> Option<strata_lazyfs::mounts::ErofsSource> {
+        use strata_lazyfs::mounts::ErofsSource;
+        match self {
+            ErofsMount::Auto => None,
+            ErofsMount::File => Some(ErofsSource::File),
+            ErofsMount::Loop => Some(ErofsSource::Loop),
+        }
+    }
 }
 
 pub async fn serve(
@@ -101,6 +124,7 @@ pub async fn serve(
     cache_max: u64,
     fetch_timeout: Duration,
     idle_detach: Duration,
+    erofs: Option<strata_lazyfs::mounts::ErofsSource>,
 ) -> Result<i32> {
     let cfg = strata_lazyfs::daemon::DaemonConfig {
         paths: paths(),
@@ -109,6 +133,7 @@ pub async fn serve(
             timeout: fetch_timeout,
         },
         idle_detach,
+        erofs,
     };
     strata_lazyfs::daemon::serve(cfg, store).await?;
     Ok(0)

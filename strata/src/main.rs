@@ -92,12 +92,14 @@ fn main() {
                 cache_max,
                 fetch_timeout,
                 idle_detach,
+                erofs_mount,
             }) => {
                 lazy::serve(
                     open_store(url.as_deref())?,
                     cache_max,
                     fetch_timeout,
                     idle_detach,
+                    erofs_mount.source(),
                 )
                 .await
             }

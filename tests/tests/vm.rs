@@ -198,7 +198,10 @@ fn pause_resume_and_snapshot_restore_keep_processes_and_files() {
     );
     let ticks = |sb: &str| -> usize {
         let o = env.sh(sb, "wc -l < /work/ticks");
-        text(&o).0.trim().parse().unwrap()
+        let (out, err) = text(&o);
+        out.trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("wc of {sb}: {out}{err}"))
     };
     std::thread::sleep(Duration::from_secs(1));
 

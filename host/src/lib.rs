@@ -1,0 +1,61 @@
+//! Host calls shared by lazyfs and the runtime that no well-kept library wraps without
+//! build-time bindgen: binding files to loop devices ([`loopdev`]) and probing whether the
+//! kernel mounts EROFS straight from a file ([`erofs_file_backed`]). Every `unsafe` block
+//! of these calls is here.
+
+pub mod loopdev;
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// How this kernel mounts an EROFS image that is a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErofsSource {
+    /// Straight from the file (Linux 6.12+, `CONFIG_EROFS_FS_BACKED_BY_FILE`).
+    File,
+    /// Through a loop device: the kernel refuses a file as the source.
+    Loop,
+}
+
+/// Probes, with a scratch file in `dir`, whether the kernel mounts EROFS from a regular
+/// file: it asks for a mount of a zero-filled file, which a kernel with file-backed EROFS
+/// rejects as a bad image (EINVAL) and one without rejects as not a block device
+/// (ENOTBLK). Nothing is ever mounted.
+pub fn erofs_file_backed(dir: &Path) -> std::io::Result<ErofsSource> {
+    let scratch = tempfile::NamedTempFile::new_in(dir)?;
+    scratch.as_file().set_len(4096)?;
+    let target = tempfile::tempdir_in(dir)?;
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))
+    };
+    let (src, dst) = (c(scratch.path())?, c(target.path())?);
+    // SAFETY: valid NUL-terminated strings; a zero-filled file is never a valid image, so
+    // the call cannot succeed and mount anything.
+    let r = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            c"erofs".as_ptr(),
+            libc::MS_RDONLY | libc::MS_NODEV | libc::MS_NOSUID,
+            std::ptr::null(),
+        )
+    };
+    if r == 0 {
+        // SAFETY: umount2 of the path just (unexpectedly) mounted.
+        unsafe { libc::umount2(dst.as_ptr(), libc::MNT_DETACH) };
+        return Ok(ErofsSource::File);
+    }
+    let e = std::io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENOTBLK) => Ok(ErofsSource::Loop),
+        // A file it read and found no image in.
+        Some(libc::EINVAL) | Some(libc::EUCLEAN) => Ok(ErofsSource::File),
+        Some(libc::ENODEV) => Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "the kernel has no EROFS (modprobe erofs, or a kernel with CONFIG_EROFS_FS)",
+        )),
+        _ => Err(e),
+    }
+}
