@@ -59,3 +59,19 @@ pub fn erofs_file_backed(dir: &Path) -> std::io::Result<ErofsSource> {
         _ => Err(e),
     }
 }
+
+/// The Landlock ABI version this kernel offers (0: none, or disabled at boot).
+pub fn landlock_abi() -> i64 {
+    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_uint = 1;
+    // SAFETY: landlock_create_ruleset with a null attribute and the VERSION flag only
+    // returns the ABI version (or an error); it reads no memory.
+    let abi = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<u8>(),
+            0usize,
+            LANDLOCK_CREATE_RULESET_VERSION,
+        )
+    };
+    abi.max(0)
+}

@@ -57,7 +57,7 @@ impl OciRuntime {
         }
     }
 
-    fn binary(&self) -> &Path {
+    pub fn binary(&self) -> &Path {
         match self {
             OciRuntime::Crun(p) | OciRuntime::Runc(p) => p,
         }

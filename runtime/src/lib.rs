@@ -11,6 +11,7 @@ mod agent;
 pub mod audit;
 pub mod cgroup;
 pub mod container;
+pub mod doctor;
 pub mod exec;
 pub mod files;
 pub mod fncall;

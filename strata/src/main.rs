@@ -3,6 +3,7 @@
 
 mod build_steps;
 mod catalog;
+mod doctor;
 mod layer;
 mod layer_rm;
 mod lazy;
@@ -52,6 +53,12 @@ enum Command {
     /// Stateful sandboxes: create, exec, cp, ps, ls, rm.
     #[command(subcommand)]
     Sandbox(sandbox::SandboxCommand),
+    /// Check everything this host needs to run sandboxes, with the fix for each missing
+    /// piece; exits 1 if a sandbox cannot run here.
+    Doctor {
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 pub fn open_store(url: Option<&str>) -> Result<Store> {
@@ -106,6 +113,7 @@ fn main() {
             Command::Lazyfs(lazy::LazyfsCommand::Stop) => lazy::stop().await,
             Command::Run(a) => sandbox::run(&open_store(url.as_deref())?, url, a).await,
             Command::Sandbox(c) => sandbox::sandbox(&open_store(url.as_deref())?, url, c).await,
+            Command::Doctor { json } => doctor::run(url, json),
         }
     });
     match result {

@@ -194,7 +194,8 @@ pub fn runtime_dir() -> PathBuf {
     strata_home().join("runtime")
 }
 
-pub fn open_runtime(store_url: Option<String>) -> Result<Runtime> {
+/// The local runtime's settings, from the environment and the binary's location.
+pub fn runtime_config(store_url: Option<String>) -> Result<RuntimeConfig> {
     let lazyfs = strata_runtime::LazyfsAccess {
         paths: crate::lazy::paths(),
         start: daemon_starter(store_url),
@@ -203,7 +204,11 @@ pub fn open_runtime(store_url: Option<String>) -> Result<Runtime> {
     cfg.container_agent = std::env::current_exe()
         .ok()
         .and_then(|exe| strata_runtime::container::static_agent_for(&exe));
-    Ok(Runtime::open(cfg)?)
+    Ok(cfg)
+}
+
+pub fn open_runtime(store_url: Option<String>) -> Result<Runtime> {
+    Ok(Runtime::open(runtime_config(store_url)?)?)
 }
 
 async fn resolve(store: &Store, catalog_id: &str, options: &SandboxOptions) -> Result<SandboxSpec> {
