@@ -66,6 +66,7 @@ pub fn open_image(
     let meta = unsafe { MmapImage::new_from_path(meta_path) }.map_err(io_err(meta_path))?;
     match blob_path {
         Some(b) => {
+            // SAFETY: as for the image: our file, not modified while mapped.
             let blob = unsafe { MmapImage::new_from_path(b) }.map_err(io_err(b))?;
             EroFS::new_with_devices(meta, vec![blob]).map_err(bad)
         }

@@ -176,8 +176,9 @@ impl ChunkCache {
         std::fs::create_dir_all(dir).map_err(LazyError::io(dir))?;
         let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
             .map_err(|_| LazyError::Config(format!("{}: path has a NUL byte", dir.display())))?;
-        // SAFETY: zeroed statfs is a valid out-parameter; c is NUL-terminated.
+        // SAFETY: a zeroed statfs is a valid out-parameter.
         let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: c is NUL-terminated and st a valid statfs to fill.
         if unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0 && st.f_type as i64 == TMPFS_MAGIC {
             return Err(LazyError::Config(format!(
                 "cache directory {} is on tmpfs: the cache would live in memory twice over; set STRATA_HOME to a disk (ext4/xfs) path",

@@ -63,9 +63,12 @@ pub fn can_run_vms(test: &str) -> bool {
             "{test}: no guest kernel in {} (run scripts/setup.sh)",
             dir.display()
         );
-        eprintln!(
-            "SKIPPED {test}: no guest kernel in {} (run scripts/setup.sh)",
-            dir.display()
+        crate::not_run(
+            test,
+            &format!(
+                "no guest kernel in {} (run scripts/setup.sh)",
+                dir.display()
+            ),
         );
     }
     ready

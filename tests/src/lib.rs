@@ -10,6 +10,39 @@ pub mod treecmp;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+/// Tests of this process that did not run for want of a capability.
+static NOT_RUN: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+extern "C" fn report_not_run() {
+    let names = NOT_RUN.lock().map(|n| n.clone()).unwrap_or_default();
+    if !names.is_empty() {
+        // After the harness's own summary, which counted them as passed.
+        eprintln!(
+            "NOT RUN: {} privileged test(s) of {} did not run (need root, FUSE, tools or a guest kernel): {}",
+            names.len(),
+            std::env::args()
+                .next()
+                .as_deref()
+                .and_then(|p| Path::new(p).file_name()?.to_str().map(str::to_string))
+                .unwrap_or_default(),
+            names.join(", ")
+        );
+    }
+}
+
+/// Records that `test` did not run, and says so (the harness will count it as passed).
+pub fn not_run(test: &str, why: &str) {
+    eprintln!("SKIPPED {test}: {why}");
+    let mut names = NOT_RUN.lock().unwrap_or_else(|p| p.into_inner());
+    if names.is_empty() {
+        // SAFETY: registering a plain extern "C" function.
+        unsafe { libc::atexit(report_not_run) };
+    }
+    if !names.iter().any(|n| n == test) {
+        names.push(test.to_string());
+    }
+}
+
 /// Whether tests must fail (not skip) when a capability is missing. `.ci/run` sets it.
 pub fn privileged_required() -> bool {
     std::env::var("STRATA_REQUIRE_PRIVILEGED").is_ok_and(|v| v == "1")
@@ -25,8 +58,9 @@ pub fn have_root(test: &str) -> bool {
             !privileged_required(),
             "{test}: needs root, and STRATA_REQUIRE_PRIVILEGED=1 is set"
         );
-        eprintln!(
-            "SKIPPED {test}: needs root (set STRATA_REQUIRE_PRIVILEGED=1 to make this a failure)"
+        not_run(
+            test,
+            "needs root (set STRATA_REQUIRE_PRIVILEGED=1 to make this a failure)",
         );
     }
     root
@@ -44,7 +78,10 @@ pub fn have_tool(test: &str, tool: &str) -> bool {
             !privileged_required(),
             "{test}: needs `{tool}` (run scripts/setup.sh)"
         );
-        eprintln!("SKIPPED {test}: `{tool}` not installed (run scripts/setup.sh)");
+        not_run(
+            test,
+            &format!("`{tool}` not installed (run scripts/setup.sh)"),
+        );
     }
     found
 }
@@ -236,7 +273,7 @@ pub fn have_fuse(test: &str) -> bool {
             !privileged_required(),
             "{test}: needs /dev/fuse, and STRATA_REQUIRE_PRIVILEGED=1 is set"
         );
-        eprintln!("SKIPPED {test}: /dev/fuse is missing");
+        not_run(test, "/dev/fuse is missing");
     }
     ok
 }
