@@ -211,6 +211,9 @@ pub struct RuntimeConfig {
     pub vm: vm::VmConfig,
     /// Where the host's cgroups are mounted (`/sys/fs/cgroup`).
     pub cgroup_root: PathBuf,
+    /// Where networked sandboxes' address slots are claimed, shared by every home on the
+    /// host (`/run/strata/net`).
+    pub net_slots: PathBuf,
 }
 
 impl RuntimeConfig {
@@ -230,6 +233,7 @@ impl RuntimeConfig {
             container_agent: None,
             vm: vm::VmConfig::from_env(),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
+            net_slots: PathBuf::from("/run/strata/net"),
         })
     }
 }
@@ -238,6 +242,7 @@ struct Inner {
     cfg: RuntimeConfig,
     uppers: quota::Uppers,
     cgroups: Cgroups,
+    networks: network::Networks,
     container: container::ContainerBackend,
     fncall: fncall::FncallBackend,
     microvm: vm::VmBackend,
@@ -320,6 +325,7 @@ impl Runtime {
         let rt = Runtime {
             inner: Arc::new(Inner {
                 cgroups,
+                networks: network::Networks::new(&cfg.state_dir, cfg.net_slots.clone()),
                 cfg,
                 uppers,
                 container,
@@ -516,7 +522,7 @@ impl Runtime {
         let netns = if spec.network.is_empty() {
             None
         } else {
-            let net = network::setup(&self.inner.cfg.state_dir, id, &spec.network)?;
+            let net = network::setup(&self.inner.networks, id, &spec.network)?;
             if !net.hosts.is_empty() {
                 let mut hosts = files::read_file(&paths.merged, "/etc/hosts").unwrap_or_default();
                 for (addr, name) in &net.hosts {
@@ -778,9 +784,9 @@ impl Runtime {
         // A sandbox directory is made before anything else of a sandbox, so what has no
         // directory *now* belongs to no sandbox, even while others are being created.
         let live = |id: &str| self.sandbox_dir(id).exists();
-        for id in network::existing(&self.inner.cfg.state_dir) {
+        for id in network::existing(&self.inner.networks) {
             if !live(&id) {
-                network::teardown(&self.inner.cfg.state_dir, &id);
+                network::teardown(&self.inner.networks, &id);
                 report.orphans.push(format!("network {id}"));
             }
         }
@@ -857,14 +863,14 @@ impl Runtime {
         };
         self.inner.container.forget(id);
         let networked = record.is_none_or(|r| !r.spec.network.is_empty());
-        if networked && (network::netns_path(id).exists() || record.is_some()) {
+        if networked && (self.inner.networks.netns_path(id).exists() || record.is_some()) {
             let refused = network::refused(id);
             if !refused.is_empty() {
                 let _ = self
                     .audit(id)
                     .record("network-refused", json!({"destinations": refused}));
             }
-            network::teardown(&self.inner.cfg.state_dir, id);
+            network::teardown(&self.inner.networks, id);
         }
         cgroup.remove()?;
         rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;

@@ -5,6 +5,11 @@
 //! everything else, the host's own addresses and private ranges included, is dropped, and
 //! each dropped destination is remembered in a per-sandbox set for the audit record.
 //! Host names are resolved when the sandbox is created and written to its /etc/hosts.
+//!
+//! Several runtime homes may share a host: namespaces are named after the home
+//! (`strata-<home tag>-<id>`), so one home's reap never sees another's, and the /30
+//! address slots are claimed host-wide (`/run/strata/net/<slot>`, naming home and
+//! sandbox), so two homes never hand out one address.
 
 use std::net::{Ipv4Addr, ToSocketAddrs};
 use std::path::{Path, PathBuf};
@@ -39,12 +44,43 @@ fn veth(id: &str) -> String {
     format!("sv{id}")
 }
 
-fn netns_name(id: &str) -> String {
-    format!("strata-{id}")
+/// The networks of one runtime home.
+#[derive(Debug, Clone)]
+pub struct Networks {
+    /// The home's state directory (owner of its slots).
+    state: PathBuf,
+    /// Short name of the home in namespace names.
+    tag: String,
+    /// Where /30 slots are claimed, host-wide.
+    slots: PathBuf,
 }
 
-pub fn netns_path(id: &str) -> PathBuf {
-    Path::new("/run/netns").join(netns_name(id))
+impl Networks {
+    /// The networks of the home `state`, claiming slots in `slots` (normally
+    /// `/run/strata/net`, shared by every home on the host).
+    pub fn new(state: &Path, slots: PathBuf) -> Networks {
+        let tag = crate::cgroup::parent_for(state)
+            .trim_start_matches("strata-")
+            .to_string();
+        Networks {
+            state: state.to_path_buf(),
+            tag,
+            slots,
+        }
+    }
+
+    fn netns_name(&self, id: &str) -> String {
+        format!("strata-{}-{id}", self.tag)
+    }
+
+    pub fn netns_path(&self, id: &str) -> PathBuf {
+        Path::new("/run/netns").join(self.netns_name(id))
+    }
+
+    /// What a slot file of this home's sandbox `id` holds.
+    fn owner(&self, id: &str) -> String {
+        format!("{}\t{id}\n", self.state.display())
+    }
 }
 
 /// Resolves the rules: names through the host's resolver (IPv4), CIDRs as given.
@@ -103,11 +139,11 @@ fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, Runt
     crate::run_tool(Command::new(program).args(args), stdin)
 }
 
-/// Claims a /30 slot for a sandbox: a file created exclusively, so concurrent creates on
-/// one host never share one.
-fn allocate_slot(state: &Path, id: &str) -> Result<u32, RuntimeError> {
-    let dir = state.join("net");
-    std::fs::create_dir_all(&dir).map_err(RuntimeError::io(&dir))?;
+/// Claims a /30 slot for a sandbox: a file created exclusively in the host-wide slot
+/// directory, so concurrent creates, of any home, never share one.
+fn allocate_slot(nets: &Networks, id: &str) -> Result<u32, RuntimeError> {
+    let dir = &nets.slots;
+    std::fs::create_dir_all(dir).map_err(RuntimeError::io(dir))?;
     let start = id
         .bytes()
         .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(b as u32))
@@ -120,8 +156,9 @@ fn allocate_slot(state: &Path, id: &str) -> Result<u32, RuntimeError> {
             .create_new(true)
             .open(&path)
         {
-            Ok(_) => {
-                std::fs::write(&path, id).map_err(RuntimeError::io(&path))?;
+            Ok(mut f) => {
+                std::io::Write::write_all(&mut f, nets.owner(id).as_bytes())
+                    .map_err(RuntimeError::io(&path))?;
                 return Ok(slot);
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
@@ -160,12 +197,12 @@ fn ensure_table() -> Result<(), RuntimeError> {
 }
 
 /// Creates the namespace, the veth pair and the rules for sandbox `id`.
-pub fn setup(state: &Path, id: &str, rules: &[NetRule]) -> Result<Network, RuntimeError> {
+pub fn setup(nets: &Networks, id: &str, rules: &[NetRule]) -> Result<Network, RuntimeError> {
     let dests = resolve(rules)?;
     ensure_table()?;
-    let slot = allocate_slot(state, id)?;
+    let slot = allocate_slot(nets, id)?;
     let (host_ip, sandbox_ip) = slot_addrs(slot);
-    let (ns, v) = (netns_name(id), veth(id));
+    let (ns, v) = (nets.netns_name(id), veth(id));
     run("ip", &["netns", "add", &ns], None)?;
     run(
         "ip",
@@ -214,7 +251,7 @@ pub fn setup(state: &Path, id: &str, rules: &[NetRule]) -> Result<Network, Runti
         .filter_map(|d| Some((d.net.parse().ok()?, d.name.clone()?)))
         .collect();
     Ok(Network {
-        netns: netns_path(id),
+        netns: nets.netns_path(id),
         hosts,
     })
 }
@@ -260,7 +297,7 @@ pub fn refused(id: &str) -> Vec<String> {
 
 /// Removes the rules, the veth and the namespace of sandbox `id`; tolerates any of them
 /// being gone already.
-pub fn teardown(state: &Path, id: &str) {
+pub fn teardown(nets: &Networks, id: &str) {
     let v = veth(id);
     let script = format!("delete element {TABLE} sandboxes {{ \"{v}\" }}\n");
     let _ = run("nft", &["-f", "-"], Some(&script));
@@ -272,31 +309,52 @@ pub fn teardown(state: &Path, id: &str) {
         let _ = run("nft", &["-f", "-"], Some(&format!("delete {obj}\n")));
     }
     let _ = run("ip", &["link", "delete", &v], None);
-    let _ = run("ip", &["netns", "delete", &netns_name(id)], None);
-    if let Ok(rd) = std::fs::read_dir(state.join("net")) {
+    // And the name an older build gave it (`strata-<id>`, its slot in the home).
+    for ns in [nets.netns_name(id), format!("strata-{id}")] {
+        if Path::new("/run/netns").join(&ns).exists() {
+            let _ = run("ip", &["netns", "delete", &ns], None);
+        }
+    }
+    let owner = nets.owner(id);
+    if let Ok(rd) = std::fs::read_dir(&nets.slots) {
         for e in rd.flatten() {
-            if std::fs::read_to_string(e.path()).is_ok_and(|owner| owner == id) {
+            if std::fs::read_to_string(e.path()).is_ok_and(|o| o == owner) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+    if let Ok(rd) = std::fs::read_dir(nets.state.join("net")) {
+        for e in rd.flatten() {
+            if std::fs::read_to_string(e.path()).is_ok_and(|o| o == id) {
                 let _ = std::fs::remove_file(e.path());
             }
         }
     }
 }
 
-/// Sandbox IDs with a network namespace or slot on this host.
-pub fn existing(state: &Path) -> Vec<String> {
+/// This home's sandbox IDs with a network namespace or slot on this host.
+pub fn existing(nets: &Networks) -> Vec<String> {
     let mut ids = std::collections::BTreeSet::new();
+    let prefix = format!("strata-{}-", nets.tag);
     if let Ok(rd) = std::fs::read_dir("/run/netns") {
         for e in rd.flatten() {
-            if let Some(id) = e
-                .file_name()
-                .to_str()
-                .and_then(|n| n.strip_prefix("strata-"))
-            {
+            if let Some(id) = e.file_name().to_str().and_then(|n| n.strip_prefix(&prefix)) {
                 ids.insert(id.to_string());
             }
         }
     }
-    if let Ok(rd) = std::fs::read_dir(state.join("net")) {
+    let mine = format!("{}\t", nets.state.display());
+    if let Ok(rd) = std::fs::read_dir(&nets.slots) {
+        for e in rd.flatten() {
+            if let Ok(owner) = std::fs::read_to_string(e.path()) {
+                if let Some(id) = owner.strip_prefix(&mine) {
+                    ids.insert(id.trim().to_string());
+                }
+            }
+        }
+    }
+    // Slots an older build claimed inside the home.
+    if let Ok(rd) = std::fs::read_dir(nets.state.join("net")) {
         for e in rd.flatten() {
             if let Ok(owner) = std::fs::read_to_string(e.path()) {
                 ids.insert(owner);
@@ -342,5 +400,24 @@ mod tests {
             (h, s),
             (Ipv4Addr::new(10, 231, 0, 5), Ipv4Addr::new(10, 231, 0, 6))
         );
+    }
+
+    #[test]
+    fn two_homes_claim_distinct_slots_and_see_only_their_own() {
+        let slots = tempfile::tempdir().unwrap();
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let na = Networks::new(a.path(), slots.path().to_path_buf());
+        let nb = Networks::new(b.path(), slots.path().to_path_buf());
+        assert_ne!(na.netns_name("x"), nb.netns_name("x"));
+        // The same sandbox ID in both homes still gets two addresses.
+        let sa = allocate_slot(&na, "abc").unwrap();
+        let sb = allocate_slot(&nb, "abc").unwrap();
+        assert_ne!(sa, sb);
+        assert_eq!(existing(&na), vec!["abc".to_string()]);
+        teardown(&nb, "abc");
+        assert_eq!(existing(&na), vec!["abc".to_string()], "b's teardown took a's slot");
+        assert!(existing(&nb).is_empty());
+        assert!(slots.path().join(sa.to_string()).exists());
+        assert!(!slots.path().join(sb.to_string()).exists());
     }
 }

@@ -100,6 +100,16 @@ impl CliHome {
         CliHome { home, store }
     }
 
+    /// Another fresh home on this host that shares this one's store (as the nodes of a
+    /// cluster do).
+    pub fn sharing_store(&self, prefix: &str) -> CliHome {
+        let other = CliHome::new(prefix);
+        CliHome {
+            home: other.home,
+            store: self.store.clone(),
+        }
+    }
+
     /// `strata ARGS` in this home.
     pub fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new(strata_bin());

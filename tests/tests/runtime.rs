@@ -488,7 +488,10 @@ fn an_allowlist_opens_exactly_its_destinations() {
             !strata_tests::sh("ip -br link").contains(&veth),
             "{backend}: veth left"
         );
-        assert!(!Path::new(&format!("/run/netns/strata-{id}")).exists());
+        let netns = std::fs::read_dir("/run/netns")
+            .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect::<Vec<_>>())
+            .unwrap_or_default();
+        assert!(!netns.iter().any(|n| n.contains(&id)), "{backend}: netns left: {netns:?}");
         assert!(
             !strata_tests::sh("nft list table inet strata").contains(&id),
             "{backend}: rules left"
@@ -500,5 +503,66 @@ fn an_allowlist_opens_exactly_its_destinations() {
             "{backend}: {audit}"
         );
         assert!(audit.contains("1.1.1.1:80"), "{backend}: {audit}");
+    }
+}
+
+/// Two runtime homes on one host (sharing one store, as a cluster's nodes do) run
+/// networked sandboxes at the same time; each one's reap and destroy leave the other's
+/// sandboxes reachable and intact.
+#[test]
+fn two_homes_on_one_host_keep_each_others_networked_sandboxes() {
+    if !have_tool("runtime_two_homes", "nft") {
+        return;
+    }
+    let Some(env) = env("runtime_two_homes") else {
+        return;
+    };
+    let other = env.cli.sharing_store("runtime-other-");
+    let host_ip = strata_tests::sh(
+        "ip -4 -o addr show scope global | awk '{print $4}' | cut -d/ -f1 | head -1",
+    );
+    let host_ip = host_ip.trim().to_string();
+    let server = HostServer::start();
+    let net = format!("{host_ip}:{}", server.port);
+    let probe = format!(
+        "import socket; s = socket.create_connection(('{host_ip}', {}), timeout=5); print(s.recv(64).decode().strip())",
+        server.port
+    );
+    let reaches = |home: &strata_tests::home::CliHome, id: &str| {
+        let o = home.cli(&["sandbox", "exec", id, "--", "python3", "-c", &probe]);
+        let (out, err) = text(&o);
+        assert!(
+            o.status.success() && out.contains("hello from the host"),
+            "sandbox {id} lost its network: {out}{err}"
+        );
+    };
+    let create = |home: &strata_tests::home::CliHome, backend: &str| {
+        home.ok(&["sandbox", "create", "--backend", backend, "--net", &net, &env.reference])
+            .lines()
+            .last()
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    for backend in BACKENDS {
+        let a = create(&env.cli, backend);
+        let b = create(&other, backend);
+        reaches(&env.cli, &a);
+        reaches(&other, &b);
+        // Each home's reap leaves the other's alone.
+        env.ok(&["sandbox", "reap"]);
+        other.ok(&["sandbox", "reap"]);
+        reaches(&env.cli, &a);
+        reaches(&other, &b);
+        // So does a destroy.
+        other.ok(&["sandbox", "rm", &b]);
+        reaches(&env.cli, &a);
+        let b2 = create(&other, backend);
+        env.ok(&["sandbox", "rm", &a]);
+        reaches(&other, &b2);
+        other.ok(&["sandbox", "rm", &b2]);
+        env.assert_gone(&a, &[]);
+        other.assert_sandbox_gone(&b, &[]);
+        other.assert_sandbox_gone(&b2, &[]);
     }
 }
