@@ -415,7 +415,11 @@ mod tests {
         assert_ne!(sa, sb);
         assert_eq!(existing(&na), vec!["abc".to_string()]);
         teardown(&nb, "abc");
-        assert_eq!(existing(&na), vec!["abc".to_string()], "b's teardown took a's slot");
+        assert_eq!(
+            existing(&na),
+            vec!["abc".to_string()],
+            "b's teardown took a's slot"
+        );
         assert!(existing(&nb).is_empty());
         assert!(slots.path().join(sa.to_string()).exists());
         assert!(!slots.path().join(sb.to_string()).exists());

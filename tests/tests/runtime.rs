@@ -3,7 +3,6 @@
 //! registered, then run by catalog ID in both backends; budgets; stateful sandboxes; and
 //! cleanup after a killed runtime or a crashed sandbox.
 
-use std::path::Path;
 use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -489,9 +488,16 @@ fn an_allowlist_opens_exactly_its_destinations() {
             "{backend}: veth left"
         );
         let netns = std::fs::read_dir("/run/netns")
-            .map(|rd| rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect::<Vec<_>>())
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect::<Vec<_>>()
+            })
             .unwrap_or_default();
-        assert!(!netns.iter().any(|n| n.contains(&id)), "{backend}: netns left: {netns:?}");
+        assert!(
+            !netns.iter().any(|n| n.contains(&id)),
+            "{backend}: netns left: {netns:?}"
+        );
         assert!(
             !strata_tests::sh("nft list table inet strata").contains(&id),
             "{backend}: rules left"
@@ -537,12 +543,20 @@ fn two_homes_on_one_host_keep_each_others_networked_sandboxes() {
         );
     };
     let create = |home: &strata_tests::home::CliHome, backend: &str| {
-        home.ok(&["sandbox", "create", "--backend", backend, "--net", &net, &env.reference])
-            .lines()
-            .last()
-            .unwrap_or_default()
-            .trim()
-            .to_string()
+        home.ok(&[
+            "sandbox",
+            "create",
+            "--backend",
+            backend,
+            "--net",
+            &net,
+            &env.reference,
+        ])
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_string()
     };
     for backend in BACKENDS {
         let a = create(&env.cli, backend);
