@@ -14,8 +14,9 @@ DEST="${1:-${STRATA_GUEST_DIR:-/usr/local/lib/strata/guest}}"
 # What guests need: the virtio transports (mmio for microvm, pci for q35), disks, the
 # host channel, networking when allowed, entropy, and the filesystems of a sandbox root.
 # crc32c_generic comes first: libcrc32c asks the crypto API for it, and a guest has no
-# modprobe to load it on demand.
-WANTED=(crc32c_generic virtio_mmio virtio_pci virtio_console virtio_blk virtio_net virtio-rng erofs overlay ext4)
+# modprobe to load it on demand. fuse and loop are for privileged guests that run Strata
+# itself (a stock-host test).
+WANTED=(crc32c_generic virtio_mmio virtio_pci virtio_console virtio_blk virtio_net virtio-rng erofs overlay ext4 fuse loop)
 
 pkg="$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-/ {print $2; exit}')"
 if [ -z "$pkg" ]; then
@@ -23,8 +24,15 @@ if [ -z "$pkg" ]; then
   exit 1
 fi
 version="${pkg#linux-image-}"
+have_all() {
+  local m
+  for m in "${WANTED[@]}"; do
+    grep -qx -- "${m//-/_}" <(tr - _ < "$DEST/modules.load") || return 1
+  done
+}
 if [ -f "$DEST/kernel.version" ] && [ "$(cat "$DEST/kernel.version")" = "$version" ] \
-  && [ -s "$DEST/vmlinux" ] && [ -s "$DEST/modules.load" ] && [ -s "$DEST/modules.display" ]; then
+  && [ -s "$DEST/vmlinux" ] && [ -s "$DEST/modules.load" ] && [ -s "$DEST/modules.display" ] \
+  && have_all; then
   echo "guest-kernel: $version ready in $DEST" >&2
   exit 0
 fi

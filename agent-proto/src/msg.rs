@@ -144,6 +144,10 @@ pub struct GuestSetup {
     pub root_image: Option<GuestRootImage>,
     /// The sandbox's key (hex): every later conversation must prove it.
     pub key: String,
+    /// Commands keep the guest's full privileges and devices (a nesting host): no jail
+    /// but close-on-exec descriptors.
+    #[serde(default)]
+    pub privileged: bool,
 }
 
 /// The disk holding a guest's root image, and which of its partitions is the root.

@@ -476,6 +476,15 @@ impl Jail {
         })
     }
 
+    /// The jail of a privileged VM guest's commands: none but close-on-exec descriptors
+    /// (they are the guest's root with every capability, as a nesting host needs).
+    pub fn privileged() -> Jail {
+        Jail {
+            ruleset: None,
+            guest: None,
+        }
+    }
+
     /// Whether commands get a Landlock domain of their own (the kernel has Landlock).
     pub fn scoped(&self) -> bool {
         self.ruleset.is_some()

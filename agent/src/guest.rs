@@ -216,8 +216,13 @@ fn end_all(conns: &mut HashMap<u32, mux::Inbox>) {
 pub fn setup(s: &GuestSetup) -> Result<(), AgentError> {
     let key = SandboxKey::from_hex(&s.key).map_err(crate::serve::bad_key)?;
     set_up(s).map_err(|e| AgentError::new(ErrorKind::Setup, e))?;
-    let jail = crate::confine::Jail::guest().map_err(|e| AgentError::new(ErrorKind::Setup, e))?;
-    if !jail.scoped() {
+    let jail = if s.privileged {
+        console("strata-agent: privileged: commands keep the guest's full privileges");
+        crate::confine::Jail::privileged()
+    } else {
+        crate::confine::Jail::guest().map_err(|e| AgentError::new(ErrorKind::Setup, e))?
+    };
+    if !s.privileged && !jail.scoped() {
         console("strata-agent: this kernel has no Landlock: commands are not scoped");
     }
     let _ = crate::serve::JAIL.set(jail);
@@ -317,7 +322,7 @@ fn set_up(s: &GuestSetup) -> Result<(), String> {
     )
     .map_err(|e| format!("mounting the overlay: {e}"))?;
     mark("overlay");
-    enter_root(&root)?;
+    enter_root(&root, s.privileged)?;
     nix::unistd::sethostname(&s.hostname).map_err(|e| format!("sethostname: {e}"))?;
     if let Some(net) = &s.network {
         network(net)?;
@@ -558,9 +563,20 @@ fn sandbox_devices() -> Result<(), String> {
 
 /// Makes `root` the root of the whole guest (as switch_root does: the initramfs cannot be
 /// pivoted away), with the boot's kernel filesystems moved inside.
-fn enter_root(root: &str) -> Result<(), String> {
+fn enter_root(root: &str, privileged: bool) -> Result<(), String> {
     let sub = |p: &str| format!("{root}{p}");
-    for (dir, to) in [("/proc", "/proc"), ("/sys", "/sys"), (SANDBOX_DEV, "/dev")] {
+    // A privileged guest's commands get the guest's devtmpfs (loop devices, FUSE, disks),
+    // with the sandbox /dev's pts and shm moved into it.
+    let mut moves = vec![("/proc".to_string(), "/proc"), ("/sys".to_string(), "/sys")];
+    if privileged {
+        moves.push(("/dev".to_string(), "/dev"));
+        moves.push((format!("{SANDBOX_DEV}/pts"), "/dev/pts"));
+        moves.push((format!("{SANDBOX_DEV}/shm"), "/dev/shm"));
+    } else {
+        moves.push((SANDBOX_DEV.to_string(), "/dev"));
+    }
+    for (dir, to) in &moves {
+        let dir = dir.as_str();
         let target = sub(to);
         std::fs::create_dir_all(&target).map_err(|e| format!("{target}: {e}"))?;
         mount(

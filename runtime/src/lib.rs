@@ -454,6 +454,12 @@ impl Runtime {
         restore: Option<PathBuf>,
     ) -> Result<Sandbox, RuntimeError> {
         let backend = self.backend(spec.backend)?;
+        if spec.privileged && !backend.in_guest() {
+            return Err(RuntimeError::Invalid(format!(
+                "--privileged is for microvm and vm sandboxes (their own kernel is the boundary); a {} sandbox's commands share the host's kernel",
+                spec.backend.as_str()
+            )));
+        }
         if spec.layers.is_empty() {
             return Err(RuntimeError::Invalid(
                 "a sandbox needs at least a base layer".into(),

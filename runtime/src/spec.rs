@@ -83,6 +83,8 @@ pub struct Overrides {
     pub identity: Option<String>,
     /// A graphical display (VNC) for a full VM.
     pub display: bool,
+    /// A VM whose commands keep the guest's full privileges (nesting).
+    pub privileged: bool,
 }
 
 /// Everything needed to create one sandbox.
@@ -107,6 +109,11 @@ pub struct SandboxSpec {
     /// A full VM whose root is this disk image of the base layer, not the base's tree.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_image: Option<DiskImage>,
+    /// A microvm or vm whose commands keep the guest's full privileges: every capability,
+    /// the guest's devtmpfs, writable cgroups (for running a container engine, or Strata,
+    /// inside). The agent's integrity then rests on the commands (see SECURITY.md).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub privileged: bool,
 }
 
 /// One allowed destination: a host name or address (or CIDR) and a port.
@@ -174,6 +181,7 @@ impl SandboxSpec {
             identity: over.identity.clone().unwrap_or_else(local_identity),
             display: over.display,
             disk_image: e.disk_image.clone(),
+            privileged: over.privileged,
         })
     }
 }

@@ -124,6 +124,7 @@ impl StepRunner for RuntimeStepRunner {
             identity: format!("{} building {}", local_identity(), plan.label),
             display: false,
             disk_image: None,
+            privileged: false,
         };
         let sandbox = self.rt.create_owned(spec).map_err(sandbox_err)?;
         let step_sandbox = RuntimeStepSandbox {

@@ -51,6 +51,12 @@ pub struct SandboxOptions {
     /// the Unix socket `vnc.sock` in the sandbox's directory.
     #[arg(long)]
     display: bool,
+    /// A microvm or vm whose commands keep the guest's full privileges (every capability,
+    /// the guest's devices, writable cgroups): for nesting a container engine or Strata
+    /// itself. The guest kernel stays the boundary to the host, but a command can then
+    /// take over the guest's agent: never for untrusted agents (see SECURITY.md).
+    #[arg(long)]
+    privileged: bool,
 }
 
 fn parse_env(pairs: &[String]) -> Result<BTreeMap<String, String>> {
@@ -80,6 +86,7 @@ impl SandboxOptions {
             network: self.net.clone(),
             identity: None,
             display: self.display,
+            privileged: self.privileged,
         })
     }
 }

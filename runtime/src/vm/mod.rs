@@ -827,6 +827,7 @@ impl SandboxBackend for VmBackend {
                         partition: image.partition,
                     }),
                     key: key.to_hex(),
+                    privileged: ctx.spec.privileged,
                 };
                 (HostMsg::GuestSetup(setup), "setup", None)
             }
