@@ -129,7 +129,7 @@ pub(crate) fn runtime_config(home: &Path, store_url: &str) -> Result<RuntimeConf
         },
         bin("strata-agent")?,
     )?;
-    cfg.container_agent = strata_runtime::container::static_agent_for(&std::env::current_exe()?);
+    cfg.container_agent = strata_runtime::static_agent_for(&std::env::current_exe()?);
     Ok(cfg)
 }
 

@@ -20,8 +20,8 @@ use strata_agent_proto::{
 };
 
 use crate::cgroup::Cgroup;
-use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
-use crate::sandbox::ExecEnv;
+use crate::exec::{drive, Collected, Event, ExecEnv, ExecRequest, RawExit, Stdin, Stream};
+
 use crate::RuntimeError;
 
 /// The agent's socket in a sandbox's directory (a VM's: its relay's).

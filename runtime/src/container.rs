@@ -26,9 +26,12 @@ use oci_spec::runtime::{
 };
 use strata_agent_proto::policy::{DENIED_SYSCALLS, KEPT_CAPS};
 
+use crate::backend::{Host, NewSandbox, SandboxBackend, SandboxRef};
 use crate::cgroup::Cgroup;
+use crate::exec::ExecEnv;
 use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
-use crate::sandbox::{ExecEnv, SandboxBackend, SandboxRecord, StartContext};
+use crate::hostroot::{self, HostRoot};
+use crate::record::SandboxRecord;
 use crate::RuntimeError;
 
 /// Which OCI runtime binary runs containers.
@@ -154,7 +157,7 @@ fn kept_capabilities() -> Result<oci_spec::runtime::LinuxCapabilities, RuntimeEr
         .inheritable(oci_spec::runtime::Capabilities::new())
         .ambient(oci_spec::runtime::Capabilities::new())
         .build()
-        .map_err(|e| RuntimeError::Backend(format!("OCI spec: {e}")))
+        .map_err(|e| RuntimeError::Internal(format!("OCI spec: {e}")))
 }
 
 impl ContainerBackend {
@@ -250,17 +253,17 @@ impl ContainerBackend {
             let _ = std::fs::remove_file(log);
         }
         if !status.success() {
-            return Err(RuntimeError::Backend(format!(
-                "{} {what}: {}",
-                self.runtime.name(),
-                message.trim()
-            )));
+            return Err(RuntimeError::Oci {
+                engine: self.runtime.name(),
+                what: what.to_string(),
+                message: message.trim().to_string(),
+            });
         }
         Ok(())
     }
 
-    fn spec(&self, ctx: &StartContext) -> Result<Spec, RuntimeError> {
-        let bad = |e: oci_spec::OciSpecError| RuntimeError::Backend(format!("OCI spec: {e}"));
+    fn spec(&self, new: &NewSandbox, root: &HostRoot) -> Result<Spec, RuntimeError> {
+        let bad = |e: oci_spec::OciSpecError| RuntimeError::Internal(format!("OCI spec: {e}"));
         let capabilities = kept_capabilities()?;
         let process = ProcessBuilder::default()
             .terminal(false)
@@ -314,7 +317,7 @@ impl ContainerBackend {
                     .map_err(bad)?,
             );
         }
-        let limits = &ctx.spec.limits;
+        let limits = &new.spec.limits;
         let mut cpu = LinuxCpuBuilder::default();
         if let Some(c) = limits.cpus {
             cpu = cpu
@@ -361,13 +364,13 @@ impl ContainerBackend {
                     .filter(|n| n.typ() != oci_spec::runtime::LinuxNamespaceType::Cgroup)
                     .map(|mut n| {
                         if n.typ() == oci_spec::runtime::LinuxNamespaceType::Network {
-                            n.set_path(ctx.netns.clone());
+                            n.set_path(root.netns.clone());
                         }
                         n
                     })
                     .collect::<Vec<_>>(),
             )
-            .cgroups_path(PathBuf::from(ctx.cgroup.oci_path()))
+            .cgroups_path(PathBuf::from(new.cgroup.oci_path()))
             .resources(resources)
             .seccomp(seccomp)
             .masked_paths(oci_spec::runtime::get_default_maskedpaths())
@@ -378,19 +381,19 @@ impl ContainerBackend {
         spec.set_process(Some(process));
         spec.set_root(Some(
             RootBuilder::default()
-                .path(&ctx.rootfs)
+                .path(&root.rootfs)
                 .readonly(false)
                 .build()
                 .map_err(bad)?,
         ));
-        spec.set_hostname(Some(ctx.hostname.clone()));
+        spec.set_hostname(Some(new.hostname.clone()));
         spec.set_mounts(Some(mounts));
         spec.set_linux(Some(linux));
         Ok(spec)
     }
 
     fn exec_process(&self, env: &ExecEnv) -> Result<oci_spec::runtime::Process, RuntimeError> {
-        let bad = |e: oci_spec::OciSpecError| RuntimeError::Backend(format!("OCI spec: {e}"));
+        let bad = |e: oci_spec::OciSpecError| RuntimeError::Internal(format!("OCI spec: {e}"));
         ProcessBuilder::default()
             .terminal(false)
             .args(env.argv.clone())
@@ -416,27 +419,28 @@ impl ContainerBackend {
 }
 
 impl SandboxBackend for ContainerBackend {
-    fn start(&self, ctx: &StartContext) -> Result<u32, RuntimeError> {
+    fn create(&self, host: &Host, new: &NewSandbox) -> Result<u32, RuntimeError> {
+        let root = hostroot::prepare(host, new)?;
         std::fs::create_dir_all(&self.state_root).map_err(RuntimeError::io(&self.state_root))?;
-        let bundle = ctx.dir.join("bundle");
+        let bundle = new.dir.join("bundle");
         std::fs::create_dir_all(&bundle).map_err(RuntimeError::io(&bundle))?;
-        let spec = self.spec(ctx)?;
+        let spec = self.spec(new, &root)?;
         let config = bundle.join("config.json");
         spec.save(&config)
-            .map_err(|e| RuntimeError::Backend(format!("writing {}: {e}", config.display())))?;
-        let pid_file = ctx.dir.join("init.pid");
+            .map_err(|e| RuntimeError::Internal(format!("writing {}: {e}", config.display())))?;
+        let pid_file = new.dir.join("init.pid");
         // With the agent as init, the host makes its listening socket (outside anything the
         // sandbox sees), a pipe holding the key and a descriptor of the agent's binary,
         // and hands them over as descriptors 3, 4 and 5.
         let passed = match &self.agent {
             Some(agent) => {
-                let sock = crate::agent::socket_path(&ctx.dir);
+                let sock = crate::agent::socket_path(new.dir);
                 let _ = std::fs::remove_file(&sock);
                 let listener = std::os::unix::net::UnixListener::bind(&sock)
                     .map_err(RuntimeError::io(&sock))?;
                 let (key_r, key_w) =
                     nix::unistd::pipe().map_err(|e| RuntimeError::Setup(format!("pipe: {e}")))?;
-                let key = crate::agent::read_key(&ctx.dir)?;
+                let key = crate::agent::read_key(new.dir)?;
                 std::fs::File::from(key_w)
                     .write_all(key.to_hex().as_bytes())
                     .map_err(|e| RuntimeError::Setup(format!("passing the sandbox key: {e}")))?;
@@ -458,30 +462,33 @@ impl SandboxBackend for ContainerBackend {
         if passed.is_some() {
             args.extend(["--preserve-fds", "3"]);
         }
-        args.push(&ctx.id);
+        args.push(new.id);
         let fds = passed
             .as_ref()
             .map(|(l, k, e)| vec![l.as_raw_fd(), k.as_raw_fd(), e.as_raw_fd()])
             .unwrap_or_default();
-        self.run_logged(&args, "run", Some(&ctx.dir.join("oci.log")), fds)?;
+        self.run_logged(&args, "run", Some(&new.dir.join("oci.log")), fds)?;
         drop(passed);
         let pid = std::fs::read_to_string(&pid_file)
             .map_err(RuntimeError::io(&pid_file))?
             .trim()
             .parse()
-            .map_err(|_| RuntimeError::Backend(format!("bad pid in {}", pid_file.display())))?;
+            .map_err(|_| RuntimeError::Oci {
+                engine: self.runtime.name(),
+                what: "run".into(),
+                message: format!("bad pid in {}", pid_file.display()),
+            })?;
         Ok(pid)
     }
 
     fn exec(
         &self,
-        rec: &SandboxRecord,
-        dir: &Path,
-        cgroup: &Cgroup,
+        sb: &SandboxRef,
         env: &ExecEnv,
         req: &ExecRequest,
         sink: &mut dyn FnMut(Stream, &[u8]),
     ) -> Result<Collected, RuntimeError> {
+        let (rec, dir, cgroup) = (sb.record, sb.dir, sb.cgroup);
         if crate::agent::socket_path(dir).exists() {
             return crate::agent::AgentClient::of(dir)?.exec(cgroup, env, req, sink);
         }
@@ -491,7 +498,7 @@ impl SandboxBackend for ContainerBackend {
         let process = self.exec_process(env)?;
         std::fs::write(
             &process_file,
-            serde_json::to_vec(&process).map_err(|e| RuntimeError::Backend(e.to_string()))?,
+            serde_json::to_vec(&process).map_err(|e| RuntimeError::Internal(e.to_string()))?,
         )
         .map_err(RuntimeError::io(&process_file))?;
         let engine = self.engine_for(&rec.id);
@@ -535,7 +542,7 @@ impl SandboxBackend for ContainerBackend {
             ),
         ] {
             if let Some(src) = src {
-                readers.push(crate::sandbox::pump(src, stream, tx.clone()));
+                readers.push(crate::backend::pump(src, stream, tx.clone()));
             }
         }
         if let (Stdin::Bytes(data), Some(mut stdin)) = (&req.stdin, child.stdin.take()) {
@@ -572,7 +579,11 @@ impl SandboxBackend for ContainerBackend {
         let _ = waiter.join();
         let _ = std::fs::remove_file(&process_file);
         let _ = std::fs::remove_file(&pid_file);
-        let collected = result.map_err(RuntimeError::Backend)?;
+        let collected = result.map_err(|message| RuntimeError::Oci {
+            engine: engine.runtime.name(),
+            what: "exec".into(),
+            message,
+        })?;
         // The OCI runtime reports a failure to start the process as its own exit status
         // with a message on stderr; keep it as the command's result.
         Ok(collected)
@@ -584,6 +595,15 @@ impl SandboxBackend for ContainerBackend {
         // `delete --force` kills what is left with SIGKILL itself.
         let _ = engine.run_checked(&["delete", "--force", &rec.id], "delete");
         Ok(())
+    }
+
+    fn runtime_written_paths(&self, spec: &crate::SandboxSpec) -> Vec<String> {
+        let mut paths = hostroot::runtime_written_paths(spec);
+        if self.agent.is_none() {
+            // Catatonit's bind mount point.
+            paths.push(RUNTIME_DIR.trim_start_matches('/').to_string());
+        }
+        paths
     }
 
     fn forget(&self, id: &str) {

@@ -7,6 +7,16 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+/// A command, fully resolved against the sandbox's defaults.
+pub struct ExecEnv {
+    pub argv: Vec<String>,
+    pub env: std::collections::BTreeMap<String, String>,
+    pub cwd: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub timeout: std::time::Duration,
+}
+
 /// Where a command's stdin comes from.
 #[derive(Debug, Clone, Default)]
 pub enum Stdin {

@@ -20,8 +20,9 @@ use strata_agent_proto::{
 };
 
 use crate::agent::{read_key, socket_path, write_key, AgentClient};
+use crate::backend::{process_start, Host, NewSandbox, SandboxBackend};
 use crate::cgroup::{Cgroup, Cgroups};
-use crate::sandbox::{process_start, SandboxBackend, StartContext};
+use crate::hostroot::{self, HostRoot};
 use crate::spec::{DEFAULT_MEMORY, DEFAULT_PIDS};
 use crate::RuntimeError;
 
@@ -181,18 +182,18 @@ impl FncallBackend {
         n
     }
 
-    /// Hands a pooled agent to sandbox `ctx.id`; `None` when the pool is empty or the
+    /// Hands a pooled agent to sandbox `new.id`; `None` when the pool is empty or the
     /// agent it took fails (the caller then starts one cold).
-    fn claim(&self, ctx: &StartContext) -> Option<u32> {
+    fn claim(&self, new: &NewSandbox, root: &HostRoot) -> Option<u32> {
         for slot in self.pooled() {
-            let claimed = self.pool_dir("claimed").join(&ctx.id);
+            let claimed = self.pool_dir("claimed").join(new.id);
             if std::fs::rename(self.pool_dir("ready").join(&slot), &claimed).is_err() {
                 continue; // another create took it
             }
             let pool_cgroup = self.pool_cgroup(&slot);
-            let adopted = self.adopt(ctx, &claimed, &pool_cgroup);
+            let adopted = self.adopt(new, root, &claimed, &pool_cgroup);
             if adopted.is_err() {
-                for cg in [&pool_cgroup, &ctx.cgroup] {
+                for cg in [&pool_cgroup, &new.cgroup] {
                     cg.kill_all();
                     let _ = cg.remove();
                 }
@@ -218,7 +219,8 @@ impl FncallBackend {
 
     fn adopt(
         &self,
-        ctx: &StartContext,
+        new: &NewSandbox,
+        root: &HostRoot,
         claimed: &Path,
         pool_cgroup: &Cgroup,
     ) -> Result<u32, RuntimeError> {
@@ -227,16 +229,16 @@ impl FncallBackend {
         if process_start(pid) != Some(start) {
             return Err(RuntimeError::AgentGone("pooled agent is gone".into()));
         }
-        pool_cgroup.rename(&ctx.cgroup)?;
-        let l = &ctx.spec.limits;
-        ctx.cgroup.set_limits(l.memory_bytes, l.cpus, l.pids)?;
+        pool_cgroup.rename(&new.cgroup)?;
+        let l = &new.spec.limits;
+        new.cgroup.set_limits(l.memory_bytes, l.cpus, l.pids)?;
         let sock = socket_path(claimed);
         let slot = AgentClient::at(sock.clone(), Some(read_key(claimed)?));
         let setup = HostMsg::Setup(PoolSetup {
-            rootfs: ctx.rootfs.display().to_string(),
-            hostname: ctx.hostname.clone(),
-            netns: ctx.netns.as_ref().map(|n| n.display().to_string()),
-            key: read_key(&ctx.dir)?.to_hex(),
+            rootfs: root.rootfs.display().to_string(),
+            hostname: new.hostname.clone(),
+            netns: root.netns.as_ref().map(|n| n.display().to_string()),
+            key: read_key(new.dir)?.to_hex(),
         });
         match slot.request(&setup, None, Duration::from_secs(30))?.0 {
             AgentMsg::Ready => {}
@@ -246,7 +248,7 @@ impl FncallBackend {
                 )))
             }
         }
-        let dest = socket_path(&ctx.dir);
+        let dest = socket_path(new.dir);
         std::fs::rename(&sock, &dest).map_err(RuntimeError::io(&dest))?;
         Ok(pid)
     }
@@ -259,23 +261,28 @@ fn read_pid(dir: &Path) -> Option<(u32, u64)> {
 }
 
 impl SandboxBackend for FncallBackend {
-    fn start(&self, ctx: &StartContext) -> Result<u32, RuntimeError> {
-        if let Some(pid) = self.claim(ctx) {
+    fn create(&self, host: &Host, new: &NewSandbox) -> Result<u32, RuntimeError> {
+        let root = hostroot::prepare(host, new)?;
+        if let Some(pid) = self.claim(new, &root) {
             return Ok(pid);
         }
-        let l = &ctx.spec.limits;
-        ctx.cgroup.create(l.memory_bytes, l.cpus, l.pids)?;
+        let l = &new.spec.limits;
+        new.cgroup.create(l.memory_bytes, l.cpus, l.pids)?;
         let boot = SandboxBoot {
-            rootfs: Some(ctx.rootfs.display().to_string()),
-            socket: socket_path(&ctx.dir).display().to_string(),
-            hostname: ctx.hostname.clone(),
-            netns: ctx.netns.as_ref().map(|n| n.display().to_string()),
-            key: read_key(&ctx.dir)?.to_hex(),
+            rootfs: Some(root.rootfs.display().to_string()),
+            socket: socket_path(new.dir).display().to_string(),
+            hostname: new.hostname.clone(),
+            netns: root.netns.as_ref().map(|n| n.display().to_string()),
+            key: read_key(new.dir)?.to_hex(),
         };
-        let pid = self.spawn_agent(&ctx.cgroup, &boot)?;
+        let pid = self.spawn_agent(&new.cgroup, &boot)?;
         // The agent serves before its parent reports the PID: this checks the handshake
         // (version and key) rather than waiting.
-        AgentClient::of(&ctx.dir)?.ping(Duration::from_secs(10))?;
+        AgentClient::of(new.dir)?.ping(Duration::from_secs(10))?;
         Ok(pid)
+    }
+
+    fn runtime_written_paths(&self, spec: &crate::SandboxSpec) -> Vec<String> {
+        hostroot::runtime_written_paths(spec)
     }
 }

@@ -2,25 +2,33 @@
 //!
 //! A sandbox's root is its layers (attached through lazyfs, one shared EROFS mount per
 //! layer per host) stacked with overlayfs under a writable upper with a disk quota
-//! ([`rootfs`], [`quota`]). A backend isolates the processes ([`fncall`]: our own agent as
-//! pid 1; [`container`]: an OCI runtime); [`sandbox`] is the API every backend shares;
-//! [`cgroup`] holds the budgets; [`audit`] records what happened. All state lives under one
-//! directory, so a restarted runtime finds what a dead one left and reaps it.
+//! (`rootfs`, `quota`, `hostroot`), or, in a VM, handed to the guest as disks. A backend
+//! (`fncall`: our own agent as pid 1; `container`: an OCI runtime; `vm`: QEMU) isolates
+//! the processes behind the one seam that varies, `backend::SandboxBackend`; [`Sandbox`]
+//! is the API every backend shares; `cgroup` holds the budgets; `audit` records what
+//! happened. All state lives under one directory, so a restarted runtime finds what a
+//! dead one left and reaps it.
+//!
+//! The public API is [`Runtime`], [`Sandbox`] and the types they take and return
+//! (re-exported here), plus `doctor` (host checks).
 
 mod agent;
-pub mod audit;
-pub mod cgroup;
-pub mod container;
+mod audit;
+mod backend;
+mod cgroup;
+mod container;
 pub mod doctor;
-pub mod exec;
-pub mod files;
-pub mod fncall;
-pub mod network;
-pub mod quota;
-pub mod rootfs;
-pub mod sandbox;
-pub mod spec;
-pub mod vm;
+mod exec;
+mod files;
+mod fncall;
+mod hostroot;
+mod network;
+mod quota;
+mod record;
+mod rootfs;
+mod sandbox;
+mod spec;
+mod vm;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -31,14 +39,19 @@ use strata_catalog::Backend;
 use strata_lazyfs::{connect_or_start, Client, LazyError, Paths};
 
 pub use audit::AuditLog;
-pub use container::OciRuntime;
+pub use backend::{process_start, ProcessInfo, SnapshotInfo};
+pub use cgroup::CgroupMode;
+pub use container::{static_agent_for, OciRuntime};
 pub use exec::{Budget, ExecRequest, ExecResult, Stdin, Stream};
 pub use files::FileEntry;
-pub use sandbox::{EndReason, ProcessInfo, Sandbox, SandboxRecord};
-pub use spec::{Limits, NetRule, Overrides, SandboxSpec};
+pub use record::{EndReason, SandboxRecord, RECORD_FORMAT};
+pub use sandbox::Sandbox;
+pub use spec::{base_env, local_identity, Limits, NetRule, Overrides, SandboxSpec};
+pub use vm::VmConfig;
 
+use backend::{Host, NewSandbox, SandboxBackend};
 use cgroup::{Cgroup, Cgroups};
-use sandbox::{DirLock, SandboxBackend, StartContext};
+use sandbox::DirLock;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RuntimeError {
@@ -62,8 +75,22 @@ pub enum RuntimeError {
     Setup(String),
     #[error("disk quota: {0}")]
     Quota(String),
-    #[error("{0}")]
-    Backend(String),
+    /// The OCI runtime (crun, runc) failed.
+    #[error("{engine} {what}: {message}")]
+    Oci {
+        engine: &'static str,
+        what: String,
+        message: String,
+    },
+    /// QEMU's machine protocol failed (pause, resume, saving state).
+    #[error("QMP: {0}")]
+    Qmp(String),
+    /// A VM did not come up (QEMU, its relay or its guest).
+    #[error("VM start: {0}")]
+    VmStart(String),
+    /// A bug of ours, not of the input or the host.
+    #[error("internal: {0}")]
+    Internal(String),
     #[error("exec: {0}")]
     Exec(String),
     #[error("{0} is not supported yet (use the container backend for it)")]
@@ -355,7 +382,7 @@ impl Runtime {
     }
 
     /// How this host's cgroups are laid out.
-    pub fn cgroup_mode(&self) -> cgroup::CgroupMode {
+    pub fn cgroup_mode(&self) -> CgroupMode {
         self.inner.cgroups.mode()
     }
 
@@ -377,12 +404,12 @@ impl Runtime {
         )
     }
 
-    pub(crate) fn backend(&self, b: Backend) -> Result<&dyn SandboxBackend, RuntimeError> {
+    pub(crate) fn backend(&self, b: Backend) -> &dyn SandboxBackend {
         match b {
-            Backend::Container => Ok(&self.inner.container),
-            Backend::Fncall => Ok(&self.inner.fncall),
-            Backend::Microvm => Ok(&self.inner.microvm),
-            Backend::Vm => Ok(&self.inner.vm),
+            Backend::Container => &self.inner.container,
+            Backend::Fncall => &self.inner.fncall,
+            Backend::Microvm => &self.inner.microvm,
+            Backend::Vm => &self.inner.vm,
         }
     }
 
@@ -432,7 +459,7 @@ impl Runtime {
         let snapshot = std::fs::canonicalize(snapshot).map_err(RuntimeError::io(snapshot))?;
         let owner = if owned {
             let me = std::process::id();
-            sandbox::process_start(me).map(|start| (me, start))
+            process_start(me).map(|start| (me, start))
         } else {
             None
         };
@@ -443,7 +470,7 @@ impl Runtime {
     /// it, the next reap on this host does.
     pub fn create_owned(&self, spec: SandboxSpec) -> Result<Sandbox, RuntimeError> {
         let me = std::process::id();
-        let owner = sandbox::process_start(me).map(|start| (me, start));
+        let owner = process_start(me).map(|start| (me, start));
         self.create_inner(spec, owner, None)
     }
 
@@ -453,8 +480,8 @@ impl Runtime {
         owner: Option<(u32, u64)>,
         restore: Option<PathBuf>,
     ) -> Result<Sandbox, RuntimeError> {
-        let backend = self.backend(spec.backend)?;
-        if spec.privileged && !backend.in_guest() {
+        let backend = self.backend(spec.backend);
+        if spec.privileged && !matches!(spec.backend, Backend::Microvm | Backend::Vm) {
             return Err(RuntimeError::Invalid(format!(
                 "--privileged is for microvm and vm sandboxes (their own kernel is the boundary); a {} sandbox's commands share the host's kernel",
                 spec.backend.as_str()
@@ -508,117 +535,26 @@ impl Runtime {
         // On cgroup v2 the runtime's subtree must exist, with its controllers delegated,
         // before any backend (or the OCI runtime) makes the sandbox's group.
         self.inner.cgroups.prepare()?;
-        if backend.in_guest() {
-            return self.build_guest(id, dir, spec, backend, owner, restore);
-        }
         let t = std::time::Instant::now();
-        let upper_dir = match self.uppers().claim(id, spec.limits.disk_bytes) {
-            Some(dir) => dir,
-            None => self.uppers().create(id, spec.limits.disk_bytes)?,
+        let host = Host {
+            lazyfs: &self.inner.cfg.lazyfs,
+            uppers: &self.inner.uppers,
+            networks: &self.inner.networks,
+            facts: self.inner.cfg.state_dir.join("layer-facts"),
         };
-        let t_upper = t.elapsed();
-        let paths = rootfs::RootfsPaths::new(dir, &upper_dir, spec.layers.len());
-        rootfs::assemble(
-            &self.inner.cfg.lazyfs,
-            &spec.layers,
-            &paths,
-            &self.inner.cfg.state_dir.join("layer-facts"),
-        )?;
-        let t_root = t.elapsed();
-        let netns = if spec.network.is_empty() {
-            None
-        } else {
-            let net = network::setup(&self.inner.networks, id, &spec.network)?;
-            if !net.hosts.is_empty() {
-                let mut hosts = files::read_file(&paths.merged, "/etc/hosts").unwrap_or_default();
-                for (addr, name) in &net.hosts {
-                    hosts.extend_from_slice(format!("{addr}\t{name}\n").as_bytes());
-                }
-                files::write_file(&paths.merged, "/etc/hosts", &hosts, 0o644)?;
-            }
-            Some(net.netns)
-        };
-        let ctx = StartContext {
-            netns,
-            id: id.to_string(),
-            dir: dir.to_path_buf(),
-            rootfs: paths.merged.clone(),
-            hostname: format!("sandbox-{id}"),
+        let new = NewSandbox {
+            id,
+            dir,
             spec: &spec,
+            hostname: format!("sandbox-{id}"),
             cgroup: self.cgroup(id),
-            guest: None,
-            restore: None,
+            audit: self.audit(id),
+            restore: restore.as_deref(),
         };
-        let init_pid = backend.start(&ctx)?;
+        let init_pid = backend.create(&host, &new)?;
         tracing::debug!(
             sandbox = id,
-            upper_ms = t_upper.as_secs_f64() * 1e3,
-            rootfs_ms = (t_root - t_upper).as_secs_f64() * 1e3,
-            start_ms = (t.elapsed() - t_root).as_secs_f64() * 1e3,
-            "created"
-        );
-        self.save_record(id, dir, spec, init_pid, owner)
-    }
-
-    /// A sandbox whose root lives in a guest: its layers' files and an unmounted upper
-    /// image become the guest's disks; nothing is mounted on the host but the layer binds
-    /// that keep the layers attached.
-    fn build_guest(
-        &self,
-        id: &str,
-        dir: &Path,
-        spec: SandboxSpec,
-        backend: &dyn SandboxBackend,
-        owner: Option<(u32, u64)>,
-        restore: Option<PathBuf>,
-    ) -> Result<SandboxRecord, RuntimeError> {
-        let t = std::time::Instant::now();
-        let from = restore.as_ref().map(|r| r.join("upper.img"));
-        let upper_image =
-            self.uppers()
-                .create_image(id, spec.limits.disk_bytes, from.as_deref())?;
-        let paths = rootfs::RootfsPaths::new(dir, &self.uppers().dir(id), spec.layers.len());
-        let layers = rootfs::bind_layers(&self.inner.cfg.lazyfs, &spec.layers, &paths)?;
-        let root_image = match (&spec.disk_image, paths.layers.last(), spec.layers.last()) {
-            (Some(image), Some(bind), Some(base)) => {
-                Some(vm::RootImage::in_layer(bind, base, image)?)
-            }
-            _ => None,
-        };
-        let merge_dirs = rootfs::merge_dirs(
-            &spec.layers,
-            &paths,
-            &self.inner.cfg.state_dir.join("layer-facts"),
-        )?;
-        let t_disks = t.elapsed();
-        let ctx = StartContext {
-            netns: None,
-            id: id.to_string(),
-            dir: dir.to_path_buf(),
-            rootfs: paths.merged.clone(),
-            hostname: format!("sandbox-{id}"),
-            spec: &spec,
-            cgroup: self.cgroup(id),
-            guest: Some(vm::GuestDisks {
-                layers,
-                upper_image,
-                merge_dirs,
-                root_image,
-            }),
-            restore,
-        };
-        let init_pid = backend.start(&ctx)?;
-        // Which machine, accelerator and start path this sandbox got.
-        if let Ok(machine) = std::fs::read(dir.join("machine.json")) {
-            if let Ok(mut m) = serde_json::from_slice::<serde_json::Value>(&machine) {
-                m["start_ms"] = json!(t.elapsed().as_secs_f64() * 1e3);
-                self.audit(id).record("machine", m)?;
-            }
-        }
-        tracing::debug!(
-            sandbox = id,
-            disks_ms = t_disks.as_secs_f64() * 1e3,
-            start_ms = (t.elapsed() - t_disks).as_secs_f64() * 1e3,
+            ms = t.elapsed().as_secs_f64() * 1e3,
             "created"
         );
         self.save_record(id, dir, spec, init_pid, owner)
@@ -633,36 +569,25 @@ impl Runtime {
         owner: Option<(u32, u64)>,
     ) -> Result<SandboxRecord, RuntimeError> {
         let record = SandboxRecord {
+            format: record::RECORD_FORMAT,
             id: id.to_string(),
             created_ms: audit::now_ms(),
             init_pid,
-            init_start: sandbox::process_start(init_pid).unwrap_or(0),
+            init_start: process_start(init_pid).unwrap_or(0),
             owner,
             spec,
         };
-        let path = dir.join("sandbox.json");
-        let tmp = dir.join("sandbox.json.tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec_pretty(&record).map_err(|e| RuntimeError::Invalid(e.to_string()))?,
-        )
-        .map_err(RuntimeError::io(&tmp))?;
-        std::fs::rename(&tmp, &path).map_err(RuntimeError::io(&path))?;
+        record.save(&dir.join("sandbox.json"))?;
         self.touch(id);
         Ok(record)
     }
 
     fn load(&self, id: &str) -> Result<SandboxRecord, RuntimeError> {
         let path = self.sandbox_dir(id).join("sandbox.json");
-        let text = match std::fs::read(&path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(RuntimeError::NotFound(id.to_string()))
-            }
-            Err(e) => return Err(RuntimeError::io(&path)(e)),
-        };
-        serde_json::from_slice(&text)
-            .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))
+        if !path.exists() {
+            return Err(RuntimeError::NotFound(id.to_string()));
+        }
+        SandboxRecord::load(&path)
     }
 
     /// A live sandbox by ID (or unique ID prefix).
@@ -750,27 +675,18 @@ impl Runtime {
                 }
             };
             let record = self.load(&id).ok();
-            let reason = match &record {
-                // No record yet: being created (the lock is taken just after the directory
-                // appears), unless it has been like that for a minute.
-                None if age(&dir) < Duration::from_secs(60) => None,
-                None => Some(EndReason::Error),
-                Some(r) if sandbox::process_start(r.init_pid) != Some(r.init_start) => {
-                    Some(EndReason::Crashed)
-                }
-                Some(r) if self.idle_for(&id) > r.spec.limits.idle_ttl => Some(EndReason::IdleTtl),
-                Some(SandboxRecord {
-                    owner: Some((pid, start)),
-                    ..
-                }) if sandbox::process_start(*pid) != Some(*start) => Some(EndReason::OwnerGone),
-                Some(_) => None,
-            };
+            let reason = reap_decision(
+                record.as_ref(),
+                age(&dir),
+                self.idle_for(&id),
+                &|pid, start| process_start(pid) == Some(start),
+            );
             drop(lock);
             if let (Some(EndReason::Crashed), Some(r)) = (reason, &record) {
                 let _ = self.audit(&id).record(
                     "init-gone",
                     json!({"init_pid": r.init_pid, "recorded_start": r.init_start,
-                           "now_start": sandbox::process_start(r.init_pid),
+                           "now_start": process_start(r.init_pid),
                            "stat": std::fs::read_to_string(format!("/proc/{}/stat", r.init_pid)).ok()}),
                 );
             }
@@ -852,11 +768,7 @@ impl Runtime {
         }
         // Kill first, so a running exec holding the shared lock ends.
         match record {
-            Some(r) => {
-                if let Ok(b) = self.backend(r.spec.backend) {
-                    b.stop(r, &cgroup)?;
-                }
-            }
+            Some(r) => self.backend(r.spec.backend).stop(r, &cgroup)?,
             None => {
                 cgroup.kill_all();
                 self.inner.container.forget(id);
@@ -889,5 +801,101 @@ impl Runtime {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(RuntimeError::io(&dir)(e)),
         }
+    }
+}
+
+/// Whether the reaper ends a sandbox, and why: `record` as found (none while it is being
+/// created), how long its directory has existed and it has been idle, and whether a
+/// process (PID, start time) still runs.
+pub(crate) fn reap_decision(
+    record: Option<&SandboxRecord>,
+    dir_age: Duration,
+    idle: Duration,
+    running: &dyn Fn(u32, u64) -> bool,
+) -> Option<EndReason> {
+    match record {
+        // No record yet: being created (the lock is taken just after the directory
+        // appears), unless it has been like that for a minute.
+        None if dir_age < Duration::from_secs(60) => None,
+        None => Some(EndReason::Error),
+        Some(r) if !running(r.init_pid, r.init_start) => Some(EndReason::Crashed),
+        Some(r) if idle > r.spec.limits.idle_ttl => Some(EndReason::IdleTtl),
+        Some(SandboxRecord {
+            owner: Some((pid, start)),
+            ..
+        }) if !running(*pid, *start) => Some(EndReason::OwnerGone),
+        Some(_) => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(owner: Option<(u32, u64)>) -> SandboxRecord {
+        SandboxRecord {
+            format: record::RECORD_FORMAT,
+            id: "abc".into(),
+            spec: SandboxSpec {
+                catalog_ref: String::new(),
+                layers: vec!["ab".into()],
+                backend: Backend::Fncall,
+                limits: Limits::from_budgets(&strata_catalog::Budgets {
+                    idle_ttl: Some("30m".into()),
+                    ..Default::default()
+                })
+                .unwrap(),
+                env: Default::default(),
+                workdir: "/".into(),
+                user: "root".into(),
+                network: Vec::new(),
+                commands: Default::default(),
+                identity: String::new(),
+                display: false,
+                disk_image: None,
+                privileged: false,
+            },
+            created_ms: 0,
+            init_pid: 100,
+            init_start: 7,
+            owner,
+        }
+    }
+
+    #[test]
+    fn the_reaper_ends_crashed_idle_and_orphaned_sandboxes_only() {
+        let min = |m: u64| Duration::from_secs(m * 60);
+        // Running: init 100 (started at 7) and owner 200 (started at 9).
+        let running = |pid: u32, start: u64| (pid, start) == (100, 7) || (pid, start) == (200, 9);
+        let healthy = record(Some((200, 9)));
+        assert_eq!(
+            reap_decision(Some(&healthy), min(5), min(1), &running),
+            None
+        );
+        // The init's PID now belongs to another process (another start time).
+        let mut reused = record(None);
+        reused.init_start = 8;
+        assert_eq!(
+            reap_decision(Some(&reused), min(5), min(1), &running),
+            Some(EndReason::Crashed)
+        );
+        assert_eq!(
+            reap_decision(Some(&healthy), min(5), min(31), &running),
+            Some(EndReason::IdleTtl)
+        );
+        let orphan = record(Some((200, 10)));
+        assert_eq!(
+            reap_decision(Some(&orphan), min(5), min(1), &running),
+            Some(EndReason::OwnerGone)
+        );
+        // Being created: left alone for a minute, then an error.
+        assert_eq!(
+            reap_decision(None, Duration::from_secs(10), min(0), &running),
+            None
+        );
+        assert_eq!(
+            reap_decision(None, min(2), min(0), &running),
+            Some(EndReason::Error)
+        );
     }
 }

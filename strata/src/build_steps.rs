@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use strata_builder::steps::{StepExit, StepPlan, StepRunner, StepSandbox};
 use strata_builder::BuildError;
 use strata_catalog::{Backend, Budgets, Catalog};
-use strata_runtime::spec::{base_env, local_identity};
+use strata_runtime::{base_env, local_identity};
 use strata_runtime::{ExecRequest, Limits, NetRule, Runtime, Sandbox, SandboxSpec};
 use strata_store::{Digest, Store};
 

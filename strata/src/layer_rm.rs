@@ -11,7 +11,7 @@ use std::path::Path;
 
 use anyhow::{bail, Result};
 use strata_catalog::Catalog;
-use strata_runtime::sandbox::process_start;
+use strata_runtime::process_start;
 use strata_runtime::SandboxRecord;
 use strata_store::{Digest, Store};
 
@@ -84,12 +84,11 @@ fn sandboxes_using(runtime_dir: &Path, layers: &[Digest]) -> BTreeMap<Digest, Ve
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        let record = match std::fs::read(&path) {
-            // Being created (no record yet) or gone meanwhile.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Err(e) => Err(e.to_string()),
-            Ok(bytes) => serde_json::from_slice::<SandboxRecord>(&bytes).map_err(|e| e.to_string()),
-        };
+        // Being created (no record yet) or gone meanwhile.
+        if !path.exists() {
+            continue;
+        }
+        let record = SandboxRecord::load(&path).map_err(|e| e.to_string());
         match record {
             Ok(r) if process_start(r.init_pid) != Some(r.init_start) => {}
             Ok(r) => {
@@ -144,6 +143,7 @@ mod tests {
             registered_by: "test".into(),
         };
         let record = SandboxRecord {
+            format: strata_runtime::RECORD_FORMAT,
             id: id.into(),
             spec: SandboxSpec::resolve(&reg, &Overrides::default()).unwrap(),
             created_ms: 0,

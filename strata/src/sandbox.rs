@@ -210,7 +210,7 @@ pub fn runtime_config(store_url: Option<String>) -> Result<RuntimeConfig> {
     let mut cfg = RuntimeConfig::new(runtime_dir(), lazyfs, agent_path()?)?;
     cfg.container_agent = std::env::current_exe()
         .ok()
-        .and_then(|exe| strata_runtime::container::static_agent_for(&exe));
+        .and_then(|exe| strata_runtime::static_agent_for(&exe));
     Ok(cfg)
 }
 

@@ -28,9 +28,11 @@ use strata_agent_proto::{
 use strata_lazyfs::Attached;
 
 use crate::agent::{read_key, socket_path, write_key, AgentClient};
+use crate::backend::{Host, NewSandbox, ProcessInfo, SandboxBackend, SandboxRef, SnapshotInfo};
 use crate::cgroup::Cgroup;
+use crate::cgroup::Counters;
+use crate::files::FileEntry;
 use crate::rootfs::MergeDir;
-use crate::sandbox::{SandboxBackend, SandboxRecord, StartContext};
 use crate::RuntimeError;
 pub use qemu::{Accel, Machine, MachineShape};
 
@@ -126,24 +128,19 @@ impl RootImage {
     }
 }
 
+/// The snapshot and machine-file format this build writes (and the newest it reads).
+pub const SNAPSHOT_FORMAT: u32 = 1;
+
 /// A saved VM (`Sandbox::snapshot`): `state` (the machine), `upper.img` (its writable
 /// disk at that instant) and this record.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct SnapshotRecord {
+    /// The format version ([`SNAPSHOT_FORMAT`]; 0: before versions were recorded).
+    #[serde(default)]
+    pub format: u32,
     pub spec: crate::SandboxSpec,
     pub shape: MachineShape,
     pub taken_ms: u64,
-}
-
-/// What a snapshot took.
-#[derive(Debug, Clone, Serialize)]
-pub struct SnapshotInfo {
-    pub dir: PathBuf,
-    /// Bytes of the machine state file.
-    pub state_bytes: u64,
-    /// Bytes the writable disk's copy occupies on the host.
-    pub disk_bytes: u64,
-    pub millis: f64,
 }
 
 pub struct VmBackend {
@@ -158,7 +155,7 @@ pub struct VmBackend {
 }
 
 fn rt_io(context: &str) -> impl Fn(std::io::Error) -> RuntimeError + '_ {
-    move |e| RuntimeError::Backend(format!("{context}: {e}"))
+    move |e| RuntimeError::AgentGone(format!("{context}: {e}"))
 }
 
 impl VmBackend {
@@ -444,13 +441,13 @@ impl VmBackend {
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::os::unix::net::UnixStream::connect(&sock).is_err() {
             if let Ok(Some(status)) = child.try_wait() {
-                return Err(RuntimeError::Backend(format!(
+                return Err(RuntimeError::VmStart(format!(
                     "the agent relay exited ({status}): {}",
                     std::fs::read_to_string(&log).unwrap_or_default().trim()
                 )));
             }
             if Instant::now() > deadline {
-                return Err(RuntimeError::Backend(
+                return Err(RuntimeError::VmStart(
                     "the agent relay did not come up within 30 s".into(),
                 ));
             }
@@ -565,7 +562,7 @@ impl VmBackend {
         let _ = child.kill();
         let _ = child.wait();
         outcome.map_err(|e| {
-            RuntimeError::Backend(format!(
+            RuntimeError::VmStart(format!(
                 "making the VM template: {e}; console: {}",
                 tail(&files.console_log)
             ))
@@ -703,17 +700,44 @@ fn fresh_seed() -> Vec<u8> {
     seed
 }
 
-impl SandboxBackend for VmBackend {
-    fn start(&self, ctx: &StartContext) -> Result<u32, RuntimeError> {
-        let disks = ctx.guest.as_ref().ok_or_else(|| {
-            RuntimeError::Setup("a VM sandbox needs its disks from the runtime".into())
-        })?;
+impl VmBackend {
+    /// A VM's root lives in its guest: the layers' lazyfs files and an unmounted upper
+    /// image become its disks; nothing is mounted on the host but the layer binds that
+    /// keep the layers attached.
+    fn prepare(&self, host: &Host, new: &NewSandbox) -> Result<GuestDisks, RuntimeError> {
+        let spec = new.spec;
+        let from = new.restore.map(|r| r.join("upper.img"));
+        let upper_image =
+            host.uppers
+                .create_image(new.id, spec.limits.disk_bytes, from.as_deref())?;
+        let paths =
+            crate::rootfs::RootfsPaths::new(new.dir, &host.uppers.dir(new.id), spec.layers.len());
+        let layers = crate::rootfs::bind_layers(host.lazyfs, &spec.layers, &paths)?;
+        let root_image = match (&spec.disk_image, paths.layers.last(), spec.layers.last()) {
+            (Some(image), Some(bind), Some(base)) => Some(RootImage::in_layer(bind, base, image)?),
+            _ => None,
+        };
+        let merge_dirs = crate::rootfs::merge_dirs(&spec.layers, &paths, &host.facts)?;
+        Ok(GuestDisks {
+            layers,
+            upper_image,
+            merge_dirs,
+            root_image,
+        })
+    }
+
+    fn agent(&self, sb: &SandboxRef) -> Result<AgentClient, RuntimeError> {
+        AgentClient::of(sb.dir)
+    }
+
+    fn start(&self, new: &NewSandbox, disks: &GuestDisks) -> Result<u32, RuntimeError> {
+        let ctx = new;
         let l = &ctx.spec.limits;
         let mut shape = self.shape(l, disks.layers.len(), ctx.spec.display)?;
         let network = self.network(&ctx.spec.network)?;
         shape.network = network.is_some();
         let slots = self.slots(&shape, disks)?;
-        let incoming = match &ctx.restore {
+        let incoming = match ctx.restore {
             Some(snapshot) => {
                 let rec: SnapshotRecord = read_snapshot(snapshot)?;
                 if rec.shape != shape {
@@ -729,13 +753,14 @@ impl SandboxBackend for VmBackend {
             None if self.cfg.templates && fits_template(&slots) => Some(self.template(&shape)?),
             None => None,
         };
-        let started_from = match (&ctx.restore, &incoming) {
+        let started_from = match (ctx.restore, &incoming) {
             (Some(_), _) => "snapshot",
             (None, Some(_)) => "template",
             (None, None) => "boot",
         };
         let mut machine = serde_json::to_value(&shape).unwrap_or_default();
         machine["started_from"] = started_from.into();
+        machine["format"] = SNAPSHOT_FORMAT.into();
         let machine_path = ctx.dir.join("machine.json");
         std::fs::write(&machine_path, machine.to_string())
             .map_err(RuntimeError::io(&machine_path))?;
@@ -745,7 +770,7 @@ impl SandboxBackend for VmBackend {
         ctx.cgroup
             .create(shape.memory_mib * (1 << 20) + VMM_OVERHEAD, l.cpus, 512)?;
         let t = Instant::now();
-        let mut files = Self::files(&ctx.dir, slots, incoming.clone());
+        let mut files = Self::files(ctx.dir, slots, incoming.clone());
         if shape.display {
             files.vnc_socket = Some(ctx.dir.join("vnc.sock"));
         }
@@ -758,13 +783,13 @@ impl SandboxBackend for VmBackend {
             child.wait()
         });
         let fail = |e: RuntimeError| {
-            RuntimeError::Backend(format!(
+            RuntimeError::VmStart(format!(
                 "{e}; QEMU: {}; console: {}",
                 tail(&ctx.dir.join("qemu.log")),
                 tail(&files.console_log)
             ))
         };
-        self.spawn_relay(&ctx.dir, &ctx.cgroup).map_err(fail)?;
+        self.spawn_relay(ctx.dir, &ctx.cgroup).map_err(fail)?;
         let t_relay = t.elapsed();
         if ctx.restore.is_some() {
             // A snapshot is saved paused (its disk is copied meanwhile): continue it once
@@ -775,9 +800,9 @@ impl SandboxBackend for VmBackend {
                 .map_err(fail)?;
             qmp.execute("cont", serde_json::Value::Null).map_err(fail)?;
         }
-        let key = read_key(&ctx.dir)?;
+        let key = read_key(ctx.dir)?;
         // A restored guest proves the key it was saved with; a template's guest has none.
-        let (msg, what, guest_key) = match &ctx.restore {
+        let (msg, what, guest_key) = match ctx.restore {
             Some(snapshot) => (
                 HostMsg::Reseed(Reseed {
                     time_ns: now_ns(),
@@ -832,7 +857,7 @@ impl SandboxBackend for VmBackend {
                 (HostMsg::GuestSetup(setup), "setup", None)
             }
         };
-        let reply = AgentClient::at(socket_path(&ctx.dir), guest_key)
+        let reply = AgentClient::at(socket_path(ctx.dir), guest_key)
             .request(&msg, None, BOOT_TIMEOUT)
             .map_err(|e| fail(RuntimeError::Setup(format!("guest {what}: {e}"))))?;
         tracing::debug!(
@@ -849,12 +874,86 @@ impl SandboxBackend for VmBackend {
             )))),
         }
     }
+}
 
-    fn in_guest(&self) -> bool {
-        true
+impl SandboxBackend for VmBackend {
+    fn create(&self, host: &Host, new: &NewSandbox) -> Result<u32, RuntimeError> {
+        let t = Instant::now();
+        let disks = self.prepare(host, new)?;
+        let t_disks = t.elapsed();
+        let pid = self.start(new, &disks)?;
+        // Which machine, accelerator and start path this sandbox got.
+        if let Ok(machine) = std::fs::read(new.dir.join("machine.json")) {
+            if let Ok(mut m) = serde_json::from_slice::<serde_json::Value>(&machine) {
+                m["start_ms"] = serde_json::json!(t.elapsed().as_secs_f64() * 1e3);
+                new.audit.record("machine", m)?;
+            }
+        }
+        tracing::debug!(
+            sandbox = new.id,
+            disks_ms = t_disks.as_secs_f64() * 1e3,
+            start_ms = (t.elapsed() - t_disks).as_secs_f64() * 1e3,
+            "created"
+        );
+        Ok(pid)
     }
 
-    fn pause(&self, dir: &Path, _cgroup: &Cgroup, paused: bool) -> Result<(), RuntimeError> {
+    /// A guest's counters come with each command's exit; the host's cgroup holds QEMU.
+    fn counters(&self, _sb: &SandboxRef) -> Counters {
+        Counters::default()
+    }
+
+    fn disk_usage(&self, sb: &SandboxRef) -> Result<(u64, u64), RuntimeError> {
+        let s = self.agent(sb)?.stats()?;
+        Ok((s.disk_used, s.disk_size))
+    }
+
+    fn read_file(&self, sb: &SandboxRef, path: &str) -> Result<Vec<u8>, RuntimeError> {
+        self.agent(sb)?.read_file(path)
+    }
+
+    fn write_file(
+        &self,
+        sb: &SandboxRef,
+        path: &str,
+        data: &[u8],
+        mode: u32,
+    ) -> Result<(), RuntimeError> {
+        self.agent(sb)?.write_file(path, data, mode)
+    }
+
+    fn list_dir(&self, sb: &SandboxRef, path: &str) -> Result<Vec<FileEntry>, RuntimeError> {
+        Ok(self
+            .agent(sb)?
+            .list_dir(path)?
+            .into_iter()
+            .map(|e| FileEntry {
+                name: e.name,
+                kind: e.kind.as_str().to_string(),
+                size: e.size,
+                mode: e.mode,
+            })
+            .collect())
+    }
+
+    /// The guest's processes, by the agent (their host PID is 0: they are the guest's).
+    fn processes(&self, sb: &SandboxRef) -> Vec<ProcessInfo> {
+        self.agent(sb)
+            .and_then(|a| a.processes())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| ProcessInfo {
+                pid: p.pid,
+                host_pid: 0,
+                state: p.state,
+                rss_bytes: p.rss_bytes,
+                cmdline: p.cmdline,
+            })
+            .collect()
+    }
+
+    fn pause(&self, sb: &SandboxRef, paused: bool) -> Result<(), RuntimeError> {
+        let dir = sb.dir;
         let mut qmp = qemu::Qmp::connect(&dir.join("qmp.sock"), Duration::from_secs(5))?;
         qmp.execute(
             if paused { "stop" } else { "cont" },
@@ -863,18 +962,19 @@ impl SandboxBackend for VmBackend {
         Ok(())
     }
 
-    fn snapshot(
-        &self,
-        rec: &SandboxRecord,
-        dir: &Path,
-        upper_image: &Path,
-        dest: &Path,
-    ) -> Result<SnapshotInfo, RuntimeError> {
+    fn snapshot(&self, sb: &SandboxRef, dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
+        let (rec, dir) = (sb.record, sb.dir);
+        let upper_image = &sb.uppers.image(&rec.id);
         let t = Instant::now();
-        let shape: MachineShape = serde_json::from_slice(
-            &std::fs::read(dir.join("machine.json")).map_err(RuntimeError::io(dir))?,
+        let machine_path = dir.join("machine.json");
+        let machine: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(&machine_path).map_err(RuntimeError::io(&machine_path))?,
         )
-        .map_err(|e| RuntimeError::Invalid(format!("machine.json: {e}")))?;
+        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", machine_path.display())))?;
+        let format = machine.get("format").and_then(|f| f.as_u64()).unwrap_or(0) as u32;
+        crate::record::check_format(&machine_path, format, SNAPSHOT_FORMAT)?;
+        let shape: MachineShape = serde_json::from_value(machine)
+            .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", machine_path.display())))?;
         std::fs::create_dir_all(dest).map_err(RuntimeError::io(dest))?;
         let mut qmp = qemu::Qmp::connect(&dir.join("qmp.sock"), Duration::from_secs(5))?;
         let was_running = qmp.status()? == "running";
@@ -886,6 +986,7 @@ impl SandboxBackend for VmBackend {
             // The restored guest proves the key it holds now.
             write_key(dest, &read_key(dir)?)?;
             let record = SnapshotRecord {
+                format: SNAPSHOT_FORMAT,
                 spec: rec.spec.clone(),
                 shape,
                 taken_ms: crate::audit::now_ms(),
@@ -919,7 +1020,11 @@ pub fn read_snapshot(dir: &Path) -> Result<SnapshotRecord, RuntimeError> {
             dir.display()
         ))
     })?;
-    serde_json::from_slice(&bytes)
+    let value: serde_json::Value = serde_json::from_slice(&bytes)
+        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))?;
+    let format = value.get("format").and_then(|f| f.as_u64()).unwrap_or(0) as u32;
+    crate::record::check_format(&path, format, SNAPSHOT_FORMAT)?;
+    serde_json::from_value(value)
         .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))
 }
 

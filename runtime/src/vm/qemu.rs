@@ -278,8 +278,8 @@ impl Qmp {
             match UnixStream::connect(socket) {
                 Ok(s) => break s,
                 Err(e) if Instant::now() > deadline => {
-                    return Err(RuntimeError::Backend(format!(
-                        "QMP socket {}: {e}",
+                    return Err(RuntimeError::Qmp(format!(
+                        "socket {}: {e}",
                         socket.display()
                     )))
                 }
@@ -289,7 +289,7 @@ impl Qmp {
         stream.set_read_timeout(Some(Duration::from_secs(60))).ok();
         let writer = stream
             .try_clone()
-            .map_err(|e| RuntimeError::Backend(format!("QMP: {e}")))?;
+            .map_err(|e| RuntimeError::Qmp(e.to_string()))?;
         let mut qmp = Qmp {
             reader: BufReader::new(stream),
             writer,
@@ -304,12 +304,11 @@ impl Qmp {
         let n = self
             .reader
             .read_line(&mut line)
-            .map_err(|e| RuntimeError::Backend(format!("QMP: {e}")))?;
+            .map_err(|e| RuntimeError::Qmp(e.to_string()))?;
         if n == 0 {
-            return Err(RuntimeError::Backend("QMP: QEMU closed the socket".into()));
+            return Err(RuntimeError::Qmp("QEMU closed the socket".into()));
         }
-        serde_json::from_str(&line)
-            .map_err(|e| RuntimeError::Backend(format!("QMP: {e} in {line:?}")))
+        serde_json::from_str(&line).map_err(|e| RuntimeError::Qmp(format!("{e} in {line:?}")))
     }
 
     /// Runs a command; its `return` value.
@@ -322,15 +321,15 @@ impl Qmp {
         text.push('\n');
         self.writer
             .write_all(text.as_bytes())
-            .map_err(|e| RuntimeError::Backend(format!("QMP {command}: {e}")))?;
+            .map_err(|e| RuntimeError::Qmp(format!("{command}: {e}")))?;
         loop {
             let reply = self.read_message()?;
             if let Some(r) = reply.get("return") {
                 return Ok(r.clone());
             }
             if let Some(e) = reply.get("error") {
-                return Err(RuntimeError::Backend(format!(
-                    "QMP {command}: {}",
+                return Err(RuntimeError::Qmp(format!(
+                    "{command}: {}",
                     e.get("desc").and_then(Value::as_str).unwrap_or("failed")
                 )));
             }
@@ -356,7 +355,7 @@ impl Qmp {
                 return Ok(s);
             }
             if Instant::now() > deadline {
-                return Err(RuntimeError::Backend(format!(
+                return Err(RuntimeError::Qmp(format!(
                     "the VM stayed `{from}` for {within:?}"
                 )));
             }
@@ -380,16 +379,14 @@ impl Qmp {
             match r.get("status").and_then(Value::as_str) {
                 Some("completed") => return Ok(()),
                 Some("failed") | Some("cancelled") => {
-                    return Err(RuntimeError::Backend(format!(
+                    return Err(RuntimeError::Qmp(format!(
                         "saving the VM state to {} failed: {}",
                         path.display(),
                         r.get("error-desc").and_then(Value::as_str).unwrap_or("?")
                     )))
                 }
                 _ if Instant::now() > deadline => {
-                    return Err(RuntimeError::Backend(
-                        "saving the VM state timed out".into(),
-                    ))
+                    return Err(RuntimeError::Qmp("saving the VM state timed out".into()))
                 }
                 _ => std::thread::sleep(Duration::from_millis(2)),
             }

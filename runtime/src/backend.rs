@@ -1,0 +1,225 @@
+//! The seam between the shared sandbox logic and one way of isolating processes: the
+//! [`SandboxBackend`] trait, and what crosses it. Shared code (`Sandbox`, the
+//! runtime's create, destroy and reap) calls only these methods and never asks which
+//! backend it holds. The defaults are the host-root behaviour fncall and container share
+//! (the root is an overlay on the host, processes and counters live in the sandbox's
+//! cgroup, files are read straight from the root); a VM overrides them with its guest
+//! agent's answers.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::Sender;
+
+use serde::Serialize;
+
+use crate::agent::AgentClient;
+use crate::audit::AuditLog;
+use crate::cgroup::{Cgroup, Counters};
+use crate::exec::{Collected, Event, ExecEnv, ExecRequest, Stream};
+use crate::files::{self, FileEntry};
+use crate::network::Networks;
+use crate::quota::Uppers;
+use crate::record::SandboxRecord;
+use crate::spec::SandboxSpec;
+use crate::{LazyfsAccess, RuntimeError};
+
+/// What the runtime lends a backend to build a sandbox.
+pub(crate) struct Host<'a> {
+    pub lazyfs: &'a LazyfsAccess,
+    pub uppers: &'a Uppers,
+    pub networks: &'a Networks,
+    /// Cached per-layer facts (`layer-facts/`).
+    pub facts: PathBuf,
+}
+
+/// A sandbox to build and start.
+pub(crate) struct NewSandbox<'a> {
+    pub id: &'a str,
+    pub dir: &'a Path,
+    pub spec: &'a SandboxSpec,
+    pub hostname: String,
+    pub cgroup: Cgroup,
+    pub audit: AuditLog,
+    /// A snapshot to restore instead of starting fresh (VMs).
+    pub restore: Option<&'a Path>,
+}
+
+/// A live sandbox, as a backend sees it.
+pub(crate) struct SandboxRef<'a> {
+    pub record: &'a SandboxRecord,
+    pub dir: &'a Path,
+    pub cgroup: &'a Cgroup,
+    pub uppers: &'a Uppers,
+}
+
+impl SandboxRef<'_> {
+    fn rootfs(&self) -> PathBuf {
+        self.dir.join("rootfs")
+    }
+}
+
+/// A process inside a sandbox, as `ps` shows it.
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct ProcessInfo {
+    /// PID inside the sandbox.
+    pub pid: u32,
+    /// PID on the host (0 for a process inside a VM guest).
+    pub host_pid: u32,
+    pub state: String,
+    pub rss_bytes: u64,
+    pub cmdline: String,
+}
+
+/// What a snapshot took.
+#[derive(Debug, Clone, Serialize)]
+pub struct SnapshotInfo {
+    pub dir: PathBuf,
+    /// Bytes of the machine state file.
+    pub state_bytes: u64,
+    /// Bytes the writable disk's copy occupies on the host.
+    pub disk_bytes: u64,
+    pub millis: f64,
+}
+
+pub(crate) trait SandboxBackend: Send + Sync {
+    /// Builds the sandbox's root and starts its init; returns the init's host PID (a VM's
+    /// QEMU). What it leaves behind on failure, the runtime's teardown removes.
+    fn create(&self, host: &Host, new: &NewSandbox) -> Result<u32, RuntimeError>;
+
+    /// Runs a command; by default through the sandbox's agent.
+    fn exec(
+        &self,
+        sb: &SandboxRef,
+        env: &ExecEnv,
+        req: &ExecRequest,
+        sink: &mut dyn FnMut(Stream, &[u8]),
+    ) -> Result<Collected, RuntimeError> {
+        AgentClient::of(sb.dir)?.exec(sb.cgroup, env, req, sink)
+    }
+
+    /// Budget counters the host sees (its cgroup's); a VM guest reports its own with each
+    /// command's exit instead, so a VM's are zero.
+    fn counters(&self, sb: &SandboxRef) -> Counters {
+        sb.cgroup.counters()
+    }
+
+    /// Bytes used in the sandbox's writable layer, and its size.
+    fn disk_usage(&self, sb: &SandboxRef) -> Result<(u64, u64), RuntimeError> {
+        sb.uppers.usage(&sb.record.id)
+    }
+
+    fn read_file(&self, sb: &SandboxRef, path: &str) -> Result<Vec<u8>, RuntimeError> {
+        files::read_file(&sb.rootfs(), path)
+    }
+
+    fn write_file(
+        &self,
+        sb: &SandboxRef,
+        path: &str,
+        data: &[u8],
+        mode: u32,
+    ) -> Result<(), RuntimeError> {
+        files::write_file(&sb.rootfs(), path, data, mode)
+    }
+
+    fn list_dir(&self, sb: &SandboxRef, path: &str) -> Result<Vec<FileEntry>, RuntimeError> {
+        files::list_dir(&sb.rootfs(), path)
+    }
+
+    /// Every process in the sandbox, from its cgroup.
+    fn processes(&self, sb: &SandboxRef) -> Vec<ProcessInfo> {
+        cgroup_processes(sb.cgroup)
+    }
+
+    /// Kills every process of the sandbox; by default everything in its cgroup.
+    fn stop(&self, _rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
+        cgroup.kill_all();
+        Ok(())
+    }
+
+    /// Drops whatever state the backend keeps for `id` outside the sandbox directory.
+    fn forget(&self, _id: &str) {}
+
+    /// Stops (`true`) or resumes every process of the sandbox.
+    fn pause(&self, sb: &SandboxRef, paused: bool) -> Result<(), RuntimeError> {
+        sb.cgroup.freeze(paused)
+    }
+
+    /// Saves the whole sandbox to `dest`, to be restored into a new one.
+    fn snapshot(&self, sb: &SandboxRef, _dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
+        Err(RuntimeError::Invalid(format!(
+            "snapshots are for microvm and vm sandboxes; this one is a {} sandbox",
+            sb.record.spec.backend.as_str()
+        )))
+    }
+
+    /// Paths (relative to the root) the runtime itself writes into the writable layer, not
+    /// the sandbox's commands (a step build leaves them out of its layer).
+    fn runtime_written_paths(&self, _spec: &SandboxSpec) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// The processes of a host cgroup, with their PIDs inside the sandbox's namespace.
+pub(crate) fn cgroup_processes(cgroup: &Cgroup) -> Vec<ProcessInfo> {
+    let mut out: Vec<ProcessInfo> = cgroup
+        .pids()
+        .into_iter()
+        .filter_map(|host_pid| {
+            let status = std::fs::read_to_string(format!("/proc/{host_pid}/status")).ok()?;
+            let field = |k: &str| {
+                status
+                    .lines()
+                    .find_map(|l| l.strip_prefix(k).map(|v| v.trim().to_string()))
+            };
+            let pid = field("NSpid:")?.split_whitespace().last()?.parse().ok()?;
+            let state = field("State:").unwrap_or_default();
+            let rss_bytes = field("VmRSS:")
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+                .unwrap_or(0)
+                * 1024;
+            Some(ProcessInfo {
+                pid,
+                host_pid,
+                state,
+                rss_bytes,
+                cmdline: strata_agent_proto::proc_cmdline(host_pid),
+            })
+        })
+        .collect();
+    out.sort_by_key(|p| p.pid);
+    out
+}
+
+/// Forwards a pipe to the event channel in chunks.
+pub(crate) fn pump(
+    mut src: Box<dyn Read + Send>,
+    stream: Stream,
+    tx: Sender<Event>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match src.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if tx.send(Event::Output(stream, buf[..n].to_vec())).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}
+
+/// Start time of a live process in clock ticks since boot (field 22 of /proc/PID/stat);
+/// `None` for a process that is gone or a zombie.
+pub fn process_start(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut fields = rest.split(' ');
+    if matches!(fields.next(), Some("Z" | "X")) {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
+}
