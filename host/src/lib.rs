@@ -1,8 +1,13 @@
-//! Host calls shared by lazyfs and the runtime that no well-kept library wraps without
-//! build-time bindgen: binding files to loop devices ([`loopdev`]) and probing whether the
-//! kernel mounts EROFS straight from a file ([`erofs_file_backed`]). Every `unsafe` block
-//! of these calls is here.
+//! The host-call layer of lazyfs and the runtime: the system calls Strata makes that no
+//! well-kept library wraps (or only with build-time bindgen, or not as needed): loop
+//! devices ([`loopdev`]), locks, extents, in-kernel copies and root-confined opens
+//! ([`fs`]), what a child does between fork and exec ([`exec`]),
+//! whether the kernel mounts EROFS from a file ([`erofs_file_backed`]) and its Landlock
+//! ABI. Every `unsafe` block of those crates is here, each with its reason; where `nix`
+//! has the call, callers use `nix`.
 
+pub mod exec;
+pub mod fs;
 pub mod loopdev;
 
 use std::ffi::CString;

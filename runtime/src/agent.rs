@@ -109,7 +109,9 @@ impl Conversation {
         let mut reader = BufReader::new(conn);
         let (hello, opening) = handshake::hello(key)?;
         write_control(&mut writer, &HostMsg::Hello(hello)).map_err(lost("sandbox agent"))?;
-        write_control(&mut writer, request).map_err(lost("sandbox agent"))?;
+        // An agent that refuses the hello closes the connection at once, which can break
+        // this write: its answer says why, so it is read first.
+        let sent = write_control(&mut writer, request);
         match read_frame::<Value>(&mut reader).map_err(lost("sandbox agent"))? {
             Some(Frame::Control(answer)) => opening.check(&answer)?,
             Some(Frame::Data(..)) => {
@@ -123,6 +125,7 @@ impl Conversation {
                 ))
             }
         }
+        sent.map_err(lost("sandbox agent"))?;
         Ok(Conversation { reader, writer })
     }
 

@@ -452,7 +452,6 @@ impl Cgroup {
     /// Makes `cmd` join this cgroup between fork and exec, so everything it starts is
     /// inside from its first instruction.
     pub fn join_on_exec(&self, cmd: &mut std::process::Command) -> Result<(), RuntimeError> {
-        use std::os::unix::process::CommandExt;
         let procs: Vec<std::ffi::CString> = self
             .procs_files()
             .iter()
@@ -461,23 +460,7 @@ impl Cgroup {
                     .map_err(|_| RuntimeError::Invalid("cgroup path has a NUL".into()))
             })
             .collect::<Result<_, _>>()?;
-        // SAFETY: only open/write/close between fork and exec.
-        unsafe {
-            cmd.pre_exec(move || {
-                for p in &procs {
-                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let r = libc::write(fd, b"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                    if r != 1 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
+        strata_host::exec::join_cgroups(cmd, procs);
         Ok(())
     }
 
@@ -526,8 +509,7 @@ impl Cgroup {
                 break;
             }
             for p in pids {
-                // SAFETY: plain kill(2).
-                unsafe { libc::kill(p as i32, libc::SIGKILL) };
+                kill(p);
             }
             if frozen {
                 let _ = self.freeze(false);
@@ -551,8 +533,7 @@ impl Cgroup {
                 .filter(|p| !keep.contains(p))
                 .collect();
             for p in &victims {
-                // SAFETY: plain kill(2).
-                unsafe { libc::kill(*p as i32, libc::SIGKILL) };
+                kill(*p);
             }
             if frozen {
                 let _ = self.freeze(false);
@@ -590,6 +571,14 @@ impl Cgroup {
         }
         Ok(())
     }
+}
+
+/// SIGKILL to host process `pid` (gone already is fine).
+fn kill(pid: u32) {
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    );
 }
 
 /// A CPU budget as a CFS quota per 100 ms period (at least 1 ms).

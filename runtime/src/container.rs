@@ -13,7 +13,6 @@
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc;
@@ -171,49 +170,8 @@ impl ContainerBackend {
         let mut cmd = Command::new(self.runtime.binary());
         cmd.arg("--root").arg(&self.state_root);
         let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && self.hybrid_cgroups;
-        if hybrid || !pass.is_empty() {
-            // SAFETY: only async-signal-safe syscalls between fork and exec.
-            unsafe {
-                cmd.pre_exec(move || {
-                    // Copied out of the way first, so no dup2 onto a target overwrites a
-                    // source still to be placed.
-                    let mut high = [0i32; 8];
-                    for (i, fd) in pass.iter().enumerate().take(high.len()) {
-                        high[i] = libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 64);
-                        if high[i] < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                    }
-                    for (i, fd) in high.iter().take(pass.len()).enumerate() {
-                        // dup2 clears close-on-exec on the copy.
-                        if libc::dup2(*fd, LISTEN_FD + i as i32) < 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                        libc::close(*fd);
-                    }
-                    if !hybrid {
-                        return Ok(());
-                    }
-                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let root = c"/";
-                    if libc::mount(
-                        std::ptr::null(),
-                        root.as_ptr(),
-                        std::ptr::null(),
-                        libc::MS_REC | libc::MS_PRIVATE,
-                        std::ptr::null(),
-                    ) != 0
-                    {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let unified = c"/sys/fs/cgroup/unified";
-                    libc::umount2(unified.as_ptr(), libc::MNT_DETACH);
-                    Ok(())
-                });
-            }
-        }
+        let hide = hybrid.then(|| c"/sys/fs/cgroup/unified".to_owned());
+        strata_host::exec::pass_fds_and_hide(&mut cmd, pass, hide);
         cmd
     }
 

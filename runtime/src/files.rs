@@ -2,26 +2,15 @@
 //! `openat2(RESOLVE_IN_ROOT)`, so a symlink the sandbox planted (`/x -> /etc/shadow` of the
 //! host, or `../../..`) resolves inside the sandbox's root, never outside it.
 
-use std::ffi::CString;
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use crate::RuntimeError;
-
-#[repr(C)]
-struct OpenHow {
-    flags: u64,
-    mode: u64,
-    resolve: u64,
-}
-
-const RESOLVE_NO_MAGICLINKS: u64 = 0x02;
-const RESOLVE_IN_ROOT: u64 = 0x10;
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FileEntry {
@@ -35,32 +24,15 @@ pub struct FileEntry {
 fn open_in(root: &File, path: &str, flags: i32, mode: u32) -> Result<OwnedFd, RuntimeError> {
     let rel = path.trim_start_matches('/');
     let rel = if rel.is_empty() { "." } else { rel };
-    let c = CString::new(rel)
-        .map_err(|_| RuntimeError::Invalid(format!("path {path:?} has a NUL byte")))?;
-    let how = OpenHow {
-        flags: (flags | libc::O_CLOEXEC) as u64,
-        mode: mode as u64,
-        resolve: RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS,
-    };
-    // SAFETY: openat2 with a valid dirfd, path and open_how of the size we pass.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            root.as_raw_fd(),
-            c.as_ptr(),
-            &how as *const OpenHow,
-            std::mem::size_of::<OpenHow>(),
-        )
-    };
-    if fd < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(RuntimeError::File {
-            path: path.to_string(),
-            source: e,
-        });
+    if rel.contains('\0') {
+        return Err(RuntimeError::Invalid(format!(
+            "path {path:?} has a NUL byte"
+        )));
     }
-    // SAFETY: openat2 returned a fresh descriptor we own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    strata_host::fs::open_in_root(root, rel, flags, mode).map_err(|source| RuntimeError::File {
+        path: path.to_string(),
+        source,
+    })
 }
 
 fn root_dir(root: &Path) -> Result<File, RuntimeError> {
@@ -114,16 +86,15 @@ fn mkdir_all(root: &File, dir: &str) -> Result<(), RuntimeError> {
             libc::O_PATH | libc::O_DIRECTORY,
             0,
         )?;
-        let c = CString::new(part).map_err(|_| RuntimeError::Invalid(format!("NUL in {dir:?}")))?;
+        if part.contains('\0') {
+            return Err(RuntimeError::Invalid(format!("NUL in {dir:?}")));
+        }
         if part == ".." || part == "." {
             return Err(RuntimeError::Invalid(format!(
                 "path {dir:?} must not contain . or .."
             )));
         }
-        // SAFETY: mkdirat relative to a directory descriptor we own.
-        let r = unsafe { libc::mkdirat(parent.as_raw_fd(), c.as_ptr(), 0o755) };
-        if r != 0 {
-            let e = std::io::Error::last_os_error();
+        if let Err(e) = strata_host::fs::mkdir_at(&parent, part) {
             if e.kind() != std::io::ErrorKind::AlreadyExists {
                 return Err(RuntimeError::File {
                     path: format!("{current}/{part}"),

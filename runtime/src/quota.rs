@@ -9,7 +9,6 @@
 //! written), which is cheaper than running `mkfs.ext4` per sandbox.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -271,43 +270,22 @@ pub(crate) fn copy_sparse(from: &Path, to: &Path, size: u64) -> Result<(), Runti
     let src = File::open(from).map_err(RuntimeError::io(from))?;
     let dst = File::create(to).map_err(RuntimeError::io(to))?;
     dst.set_len(size).map_err(RuntimeError::io(to))?;
-    let end = src.metadata().map_err(RuntimeError::io(from))?.len() as i64;
-    let mut pos: i64 = 0;
+    let end = src.metadata().map_err(RuntimeError::io(from))?.len();
+    let mut pos = 0;
     while pos < end {
-        // SAFETY: lseek on an owned descriptor.
-        let data = unsafe { libc::lseek(src.as_raw_fd(), pos, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) {
-                break; // only a hole is left
-            }
-            return Err(RuntimeError::io(from)(e));
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(src.as_raw_fd(), data, libc::SEEK_HOLE) };
-        if hole < 0 {
-            return Err(RuntimeError::io(from)(std::io::Error::last_os_error()));
-        }
-        let mut off_in = data;
-        let mut off_out = data;
-        while off_in < hole {
-            // SAFETY: copy_file_range between two owned descriptors with explicit offsets.
-            let n = unsafe {
-                libc::copy_file_range(
-                    src.as_raw_fd(),
-                    &mut off_in,
-                    dst.as_raw_fd(),
-                    &mut off_out,
-                    (hole - off_in) as usize,
-                    0,
-                )
-            };
-            if n < 0 {
-                return Err(RuntimeError::io(to)(std::io::Error::last_os_error()));
-            }
+        let Some((data, hole)) =
+            strata_host::fs::next_data(&src, pos).map_err(RuntimeError::io(from))?
+        else {
+            break; // only a hole is left
+        };
+        let mut off = data;
+        while off < hole {
+            let n = strata_host::fs::copy_range(&src, &dst, off, hole - off)
+                .map_err(RuntimeError::io(to))?;
             if n == 0 {
                 break;
             }
+            off += n;
         }
         pos = hole;
     }

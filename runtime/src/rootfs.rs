@@ -2,7 +2,6 @@
 //! mount (the binds are the reference count: lazyfs detaches a layer when its last bind
 //! goes), stacked with overlayfs `toolkits:workspace:base` under the sandbox's quota'd upper.
 
-use std::ffi::CString;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -193,10 +192,9 @@ fn whiteout_dirs(facts: &Path, id: &str, root: &Path) -> Result<Vec<PathBuf>, Ru
     std::fs::create_dir_all(facts).map_err(RuntimeError::io(facts))?;
     let lock_path = facts.join("walk.lock");
     let lock = std::fs::File::create(&lock_path).map_err(RuntimeError::io(&lock_path))?;
-    // SAFETY: flock on an owned descriptor; released when `lock` is dropped.
-    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
-        return Err(RuntimeError::io(&lock_path)(std::io::Error::last_os_error()));
-    }
+    // Released when `lock` is dropped.
+    strata_host::fs::flock(&lock, strata_host::fs::Lock::Exclusive, true)
+        .map_err(RuntimeError::io(&lock_path))?;
     if let Some(dirs) = read_cached() {
         return Ok(dirs);
     }
@@ -234,29 +232,19 @@ fn whiteout_dirs(facts: &Path, id: &str, root: &Path) -> Result<Vec<PathBuf>, Ru
 }
 
 fn mount_overlay(target: &Path, data: &str) -> Result<(), RuntimeError> {
-    let c = |s: &str| CString::new(s).map_err(|_| RuntimeError::Invalid(format!("NUL in {s:?}")));
-    let src = c("strata")?;
-    let fstype = c("overlay")?;
-    let dst = c(&target.display().to_string())?;
-    let opts = c(data)?;
-    // SAFETY: valid C strings.
-    let r = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            dst.as_ptr(),
-            fstype.as_ptr(),
-            0,
-            opts.as_ptr().cast(),
-        )
-    };
-    if r != 0 {
-        return Err(RuntimeError::Setup(format!(
-            "overlay mount at {}: {} (options {data})",
-            target.display(),
-            std::io::Error::last_os_error()
-        )));
-    }
-    Ok(())
+    nix::mount::mount(
+        Some("strata"),
+        target,
+        Some("overlay"),
+        nix::mount::MsFlags::empty(),
+        Some(data),
+    )
+    .map_err(|e| {
+        RuntimeError::Setup(format!(
+            "overlay mount at {}: {e} (options {data})",
+            target.display()
+        ))
+    })
 }
 
 /// Undoes [`assemble`]: unmounts the overlay and releases each layer bind. Tolerates

@@ -5,7 +5,6 @@
 //! sandbox has.
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -81,21 +80,13 @@ impl DirLock {
             .write(true)
             .open(&path)
             .map_err(RuntimeError::io(&path))?;
-        let mut op = if exclusive {
-            libc::LOCK_EX
+        let lock = if exclusive {
+            strata_host::fs::Lock::Exclusive
         } else {
-            libc::LOCK_SH
+            strata_host::fs::Lock::Shared
         };
-        if !wait {
-            op |= libc::LOCK_NB;
-        }
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::WouldBlock {
-                return Ok(None);
-            }
-            return Err(RuntimeError::io(&path)(e));
+        if !strata_host::fs::flock(&file, lock, wait).map_err(RuntimeError::io(&path))? {
+            return Ok(None);
         }
         Ok(Some(DirLock { _file: file }))
     }

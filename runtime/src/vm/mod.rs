@@ -394,17 +394,7 @@ impl VmBackend {
             Some(cg) => cg.join_on_exec(&mut cmd)?,
             // A helper machine (a template being made) has no sandbox to be reaped with:
             // it dies with the process that started it.
-            None => {
-                // SAFETY: prctl(PR_SET_PDEATHSIG) between fork and exec.
-                unsafe {
-                    cmd.pre_exec(|| {
-                        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
-                            return Err(std::io::Error::last_os_error());
-                        }
-                        Ok(())
-                    });
-                }
-            }
+            None => strata_host::exec::die_with_parent(&mut cmd),
         }
         cmd.spawn().map_err(|e| {
             RuntimeError::Setup(format!(
@@ -493,10 +483,9 @@ impl VmBackend {
         std::fs::create_dir_all(&root).map_err(RuntimeError::io(&root))?;
         let lock_path = root.join(format!("{key}.lock"));
         let lock = std::fs::File::create(&lock_path).map_err(RuntimeError::io(&lock_path))?;
-        // SAFETY: flock on an owned descriptor; one process makes a template at a time.
-        if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX) } != 0 {
-            return Err(RuntimeError::io(&lock_path)(std::io::Error::last_os_error()));
-        }
+        // One process makes a template at a time.
+        strata_host::fs::flock(&lock, strata_host::fs::Lock::Exclusive, true)
+            .map_err(RuntimeError::io(&lock_path))?;
         if state.exists() {
             return Ok(state);
         }
@@ -694,9 +683,9 @@ fn now_ns() -> u64 {
 
 fn fresh_seed() -> Vec<u8> {
     let mut seed = vec![0u8; 64];
-    // SAFETY: getrandom into a buffer we own, of the length we pass.
-    let n = unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), 0) };
-    seed.truncate(n.max(0) as usize);
+    if getrandom::fill(&mut seed).is_err() {
+        seed.clear();
+    }
     seed
 }
 

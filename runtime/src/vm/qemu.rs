@@ -430,13 +430,8 @@ pub fn kvm_works(shape: &MachineShape, scratch: &Path) -> bool {
     cmd.stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
-    // SAFETY: prctl(PR_SET_PDEATHSIG) between fork and exec: the probe dies with us.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
-            Ok(())
-        });
-    }
+    // The probe dies with us.
+    strata_host::exec::die_with_parent(&mut cmd);
     let Ok(mut child) = cmd.spawn() else {
         return false;
     };
