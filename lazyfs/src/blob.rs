@@ -286,7 +286,7 @@ impl LayerBlob {
                         let c = &self.manifest.chunks[i];
                         tracing::error!(layer = %self.id(), chunk = %c.digest, error = %e, "store unreachable; failing the read with EIO");
                         return Err(LazyError::Unavailable(format!(
-                            "chunk {} of layer {}: {e} (gave up after {:?})",
+                            "store unavailable: chunk {} of layer {}: {e} (gave up after {:?})",
                             c.digest,
                             self.id(),
                             self.policy.timeout

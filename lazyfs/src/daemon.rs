@@ -1,9 +1,12 @@
 //! The lazyfs daemon: owns the FUSE mount, the chunk cache, the attached layers and their
 //! shared EROFS mounts, and answers the control socket. On start it reaps what a crashed
 //! predecessor left (dead FUSE mount, EROFS and bind mounts on it) and restores its binds.
+//!
+//! Its run directory is private to root (0700) before the socket is bound; `Umount` only
+//! undoes binds the daemon recorded; the state file carries a format version.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
@@ -51,10 +54,73 @@ pub struct DaemonConfig {
     pub erofs: Option<mounts::ErofsSource>,
 }
 
+/// The state file's format. 0 (no `format` field, daemons before versioning) has the same
+/// shape and is read as is; a newer one is refused, never dropped.
+pub const STATE_FORMAT: u64 = 1;
+
 /// Bind mounts made for clients, per layer; persisted so a restarted daemon restores them.
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize, PartialEq, Eq)]
 struct State {
+    /// [`STATE_FORMAT`] when written.
+    #[serde(default)]
+    format: u64,
     binds: BTreeMap<String, BTreeSet<PathBuf>>,
+}
+
+impl Default for State {
+    fn default() -> State {
+        State {
+            format: STATE_FORMAT,
+            binds: BTreeMap::new(),
+        }
+    }
+}
+
+/// Reads the state file; none (or an empty one, a crash before its first write reached
+/// the disk) is an empty state.
+fn read_state(path: &Path) -> Result<State, LazyError> {
+    match std::fs::read(path) {
+        Ok(b) => decode_state(path, &b),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(State::default()),
+        Err(e) => Err(LazyError::State {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        }),
+    }
+}
+
+/// Decodes a state file of the current or the older (unversioned) format; a newer format
+/// or an undecodable file is an error that says what to do.
+fn decode_state(path: &Path, bytes: &[u8]) -> Result<State, LazyError> {
+    #[derive(Deserialize)]
+    struct Version {
+        #[serde(default)]
+        format: u64,
+    }
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        tracing::warn!(path = %path.display(), "the state file is empty; no binds to restore");
+        return Ok(State::default());
+    }
+    let bad = |e: serde_json::Error| LazyError::State {
+        path: path.display().to_string(),
+        reason: format!("not a lazyfs state file ({e})"),
+    };
+    let version: Version = serde_json::from_slice(bytes).map_err(bad)?;
+    if version.format > STATE_FORMAT {
+        return Err(LazyError::StateFormat {
+            path: path.display().to_string(),
+            found: version.format,
+            supported: STATE_FORMAT,
+        });
+    }
+    let mut state: State = serde_json::from_slice(bytes).map_err(bad)?;
+    // Written back in the current format from now on.
+    state.format = STATE_FORMAT;
+    Ok(state)
+}
+
+fn poisoned<T>(_: T) -> LazyError {
+    LazyError::Internal("state lock poisoned".into())
 }
 
 struct Daemon {
@@ -165,7 +231,7 @@ impl Daemon {
             let source = self.erofs;
             tokio::task::spawn_blocking(move || mounts::mount_erofs(&m, d.as_deref(), &t, source))
                 .await
-                .map_err(|e| LazyError::Daemon(format!("mount task: {e}")))?
+                .map_err(|e| LazyError::Internal(format!("mount task: {e}")))?
                 .map_err(|e| {
                     LazyError::Mount(format!(
                         "EROFS mount of layer {id} at {}: {e}",
@@ -250,6 +316,32 @@ impl Daemon {
         }
     }
 
+    /// Unmounts the recorded bind at `dir`, if the topmost mount there is still it (a
+    /// layer's EROFS mount, bound); one already gone is fine.
+    fn unbind(&self, dir: &Path) -> Result<(), LazyError> {
+        let all = mounts::mounts().map_err(LazyError::io(Path::new("/proc/self/mountinfo")))?;
+        let Some(top) = all.into_iter().rev().find(|m| m.mount_point == dir) else {
+            tracing::info!(dir = %dir.display(), "the bind is already unmounted; forgetting it");
+            return Ok(());
+        };
+        if top.fstype != "erofs" || !mounts::erofs_source_under(&top.source, &self.cfg.paths.root) {
+            return Err(LazyError::Busy(format!(
+                "{}: a {} mount of {} is over the lazyfs bind; unmount it first",
+                dir.display(),
+                top.fstype,
+                top.source
+            )));
+        }
+        mounts::unmount(dir, false).map_err(|e| {
+            let msg = format!("unmounting {}: {e}", dir.display());
+            if e.raw_os_error() == Some(libc::EBUSY) {
+                LazyError::Busy(msg)
+            } else {
+                LazyError::Mount(msg)
+            }
+        })
+    }
+
     async fn handle(self: &Arc<Self>, req: Request) -> Result<Response, LazyError> {
         match req {
             Request::Ping => Ok(Response::Pong {
@@ -285,23 +377,32 @@ impl Daemon {
             Request::Umount { dir } => {
                 let _g = self.attach_lock.lock().await;
                 let dir = std::fs::canonicalize(&dir).unwrap_or(dir);
-                mounts::unmount(&dir, false)
-                    .map_err(|e| LazyError::Mount(format!("unmounting {}: {e}", dir.display())))?;
+                let id = self
+                    .state
+                    .lock()
+                    .map_err(poisoned)?
+                    .binds
+                    .iter()
+                    .find(|(_, dirs)| dirs.contains(&dir))
+                    .map(|(id, _)| id.clone())
+                    .ok_or_else(|| {
+                        LazyError::NotBound(format!(
+                            "{} is not a lazyfs bind: this daemon bound no layer there, so \
+                             it leaves whatever is mounted there alone",
+                            dir.display()
+                        ))
+                    })?;
+                self.unbind(&dir)?;
                 let emptied = {
-                    let mut st = self
-                        .state
-                        .lock()
-                        .map_err(|_| LazyError::Daemon("state lock poisoned".into()))?;
-                    let mut emptied = None;
-                    for (id, dirs) in st.binds.iter_mut() {
-                        if dirs.remove(&dir) && dirs.is_empty() {
-                            emptied = Some(id.clone());
-                        }
+                    let mut st = self.state.lock().map_err(poisoned)?;
+                    let left = st.binds.get_mut(&id).map(|dirs| {
+                        dirs.remove(&dir);
+                        dirs.len()
+                    });
+                    if left == Some(0) {
+                        st.binds.remove(&id);
                     }
-                    if let Some(id) = &emptied {
-                        st.binds.remove(id);
-                    }
-                    emptied
+                    (left == Some(0)).then_some(id)
                 };
                 self.save_state();
                 if let Some(id) = emptied.and_then(|i| i.parse::<Digest>().ok()) {
@@ -325,7 +426,7 @@ impl Daemon {
             Request::Stats { id } => {
                 let id = self.store.resolve_layer(&id).await?;
                 let b = self.layers.get(&id).ok_or_else(|| {
-                    LazyError::Daemon(format!("layer {id} is not attached (mount it first)"))
+                    LazyError::NotFound(format!("layer {id} is not attached (mount it first)"))
                 })?;
                 Ok(Response::Stats(b.stats()))
             }
@@ -365,8 +466,8 @@ impl Daemon {
 
 /// Runs the daemon until it is asked to shut down or gets SIGTERM/SIGINT.
 pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
-    let run_dir = cfg.paths.run_dir();
-    std::fs::create_dir_all(&run_dir).map_err(LazyError::io(&run_dir))?;
+    // Private before anything is made in it (lock, state, socket).
+    crate::prepare_run_dir(&cfg.paths)?;
     // Mount points in /proc/self/mountinfo are canonical; so must ours be to find them.
     let mut cfg = cfg;
     cfg.paths.root =
@@ -392,10 +493,7 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
             lock.display()
         )));
     }
-    let state: State = std::fs::read(paths.state_file())
-        .ok()
-        .and_then(|b| serde_json::from_slice(&b).ok())
-        .unwrap_or_default();
+    let state = read_state(&paths.state_file())?;
     // Reap before touching the other directories: a dead FUSE mount point fails stat
     // with ENOTCONN.
     reap_stale(&paths, &state);
@@ -483,12 +581,12 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
                         let (resp, stop) = match serde_json::from_str::<Request>(&line) {
                             Ok(req) => {
                                 let stop = matches!(req, Request::Shutdown);
-                                let resp = daemon.handle(req).await.unwrap_or_else(|e| Response::Error { message: e.to_string() });
+                                let resp = daemon.handle(req).await.unwrap_or_else(|e| Response::error(&e));
                                 (resp, stop)
                             }
-                            Err(e) => (Response::Error { message: format!("bad request: {e}") }, false),
+                            Err(e) => (Response::error(&LazyError::Invalid(format!("bad request: {e}"))), false),
                         };
-                        let mut out = serde_json::to_string(&resp).unwrap_or_else(|_| "{\"kind\":\"error\",\"message\":\"encode\"}".into());
+                        let mut out = serde_json::to_string(&resp).unwrap_or_else(|_| "{\"kind\":\"error\",\"code\":\"internal\",\"message\":\"encode\"}".into());
                         out.push('\n');
                         if w.write_all(out.as_bytes()).await.is_err() {
                             break;
@@ -510,4 +608,85 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
     drop(session);
     let _ = mounts::unmount(&paths.fuse_dir(), true);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn binds(state: &State) -> Vec<(String, PathBuf)> {
+        state
+            .binds
+            .iter()
+            .flat_map(|(id, dirs)| dirs.iter().map(move |d| (id.clone(), d.clone())))
+            .collect()
+    }
+
+    #[test]
+    fn state_files_of_the_old_and_the_current_format_are_read() {
+        let path = Path::new("/run/state.json");
+        // Unversioned: what daemons wrote before the format field.
+        let old = br#"{"binds": {"ab12": ["/s/1/layers/0", "/s/2/layers/0"]}}"#;
+        let st = decode_state(path, old).unwrap();
+        assert_eq!(
+            st.format, STATE_FORMAT,
+            "read in, written in the current format"
+        );
+        assert_eq!(
+            binds(&st),
+            [
+                ("ab12".to_string(), PathBuf::from("/s/1/layers/0")),
+                ("ab12".to_string(), PathBuf::from("/s/2/layers/0"))
+            ]
+        );
+
+        // What this build writes carries its format and reads back the same.
+        let written = serde_json::to_vec_pretty(&st).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&written).unwrap();
+        assert_eq!(v["format"], STATE_FORMAT, "{v}");
+        assert_eq!(decode_state(path, &written).unwrap(), st);
+        assert_eq!(
+            serde_json::to_value(State::default()).unwrap()["format"],
+            STATE_FORMAT
+        );
+
+        // None, or empty: nothing to restore.
+        assert_eq!(decode_state(path, b" \n").unwrap(), State::default());
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(
+            read_state(&dir.path().join("state.json")).unwrap(),
+            State::default()
+        );
+    }
+
+    #[test]
+    fn a_newer_or_undecodable_state_file_is_refused_saying_what_to_do() {
+        let path = Path::new("/h/lazyfs/run/state.json");
+        let newer = format!(
+            r#"{{"format": {}, "binds": {{"ab12": ["/s/1"]}}, "leases": []}}"#,
+            STATE_FORMAT + 1
+        );
+        let e = decode_state(path, newer.as_bytes()).unwrap_err();
+        assert!(
+            matches!(e, LazyError::StateFormat { found, supported, .. }
+                if found == STATE_FORMAT + 1 && supported == STATE_FORMAT),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        for needle in [
+            "/h/lazyfs/run/state.json",
+            "newer",
+            "strata lazyfs stop",
+            "upgrade",
+            "remove the file",
+        ] {
+            assert!(msg.contains(needle), "`{needle}` missing from: {msg}");
+        }
+
+        for garbage in [&b"{\"binds\": 3}"[..], b"{not json", b"{\"format\": \"x\"}"] {
+            let e = decode_state(path, garbage).unwrap_err();
+            assert!(matches!(e, LazyError::State { .. }), "{e:?}");
+            assert!(e.to_string().contains("remove the file"), "{e}");
+        }
+    }
 }

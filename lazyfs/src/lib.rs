@@ -20,8 +20,10 @@ use strata_store::Digest;
 
 pub use blob::{FetchPolicy, LayerStats};
 pub use cache::CacheStats;
-pub use control::{Attached, Client, Request, Response};
+pub use control::{Attached, Client, ErrorKind, Request, Response};
 
+/// What went wrong. The variants a control reply can carry (see [`ErrorKind`]) hold the
+/// whole message, so an error crosses the socket unchanged.
 #[derive(Debug, thiserror::Error)]
 pub enum LazyError {
     #[error("{path}: {source}")]
@@ -34,16 +36,53 @@ pub enum LazyError {
     Store(#[from] strata_store::StoreError),
     #[error("{0}")]
     Chunk(String),
-    #[error("store unavailable: {0}")]
+    /// The store could not be reached (within the fetch bound).
+    #[error("{0}")]
     Unavailable(String),
-    #[error("mount failed: {0}")]
+    /// A kernel mount or unmount failed.
+    #[error("{0}")]
     Mount(String),
     #[error("lazyfs configuration: {0}")]
     Config(String),
+    /// Starting, finding or stopping the daemon process failed.
     #[error("lazyfs daemon: {0}")]
     Daemon(String),
+    /// The conversation with the daemon broke off or made no sense.
     #[error("lazyfs control protocol: {0}")]
     Protocol(String),
+    /// The layer is not in the store, or not attached.
+    #[error("{0}")]
+    NotFound(String),
+    /// The request itself is wrong (malformed, an ambiguous layer prefix).
+    #[error("{0}")]
+    Invalid(String),
+    /// `Umount` of a directory that is not one of the daemon's binds.
+    #[error("{0}")]
+    NotBound(String),
+    /// The mount is in use, or something else is mounted over it.
+    #[error("{0}")]
+    Busy(String),
+    /// Any other failure inside the daemon, as it reported it.
+    #[error("lazyfs daemon: {0}")]
+    Internal(String),
+    /// The state file was written by a newer lazyfs, in a format this build cannot read.
+    #[error(
+        "{path} is in lazyfs state format {found}, newer than this build reads (format \
+         {supported}): a newer strata wrote it. Serve with that newer strata (it restores \
+         the binds listed there; `strata lazyfs stop` releases them), or upgrade this one; \
+         or unmount the binds it lists and remove the file"
+    )]
+    StateFormat {
+        path: String,
+        found: u64,
+        supported: u64,
+    },
+    /// The state file cannot be read or decoded.
+    #[error(
+        "{path}: {reason}. It lists the binds a daemon made; unmount them and remove the \
+         file to start afresh"
+    )]
+    State { path: String, reason: String },
 }
 
 impl LazyError {
@@ -51,6 +90,24 @@ impl LazyError {
         move |source| LazyError::Io {
             path: path.display().to_string(),
             source,
+        }
+    }
+
+    /// The error's kind, as a control reply carries it.
+    pub fn kind(&self) -> ErrorKind {
+        use strata_store::StoreError as S;
+        match self {
+            LazyError::NotFound(_) | LazyError::Store(S::LayerNotFound(_)) => ErrorKind::NotFound,
+            LazyError::Invalid(_) | LazyError::Store(S::AmbiguousLayer { .. }) => {
+                ErrorKind::Invalid
+            }
+            LazyError::NotBound(_) => ErrorKind::NotBound,
+            LazyError::Unavailable(_) | LazyError::Store(S::Backend { .. }) => {
+                ErrorKind::Unavailable
+            }
+            LazyError::Mount(_) => ErrorKind::Mount,
+            LazyError::Busy(_) | LazyError::Store(S::Busy(_)) => ErrorKind::Busy,
+            _ => ErrorKind::Internal,
         }
     }
 }
@@ -107,6 +164,60 @@ impl Paths {
     }
 }
 
+/// Makes the daemon's run directory (control socket, state, log, lock) private to the
+/// daemon's user (root): created mode 0700, or, if it exists, checked to be a real
+/// directory of that user and its mode narrowed to 0700. Called before anything in it is
+/// made, so no other user can reach the control socket even for the moment between its
+/// `bind` and its `chmod`. A symlink, a non-directory or another user's directory is
+/// refused: whatever is in it was under someone else's control.
+pub fn prepare_run_dir(paths: &Paths) -> Result<PathBuf, LazyError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+    let dir = paths.run_dir();
+    if let Some(parent) = dir.parent() {
+        std::fs::create_dir_all(parent).map_err(LazyError::io(parent))?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(LazyError::io(&dir)(e)),
+    }
+    // Checked and fixed through one descriptor, so the path cannot be swapped in between.
+    let handle = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&dir)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) | Some(libc::ENOTDIR) => LazyError::Config(format!(
+                "{} must be a directory, not a symlink or a file; remove it (the daemon \
+                 creates it)",
+                dir.display()
+            )),
+            _ => LazyError::io(&dir)(e),
+        })?;
+    let meta = handle.metadata().map_err(LazyError::io(&dir))?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if meta.uid() != euid {
+        return Err(LazyError::Config(format!(
+            "{} belongs to uid {}, not to the daemon's user (uid {euid}), so another user \
+             could reach the control socket; remove it (the daemon creates it)",
+            dir.display(),
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o7777 != 0o700 {
+        handle
+            .set_permissions(std::fs::Permissions::from_mode(0o700))
+            .map_err(LazyError::io(&dir))?;
+        tracing::info!(
+            dir = %dir.display(),
+            was = format!("{:o}", meta.mode() & 0o7777),
+            "narrowed the run directory to mode 0700"
+        );
+    }
+    Ok(dir)
+}
+
 /// Waits up to `wait` until no daemon holds the lock (one asked to shut down has finished
 /// unmounting, saving and writing, and exited).
 pub fn wait_stopped(paths: &Paths, wait: Duration) -> Result<(), LazyError> {
@@ -161,5 +272,50 @@ pub fn connect_or_start(
             )));
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    #[test]
+    fn the_run_directory_is_made_private_and_a_wider_one_is_narrowed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let paths = Paths::new(tmp.path().join("lazyfs"));
+        let dir = prepare_run_dir(&paths).unwrap();
+        assert_eq!(dir, paths.run_dir());
+        assert_eq!(mode(&dir), 0o700);
+
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        prepare_run_dir(&paths).unwrap();
+        assert_eq!(mode(&dir), 0o700, "a wider mode is narrowed");
+    }
+
+    #[test]
+    fn a_run_directory_that_is_a_symlink_or_a_file_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let elsewhere = tmp.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let paths = Paths::new(tmp.path().join("lazyfs"));
+        std::fs::create_dir(&paths.root).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, paths.run_dir()).unwrap();
+        let e = prepare_run_dir(&paths).unwrap_err();
+        assert!(matches!(e, LazyError::Config(_)), "{e:?}");
+        assert!(e.to_string().contains("symlink"), "{e}");
+        assert_eq!(mode(&elsewhere), 0o755, "the link's target is left alone");
+
+        std::fs::remove_file(paths.run_dir()).unwrap();
+        std::fs::write(paths.run_dir(), b"").unwrap();
+        assert!(matches!(
+            prepare_run_dir(&paths).unwrap_err(),
+            LazyError::Config(_)
+        ));
     }
 }

@@ -7,7 +7,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use strata_lazyfs::{mounts, Attached, Request, Response};
+use strata_lazyfs::{mounts, Attached, LazyError, Request, Response};
 
 use crate::{LazyfsAccess, RuntimeError};
 
@@ -264,9 +264,17 @@ pub fn disassemble(lazyfs: &LazyfsAccess, sandbox_dir: &Path) -> Result<(), Runt
         match lazyfs.running_client() {
             Some(mut client) => {
                 for b in &mounted {
-                    if let Err(e) = client.call(&Request::Umount { dir: b.clone() }) {
-                        tracing::warn!("lazyfs umount {}: {e}; detaching it here", b.display());
-                        let _ = mounts::unmount(b, true);
+                    match client.call(&Request::Umount { dir: b.clone() }) {
+                        Ok(_) => {}
+                        // A daemon that lost its state does not know the bind: ours to drop.
+                        Err(LazyError::NotBound(_)) => {
+                            tracing::debug!("{} is no lazyfs bind; detaching it", b.display());
+                            let _ = mounts::unmount(b, true);
+                        }
+                        Err(e) => {
+                            tracing::warn!("lazyfs umount {}: {e}; detaching it here", b.display());
+                            let _ = mounts::unmount(b, true);
+                        }
                     }
                 }
             }

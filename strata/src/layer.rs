@@ -18,7 +18,7 @@ pub enum LayerCommand {
     Stored(StoredLayerCommand),
     /// Mount a layer read-only at DIR, lazily loaded (starts the lazyfs daemon if needed).
     Mount { id: String, dir: PathBuf },
-    /// Unmount a layer mounted with `layer mount`.
+    /// Unmount a layer mounted with `layer mount` (any other directory is refused).
     Umount { dir: PathBuf },
     /// Read counters of a mounted layer since the daemon started.
     Stats {

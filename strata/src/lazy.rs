@@ -23,7 +23,8 @@ pub fn paths() -> Paths {
 pub fn daemon_starter(store_url: Option<String>) -> strata_runtime::StartDaemon {
     std::sync::Arc::new(move || -> Result<(), LazyError> {
         let paths = paths();
-        std::fs::create_dir_all(paths.run_dir()).map_err(|e| LazyError::Daemon(e.to_string()))?;
+        // Private to root before the log (and then the daemon's socket) is made in it.
+        strata_lazyfs::prepare_run_dir(&paths)?;
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -164,7 +165,13 @@ async fn call(reach: Reach, req: Request) -> Result<Response> {
     .context("control call")?
 }
 
+/// `dir` as the daemon must get it: absolute (its working directory is not ours).
+fn absolute(dir: &std::path::Path) -> Result<PathBuf> {
+    std::path::absolute(dir).with_context(|| format!("{}", dir.display()))
+}
+
 pub async fn mount(store_url: Option<String>, id: String, dir: PathBuf) -> Result<i32> {
+    let dir = absolute(&dir)?;
     match call(
         Reach::StartIfNeeded(store_url),
         Request::Mount {
@@ -182,7 +189,10 @@ pub async fn mount(store_url: Option<String>, id: String, dir: PathBuf) -> Resul
     }
 }
 
+/// Releases a bind `layer mount` made; the daemon refuses any other directory
+/// ([`LazyError::NotBound`]), whatever is mounted there.
 pub async fn umount(dir: PathBuf) -> Result<i32> {
+    let dir = absolute(&dir)?;
     call(Reach::Running, Request::Umount { dir }).await?;
     Ok(0)
 }

@@ -1,7 +1,8 @@
 //! lazyfs end to end: layers mounted through the FUSE blob server and the kernel's EROFS,
 //! read back exactly, metadata-only walks fetch nothing, a store outage fails reads with
-//! EIO within the bound and heals, a SIGKILLed daemon leaves nothing that hangs, and the
-//! first run's access order becomes a prefetch list.
+//! EIO within the bound and heals, a SIGKILLed daemon leaves nothing that hangs, the
+//! first run's access order becomes a prefetch list, and the control socket is root's
+//! alone and only undoes the daemon's own binds.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -296,6 +297,119 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
         .success());
     drop(daemon);
     assert!(mounts_under(&home).is_empty() && mounts_under(&mnt).is_empty());
+}
+
+/// A tmpfs the test mounts itself, unmounted when dropped (a failed assertion included).
+struct OwnTmpfs(PathBuf);
+
+impl OwnTmpfs {
+    fn mount(dir: &Path) -> OwnTmpfs {
+        std::fs::create_dir_all(dir).unwrap();
+        sh(&format!(
+            "mount -t tmpfs -o size=1m strata-test-own '{}'",
+            dir.display()
+        ));
+        std::fs::write(dir.join("marker"), b"mine").unwrap();
+        OwnTmpfs(dir.to_path_buf())
+    }
+}
+
+impl Drop for OwnTmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// The file system type of the topmost mount exactly at `dir`, if any.
+fn top_mount(dir: &Path) -> Option<String> {
+    let dir = dir.to_string_lossy().into_owned();
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .rev()
+        .filter(|l| l.split(' ').nth(4) == Some(dir.as_str()))
+        .find_map(|l| Some(l.split_once(" - ")?.1.split(' ').next()?.to_string()))
+}
+
+#[test]
+fn the_socket_is_roots_alone_and_umount_undoes_only_the_daemons_binds() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if !have_root("lazyfs_umount_guard") || !have_fuse("lazyfs_umount_guard") {
+        return;
+    }
+    let rt = runtime();
+    let work = tempfile::tempdir_in(scratch_root()).unwrap();
+    let (_src, store, id) = fixture(&rt, work.path());
+    let home = work.path().join("home");
+    // A run directory left world-writable (by hand, an old build) is narrowed at start.
+    let run = home.join("lazyfs/run");
+    std::fs::create_dir_all(&run).unwrap();
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let daemon = Daemon::start(&home, &store, "5s");
+    let meta = std::fs::symlink_metadata(&run).unwrap();
+    assert!(meta.is_dir());
+    assert_eq!(
+        meta.mode() & 0o7777,
+        0o700,
+        "run/ mode {:o}",
+        meta.mode() & 0o7777
+    );
+    assert_eq!(meta.uid(), 0, "run/ is root's");
+    let sock = std::fs::symlink_metadata(run.join("control.sock")).unwrap();
+    assert_eq!(sock.mode() & 0o777, 0o600);
+
+    let mnt = work.path().join("mnt");
+    let o = daemon.cli(&["layer", "mount", &id, mnt.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(top_mount(&mnt).as_deref(), Some("erofs"));
+
+    // A mount of our own, never bound by the daemon: refused, named, left alone.
+    let own = OwnTmpfs::mount(&work.path().join("own"));
+    for shown in [own.0.clone(), own.0.join(".")] {
+        let o = daemon.cli(&["layer", "umount", shown.to_str().unwrap()]);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "umount of a foreign mount succeeded");
+        assert!(
+            err.contains(&format!("{} is not a lazyfs bind", own.0.display())),
+            "{err}"
+        );
+    }
+    assert_eq!(top_mount(&own.0).as_deref(), Some("tmpfs"), "still mounted");
+    assert_eq!(std::fs::read(own.0.join("marker")).unwrap(), b"mine");
+    // Nor a directory inside one of its binds.
+    let o = daemon.cli(&["layer", "umount", mnt.join("big").to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is not a lazyfs bind"));
+
+    // Something mounted over the daemon's bind is not the bind: refused, left alone.
+    let over = OwnTmpfs::mount(&mnt);
+    let o = daemon.cli(&["layer", "umount", mnt.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "umount took the tmpfs over the bind");
+    assert!(
+        err.contains("tmpfs mount") && err.contains("unmount it first"),
+        "{err}"
+    );
+    assert_eq!(top_mount(&mnt).as_deref(), Some("tmpfs"));
+    drop(over);
+    assert_eq!(top_mount(&mnt).as_deref(), Some("erofs"));
+
+    // The daemon's own bind still goes, once; then it is no bind of the daemon's.
+    let o = daemon.cli(&["layer", "umount", mnt.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(top_mount(&mnt), None);
+    let o = daemon.cli(&["layer", "umount", mnt.to_str().unwrap()]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("is not a lazyfs bind"));
+
+    drop(daemon);
+    assert_eq!(
+        top_mount(&own.0).as_deref(),
+        Some("tmpfs"),
+        "stop left it too"
+    );
+    drop(own);
+    assert!(mounts_under(&home).is_empty() && mounts_under(work.path()).is_empty());
 }
 
 #[test]
