@@ -97,6 +97,49 @@ pub fn punch_hole(file: &File, offset: u64, len: u64) -> io::Result<()> {
     Ok(())
 }
 
+/// Reads `len` bytes at `offset` (both multiples of `align`, a power of two) into an
+/// `align`-aligned window of a fresh buffer, as direct I/O needs; returns the buffer and
+/// where the bytes start in it. The bytes before the window are zeros.
+pub fn read_aligned(
+    file: &File,
+    offset: u64,
+    len: usize,
+    align: usize,
+) -> io::Result<(Vec<u8>, usize)> {
+    let mut buf: Vec<u8> = Vec::with_capacity(len + align);
+    let start = buf.as_ptr().align_offset(align);
+    let mut got = 0;
+    while got < len {
+        // SAFETY: the destination is the buffer's own spare capacity (start + len fits in
+        // it); bytes become part of the Vec only once the kernel has written them.
+        let n = unsafe {
+            libc::pread(
+                file.as_raw_fd(),
+                buf.as_mut_ptr().add(start + got).cast(),
+                len - got,
+                (offset + got as u64) as libc::off_t,
+            )
+        };
+        match n {
+            n if n < 0 => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+            n => got += n as usize,
+        }
+    }
+    // SAFETY: bytes start..start + len were written above; the ones before `start` are
+    // zeroed here, so every byte of the new length is initialized.
+    unsafe {
+        std::ptr::write_bytes(buf.as_mut_ptr(), 0, start);
+        buf.set_len(start + len);
+    }
+    Ok((buf, start))
+}
+
 /// Whether `dir` is on tmpfs.
 pub fn on_tmpfs(dir: &Path) -> io::Result<bool> {
     let c = CString::new(dir.as_os_str().as_bytes())

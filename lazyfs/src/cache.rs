@@ -18,7 +18,6 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -131,7 +130,6 @@ struct LayerFile {
 /// Serializes fetches of one chunk, so concurrent readers of a missing chunk fetch it once.
 pub type Flight = Arc<tokio::sync::Mutex<()>>;
 
-const TMPFS_MAGIC: i64 = 0x0102_1994;
 const HOT_BYTES: u64 = 256 << 20;
 const BLOCK: u64 = 4096;
 /// The most one direct read covers when it loads a run of chunks.
@@ -174,12 +172,7 @@ impl ChunkCache {
     /// Opens (creating) the cache in `dir`, indexing what an earlier run left there.
     pub fn open(dir: &Path, max_bytes: u64) -> Result<ChunkCache, LazyError> {
         std::fs::create_dir_all(dir).map_err(LazyError::io(dir))?;
-        let c = std::ffi::CString::new(dir.as_os_str().as_encoded_bytes())
-            .map_err(|_| LazyError::Config(format!("{}: path has a NUL byte", dir.display())))?;
-        // SAFETY: a zeroed statfs is a valid out-parameter.
-        let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-        // SAFETY: c is NUL-terminated and st a valid statfs to fill.
-        if unsafe { libc::statfs(c.as_ptr(), &mut st) } == 0 && st.f_type as i64 == TMPFS_MAGIC {
+        if strata_host::fs::on_tmpfs(dir).unwrap_or(false) {
             return Err(LazyError::Config(format!(
                 "cache directory {} is on tmpfs: the cache would live in memory twice over; set STRATA_HOME to a disk (ext4/xfs) path",
                 dir.display()
@@ -724,63 +717,21 @@ fn read_span(file: &LayerFile, offset: u64, len: usize) -> std::io::Result<Bytes
     // asked for. The blob's size is a multiple of the block, so the blocks are in the file.
     let first = offset - offset % BLOCK;
     let blocks = (round_up(offset + len as u64) - first) as usize;
-    let mut buf: Vec<u8> = Vec::with_capacity(blocks + BLOCK as usize);
-    let start = buf.as_ptr().align_offset(BLOCK as usize);
-    let mut got = 0;
-    while got < blocks {
-        // SAFETY: the destination is the buffer's own spare capacity (start + blocks fits
-        // in it); bytes become part of the Vec only once the kernel has written them.
-        let n = unsafe {
-            libc::pread(
-                direct.as_raw_fd(),
-                buf.as_mut_ptr().add(start + got).cast(),
-                blocks - got,
-                (first + got as u64) as i64,
-            )
-        };
-        match n {
-            n if n < 0 => {
-                let e = std::io::Error::last_os_error();
-                if e.kind() != std::io::ErrorKind::Interrupted {
-                    return Err(e);
-                }
-            }
-            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            n => got += n as usize,
-        }
-    }
-    // SAFETY: bytes start..start + blocks were written above; the ones before `start` are
-    // never handed out but must be initialized to be in the Vec.
-    unsafe {
-        std::ptr::write_bytes(buf.as_mut_ptr(), 0, start);
-        buf.set_len(start + blocks);
-    }
+    let (buf, start) = strata_host::fs::read_aligned(direct, first, blocks, BLOCK as usize)?;
     let lo = start + (offset - first) as usize;
     Ok(Bytes::from(buf).slice(lo..lo + len))
 }
 
 /// Data extents of a file, as (start, end) byte offsets.
 fn data_extents(file: &File) -> std::io::Result<Vec<(u64, u64)>> {
-    let fd = file.as_raw_fd();
-    let size = file.metadata()?.len() as i64;
+    let size = file.metadata()?.len();
     let mut out = Vec::new();
-    let mut pos: i64 = 0;
+    let mut pos = 0;
     while pos < size {
-        // SAFETY: lseek on a valid fd.
-        let data = unsafe { libc::lseek(fd, pos, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) {
-                break;
-            }
-            return Err(e);
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) };
-        if hole < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        out.push((data as u64, hole as u64));
+        let Some((data, hole)) = strata_host::fs::next_data(file, pos)? else {
+            break;
+        };
+        out.push((data, hole));
         pos = hole;
     }
     Ok(out)
@@ -794,17 +745,8 @@ fn punch_file(file: &File, offset: u64, len: u64) {
     if to <= from {
         return;
     }
-    // SAFETY: fallocate on a valid fd with in-range arguments.
-    let r = unsafe {
-        libc::fallocate(
-            file.as_raw_fd(),
-            libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
-            from as i64,
-            (to - from) as i64,
-        )
-    };
-    if r != 0 {
-        tracing::warn!(offset, len, error = %std::io::Error::last_os_error(), "could not free a cached range");
+    if let Err(e) = strata_host::fs::punch_hole(file, from, to - from) {
+        tracing::warn!(offset, len, error = %e, "could not free a cached range");
     }
 }
 

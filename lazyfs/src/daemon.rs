@@ -480,13 +480,9 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
         .write(true)
         .open(&lock)
         .map_err(LazyError::io(&lock))?;
-    // SAFETY: valid fd; LOCK_NB so a second daemon fails at once.
-    if unsafe {
-        libc::flock(
-            std::os::fd::AsRawFd::as_raw_fd(&lock_file),
-            libc::LOCK_EX | libc::LOCK_NB,
-        )
-    } != 0
+    // Without waiting, so a second daemon fails at once.
+    if !strata_host::fs::flock(&lock_file, strata_host::fs::Lock::Exclusive, false)
+        .map_err(LazyError::io(&lock))?
     {
         return Err(LazyError::Daemon(format!(
             "another lazyfs daemon holds {}; use it or stop it first",

@@ -195,8 +195,7 @@ pub fn prepare_run_dir(paths: &Paths) -> Result<PathBuf, LazyError> {
             _ => LazyError::io(&dir)(e),
         })?;
     let meta = handle.metadata().map_err(LazyError::io(&dir))?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
+    let euid = nix::unistd::geteuid().as_raw();
     if meta.uid() != euid {
         return Err(LazyError::Config(format!(
             "{} belongs to uid {}, not to the daemon's user (uid {euid}), so another user \
@@ -221,15 +220,14 @@ pub fn prepare_run_dir(paths: &Paths) -> Result<PathBuf, LazyError> {
 /// Waits up to `wait` until no daemon holds the lock (one asked to shut down has finished
 /// unmounting, saving and writing, and exited).
 pub fn wait_stopped(paths: &Paths, wait: Duration) -> Result<(), LazyError> {
-    use std::os::fd::AsRawFd;
     let lock = paths.lock_file();
     let deadline = Instant::now() + wait;
     loop {
         let Ok(f) = std::fs::File::open(&lock) else {
             return Ok(());
         };
-        // SAFETY: flock on a valid fd; the probe's lock goes with `f`.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+        // The probe's lock goes with `f`.
+        if strata_host::fs::flock(&f, strata_host::fs::Lock::Shared, false).unwrap_or(false) {
             return Ok(());
         }
         if Instant::now() > deadline {

@@ -2,22 +2,11 @@
 //! loop devices), read-only bind mounts, unmounting, and reading `/proc/self/mountinfo` to
 //! find what an earlier daemon left behind.
 
-use std::ffi::CString;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-fn cstr(p: &Path) -> io::Result<CString> {
-    CString::new(p.as_os_str().as_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))
-}
-
-fn check(rc: libc::c_int) -> io::Result<()> {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+fn nix_io(e: nix::Error) -> io::Error {
+    io::Error::from_raw_os_error(e as i32)
 }
 
 pub use strata_host::ErofsSource;
@@ -74,58 +63,44 @@ pub fn erofs_source_under(source: &str, root: &Path) -> bool {
 }
 
 fn mount_erofs_from(meta: &Path, blob: Option<&Path>, target: &Path) -> io::Result<()> {
-    let src = cstr(meta)?;
-    let dst = cstr(target)?;
-    let fstype = CString::new("erofs").map_err(io::Error::other)?;
-    let opts = match blob {
-        Some(b) => format!("device={}", b.display()),
-        None => String::new(),
-    };
-    let opts = CString::new(opts).map_err(io::Error::other)?;
-    // SAFETY: all pointers are valid NUL-terminated strings.
-    check(unsafe {
-        libc::mount(
-            src.as_ptr(),
-            dst.as_ptr(),
-            fstype.as_ptr(),
-            libc::MS_RDONLY | libc::MS_NODEV | libc::MS_NOSUID,
-            opts.as_ptr().cast(),
-        )
-    })
+    use nix::mount::{mount, MsFlags};
+    let opts = blob.map(|b| format!("device={}", b.display()));
+    mount(
+        Some(meta),
+        target,
+        Some("erofs"),
+        MsFlags::MS_RDONLY | MsFlags::MS_NODEV | MsFlags::MS_NOSUID,
+        opts.as_deref(),
+    )
+    .map_err(nix_io)
 }
 
 /// Bind-mounts `src` at `dst`, read-only.
 pub fn bind_readonly(src: &Path, dst: &Path) -> io::Result<()> {
-    let s = cstr(src)?;
-    let d = cstr(dst)?;
-    // SAFETY: valid paths; null fstype/data are allowed for bind mounts.
-    check(unsafe {
-        libc::mount(
-            s.as_ptr(),
-            d.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND,
-            std::ptr::null(),
-        )
-    })?;
-    // SAFETY: as above.
-    check(unsafe {
-        libc::mount(
-            std::ptr::null(),
-            d.as_ptr(),
-            std::ptr::null(),
-            libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
-            std::ptr::null(),
-        )
-    })
+    use nix::mount::{mount, MsFlags};
+    mount(Some(src), dst, None::<&str>, MsFlags::MS_BIND, None::<&str>).map_err(nix_io)?;
+    mount(
+        None::<&str>,
+        dst,
+        None::<&str>,
+        MsFlags::MS_BIND
+            | MsFlags::MS_REMOUNT
+            | MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV,
+        None::<&str>,
+    )
+    .map_err(nix_io)
 }
 
 /// Unmounts `target`; `detach` makes it lazy (for mounts whose backing daemon is gone).
 pub fn unmount(target: &Path, detach: bool) -> io::Result<()> {
-    let t = cstr(target)?;
-    let flags = if detach { libc::MNT_DETACH } else { 0 };
-    // SAFETY: valid path.
-    check(unsafe { libc::umount2(t.as_ptr(), flags) })
+    let flags = if detach {
+        nix::mount::MntFlags::MNT_DETACH
+    } else {
+        nix::mount::MntFlags::empty()
+    };
+    nix::mount::umount2(target, flags).map_err(nix_io)
 }
 
 /// One line of `/proc/self/mountinfo`.
