@@ -350,14 +350,17 @@ impl Settings {
             .or_else(|| l.file_path(&f.home))
             .unwrap_or_else(|| default_home(env, root));
 
-        let store_given = match &flags.store {
-            Some(s) => Some(s.clone()),
-            None => l.env_str("STRATA_STORE")?.or_else(|| f.store.clone()),
+        let store_given = match (&flags.store, l.env_str("STRATA_STORE")?, &f.store) {
+            (Some(s), _, _) => Some((s.clone(), "--store".to_string())),
+            (None, Some(s), _) => Some((s, "STRATA_STORE".to_string())),
+            (None, None, Some(s)) => Some((s.clone(), format!("{}: store", l.file_name()))),
+            (None, None, None) => None,
         };
         let store = match &store_given {
-            Some(text) => StoreUrl::parse(text)?,
+            Some((text, from)) => StoreUrl::parse(text).with_context(|| from.clone())?,
             None => StoreUrl::Local(home.join("store")),
         };
+        let store_given = store_given.map(|(text, _)| text);
         let store_options = StoreOptions {
             region: match l.env_str("AWS_REGION")? {
                 Some(r) => Some(r),
@@ -783,7 +786,11 @@ cache_max = 4096
             ("STRATA_EROFS_MOUNT", "nfs", "STRATA_EROFS_MOUNT=nfs"),
             ("STRATA_CACHE_MAX", "big", "STRATA_CACHE_MAX=big"),
             ("STRATA_OCI_RUNTIME", "docker", "STRATA_OCI_RUNTIME"),
-            ("STRATA_STORE", "relative/dir", "relative/dir"),
+            (
+                "STRATA_STORE",
+                "relative/dir",
+                "STRATA_STORE: store URL `relative/dir`",
+            ),
             ("STRATA_REGISTRY_USER", "bot", "no password"),
         ] {
             let msg = format!(
