@@ -128,8 +128,26 @@ pub(crate) fn runtime_config(home: &Path, store_url: &str) -> Result<RuntimeConf
             start,
         },
         bin("strata-agent")?,
-    )?;
-    cfg.container_agent = strata_runtime::static_agent_for(&std::env::current_exe()?);
+    );
+    // The runtime's settings, from the same environment variables `strata` reads (this
+    // binary is the edge here; the runtime reads none).
+    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(oci) = var("STRATA_OCI_RUNTIME") {
+        cfg.oci_runtime = strata_runtime::OciRuntime::parse(&oci.to_string_lossy())?;
+    }
+    cfg.container_agent = var("STRATA_STATIC_AGENT")
+        .map(PathBuf::from)
+        .or_else(|| strata_runtime::static_agent_for(&std::env::current_exe().ok()?));
+    if let Some(dir) = var("STRATA_GUEST_DIR") {
+        cfg.vm.guest_dir = dir.into();
+    }
+    if let Some(accel) = var("STRATA_VM_ACCEL") {
+        cfg.vm.accel = accel.to_string_lossy().into_owned();
+    }
+    if let Some(qemu) = var("STRATA_QEMU") {
+        cfg.vm.qemu = qemu.into();
+    }
+    cfg.vm.templates = var("STRATA_VM_TEMPLATES").is_none_or(|v| v != "0");
     Ok(cfg)
 }
 

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use strata_store::manifest::{ChunkEntry, FORMAT_VERSION};
 use strata_store::{Digest, LayerManifest, Provenance, Store, StoreError};
 
+pub use source::registry::{RegistryCredentials, RegistrySettings};
 pub use source::{Excludes, LayerDefinition, Source};
 
 /// Version of the layer writer. Part of every provenance record: a different writer may lay
@@ -113,6 +114,8 @@ pub struct BuildRequest {
     pub source_label: Option<String>,
     /// More provenance fields (a step build's inputs, steps and logs).
     pub provenance: serde_json::Map<String, serde_json::Value>,
+    /// How a registry source is pulled (plain-HTTP registries, credentials).
+    pub registry: RegistrySettings,
 }
 
 impl BuildRequest {
@@ -128,6 +131,7 @@ impl BuildRequest {
             prefix: def.prefix.clone(),
             source_label: None,
             provenance: Default::default(),
+            registry: RegistrySettings::default(),
         })
     }
 }
@@ -199,9 +203,12 @@ async fn build_leased(
         let uploader = uploader.clone();
         let source = req.source.clone();
         let kind = req.kind;
-        tokio::task::spawn_blocking(move || source.read(kind, &excludes, uploader.as_ref()))
-            .await
-            .map_err(|e| BuildError::Internal(format!("source reader panicked: {e}")))?
+        let registry = req.registry.clone();
+        tokio::task::spawn_blocking(move || {
+            source.read(kind, &excludes, &registry, uploader.as_ref())
+        })
+        .await
+        .map_err(|e| BuildError::Internal(format!("source reader panicked: {e}")))?
     };
     if let Some(t) = ticker {
         t.abort();

@@ -324,6 +324,8 @@ async fn make_layer(
         prefix: None,
         source_label: Some(format!("steps:{key}")),
         provenance: extra,
+        // The upper is a local directory: nothing is pulled.
+        registry: Default::default(),
     };
     let mut report = crate::build(store, &req, opts.progress.clone()).await?;
     report.build_key = Some(key);

@@ -165,16 +165,6 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Who is registering: the local user for now (identity comes with the service).
-fn who() -> String {
-    // SAFETY: getuid has no preconditions.
-    let uid = unsafe { libc::getuid() };
-    let user = std::env::var("USER")
-        .or_else(|_| std::env::var("LOGNAME"))
-        .unwrap_or_else(|_| format!("uid {uid}"));
-    format!("{user} (pid {})", std::process::id())
-}
-
 impl Catalog {
     /// Opens the catalog in `store`, checking that the store honours conditional create.
     pub async fn open(store: &Store) -> Result<Catalog, CatalogError> {
@@ -273,9 +263,11 @@ impl Catalog {
             })
     }
 
-    /// Registers `entry`: checks its layers exist (resolving ID prefixes to full IDs),
-    /// assigns the next `vN` unless it names a version, then appends to the log.
-    pub async fn register(&self, mut entry: Entry) -> Result<Registered, CatalogError> {
+    /// Registers `entry` on behalf of `by` (who the record and the log name as the
+    /// registrant; the caller decides, e.g. the local user): checks its layers exist
+    /// (resolving ID prefixes to full IDs), assigns the next `vN` unless it names a
+    /// version, then appends to the log.
+    pub async fn register(&self, mut entry: Entry, by: &str) -> Result<Registered, CatalogError> {
         entry.validate()?;
         let id = entry.id.clone();
         let resolve = |text: String| {
@@ -315,7 +307,7 @@ impl Catalog {
             }
         }
 
-        let by = who();
+        let by = by.to_string();
         let at = now();
         let registered = match entry.version.clone() {
             Some(v) => {
@@ -360,10 +352,10 @@ impl Catalog {
         Ok(registered)
     }
 
-    /// Removes `namespace/name@version`, or every version of `namespace/name`, by
-    /// appending a tombstone per version to the log. Returns the references removed.
-    /// The layers stay in the store (see `strata layer rm`).
-    pub async fn remove(&self, reference: &str) -> Result<Vec<String>, CatalogError> {
+    /// Removes `namespace/name@version`, or every version of `namespace/name`, on behalf
+    /// of `by`, by appending a tombstone per version to the log. Returns the references
+    /// removed. The layers stay in the store (see `strata layer rm`).
+    pub async fn remove(&self, reference: &str, by: &str) -> Result<Vec<String>, CatalogError> {
         let (id, version) = parse_ref(reference)?;
         let log = self.read_log(&id).await?;
         let versions: Vec<String> = match version {
@@ -397,11 +389,10 @@ impl Catalog {
                 live
             }
         };
-        let by = who();
         let at = now();
         let mut removed = Vec::new();
         for v in versions {
-            self.append_log(&id, &v, Action::Remove, at, &by).await?;
+            self.append_log(&id, &v, Action::Remove, at, by).await?;
             removed.push(format!("{id}@{v}"));
         }
         self.logs.invalidate(&id).await;
@@ -645,7 +636,11 @@ mod tests {
     async fn register(catalog: &Catalog, id: &str, base: &str, workspace: &str) -> String {
         let text = format!("id = \"{id}\"\nbase = \"{base}\"\nworkspace = \"{workspace}\"\n");
         let e = Entry::from_toml(&text, "test").unwrap();
-        catalog.register(e).await.unwrap().reference()
+        catalog
+            .register(e, "registrar (pid 1)")
+            .await
+            .unwrap()
+            .reference()
     }
 
     #[tokio::test]
@@ -663,7 +658,7 @@ mod tests {
 
         // Removing the newest moves "latest" back; a pinned get of it names the removal.
         assert_eq!(
-            catalog.remove("demo/app@v3").await.unwrap(),
+            catalog.remove("demo/app@v3", "remover").await.unwrap(),
             vec!["demo/app@v3"]
         );
         assert_eq!(catalog.get("demo/app").await.unwrap().version, "v2");
@@ -674,11 +669,11 @@ mod tests {
         );
         assert!(err.to_string().contains("was removed"), "{err}");
         assert!(matches!(
-            catalog.remove("demo/app@v3").await,
+            catalog.remove("demo/app@v3", "remover").await,
             Err(CatalogError::Removed { .. })
         ));
         assert!(matches!(
-            catalog.remove("demo/app@v9").await,
+            catalog.remove("demo/app@v9", "remover").await,
             Err(CatalogError::NotFound(_))
         ));
         // The name is never handed out again.
@@ -697,7 +692,7 @@ mod tests {
 
         // Removing the whole entry tombstones every version left; ls drops it.
         assert_eq!(
-            catalog.remove("demo/app").await.unwrap(),
+            catalog.remove("demo/app", "remover").await.unwrap(),
             vec!["demo/app@v1", "demo/app@v2", "demo/app@v4"]
         );
         assert!(matches!(
@@ -705,7 +700,7 @@ mod tests {
             Err(CatalogError::AllRemoved(_))
         ));
         assert!(matches!(
-            catalog.remove("demo/app").await,
+            catalog.remove("demo/app", "remover").await,
             Err(CatalogError::AllRemoved(_))
         ));
         assert_eq!(catalog.list("demo/").await.unwrap(), vec!["demo/other"]);
@@ -731,6 +726,17 @@ mod tests {
                 (7, "v2", X),
                 (8, "v4", X)
             ]
+        );
+        // Each record names whom the caller said it acted for.
+        assert!(h.iter().all(|r| r.by
+            == if r.action == R {
+                "registrar (pid 1)"
+            } else {
+                "remover"
+            }));
+        assert_eq!(
+            catalog.get("demo/other").await.unwrap().registered_by,
+            "registrar (pid 1)"
         );
     }
 

@@ -89,14 +89,12 @@ pub struct ContainerBackend {
     pub hybrid_cgroups: bool,
 }
 
-/// The statically linked agent for container init: `STRATA_STATIC_AGENT`, or the one
+/// The statically linked agent for container init found beside the binary `exe`: the one
 /// `cargo build --target x86_64-unknown-linux-gnu` (with crt-static; scripts/test.sh and
-/// scripts/demo.sh do it) put in the same profile as the binary `exe`. Without it
-/// containers keep catatonit as init and run commands with `<oci runtime> exec`.
+/// scripts/demo.sh do it) put in the same profile. The `strata` binary uses it when no
+/// static agent is configured (`STRATA_STATIC_AGENT`). Without one containers keep
+/// catatonit as init and run commands with `<oci runtime> exec`.
 pub fn static_agent_for(exe: &Path) -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("STRATA_STATIC_AGENT") {
-        return Some(PathBuf::from(p));
-    }
     let profile_dir = exe.parent()?;
     let candidate = profile_dir
         .parent()?

@@ -155,10 +155,16 @@ pub fn check_host(cfg: &RuntimeConfig) -> Vec<Check> {
     }));
     checks.push(Check::new("landlock", false, landlock()));
     checks.push(Check::new("qemu", false, {
-        match on_path("qemu-system-x86_64").map(|p| version(&p)) {
+        let qemu = &cfg.vm.qemu;
+        let found = if qemu.components().count() > 1 {
+            Some(qemu.clone())
+        } else {
+            on_path(&qemu.to_string_lossy())
+        };
+        match found.map(|p| version(&p)) {
             Some(Ok(v)) => Ok(format!("{v} (microvm and vm sandboxes)")),
             _ => warn(
-                "qemu-system-x86_64 not found: no microvm or vm sandboxes",
+                format!("{} not found: no microvm or vm sandboxes", qemu.display()),
                 "apt-get install qemu-system-x86",
             ),
         }

@@ -244,24 +244,21 @@ pub struct RuntimeConfig {
 }
 
 impl RuntimeConfig {
-    /// Defaults for this host: crun (or `STRATA_OCI_RUNTIME`), Debian's catatonit.
-    pub fn new(
-        state_dir: PathBuf,
-        lazyfs: LazyfsAccess,
-        agent: PathBuf,
-    ) -> Result<RuntimeConfig, RuntimeError> {
-        let oci = std::env::var("STRATA_OCI_RUNTIME").unwrap_or_else(|_| "crun".into());
-        Ok(RuntimeConfig {
+    /// Defaults for this host: crun on PATH, Debian's catatonit, no static agent, the
+    /// default [`vm::VmConfig`]. The caller (the `strata` binary, from its settings) sets
+    /// the fields it wants otherwise; nothing here reads the environment.
+    pub fn new(state_dir: PathBuf, lazyfs: LazyfsAccess, agent: PathBuf) -> RuntimeConfig {
+        RuntimeConfig {
             state_dir,
             lazyfs,
-            oci_runtime: OciRuntime::parse(&oci)?,
+            oci_runtime: OciRuntime::Crun(PathBuf::from("crun")),
             agent,
             container_init: PathBuf::from("/usr/bin/catatonit"),
             container_agent: None,
-            vm: vm::VmConfig::from_env(),
+            vm: vm::VmConfig::default(),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             net_slots: PathBuf::from("/run/strata/net"),
-        })
+        }
     }
 }
 

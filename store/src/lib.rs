@@ -31,7 +31,7 @@ use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions,
 use serde::Serialize;
 
 pub use digest::{Digest, ParseDigestError};
-pub use location::{default_store_url, strata_home, StoreUrl};
+pub use location::StoreUrl;
 pub use manifest::{ChunkEntry, LayerManifest, ManifestError, MetadataRef, Provenance};
 
 /// What can go wrong talking to the store.
@@ -112,9 +112,35 @@ fn shard(prefix: &str, d: &Digest) -> ObjectPath {
     ObjectPath::from(format!("{prefix}/{}/{hex}", &hex[..2]))
 }
 
+/// How to open a store, beyond its URL: what the caller decided from its own settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StoreOptions {
+    /// The S3 region when the URL names none (`?region=R`); without either, `us-east-1`.
+    /// The `strata` binary passes `AWS_REGION` (or `AWS_DEFAULT_REGION`) here.
+    pub region: Option<String>,
+}
+
+impl StoreOptions {
+    /// The region an S3 store at `url` is opened in: the URL's, else this default, else
+    /// `us-east-1` (what S3-compatible servers accept when they ignore regions).
+    pub fn region_for(&self, url_region: Option<&str>) -> String {
+        url_region
+            .or(self.region.as_deref())
+            .unwrap_or("us-east-1")
+            .to_string()
+    }
+}
+
 impl Store {
-    /// Opens (creating if needed, for a local directory) the store at `url`.
+    /// Opens (creating if needed, for a local directory) the store at `url`, with default
+    /// [`StoreOptions`].
     pub fn open(url: &StoreUrl) -> Result<Store> {
+        Store::open_with(url, &StoreOptions::default())
+    }
+
+    /// Opens the store at `url` with `options`. S3 credentials and other `AWS_*` settings
+    /// are read from the environment by `object_store` itself.
+    pub fn open_with(url: &StoreUrl, options: &StoreOptions) -> Result<Store> {
         let backend: Arc<dyn ObjectStore> = match url {
             StoreUrl::Local(dir) => {
                 std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
@@ -145,13 +171,7 @@ impl Store {
                         .with_allow_http(e.starts_with("http://"))
                         .with_virtual_hosted_style_request(false);
                 }
-                if let Some(r) = region {
-                    b = b.with_region(r);
-                } else if std::env::var_os("AWS_REGION").is_none()
-                    && std::env::var_os("AWS_DEFAULT_REGION").is_none()
-                {
-                    b = b.with_region("us-east-1");
-                }
+                b = b.with_region(options.region_for(region.as_deref()));
                 let s3 = b.build().map_err(|source| StoreError::Backend {
                     op: "open",
                     key: format!("s3://{bucket}"),
@@ -615,6 +635,19 @@ mod tests {
         m.id = m.content_id();
         store.put_layer(&m, &Provenance::default()).await.unwrap();
         m
+    }
+
+    #[test]
+    fn the_region_is_the_urls_else_the_callers_else_us_east_1() {
+        let none = StoreOptions::default();
+        let given = StoreOptions {
+            region: Some("eu-west-3".into()),
+        };
+        assert_eq!(none.region_for(None), "us-east-1");
+        assert_eq!(given.region_for(None), "eu-west-3");
+        assert_eq!(given.region_for(Some("ap-south-1")), "ap-south-1");
+        let url = StoreUrl::parse("s3://bkt?endpoint=http://127.0.0.1:1&region=r1").unwrap();
+        assert!(Store::open_with(&url, &given).is_ok());
     }
 
     #[tokio::test]

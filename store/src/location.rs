@@ -1,6 +1,7 @@
-//! Where a store lives: parsing `--store` URLs and finding the default local store.
+//! Where a store lives: parsing `--store` URLs. Which store to use when none is given is
+//! the caller's decision (the `strata` binary's settings), not this crate's.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use crate::StoreError;
 
@@ -9,7 +10,9 @@ use crate::StoreError;
 pub enum StoreUrl {
     /// A directory on this machine.
     Local(PathBuf),
-    /// An S3-compatible bucket. Credentials come from the standard AWS environment.
+    /// An S3-compatible bucket. Credentials come from the standard `AWS_*` environment
+    /// variables, which `object_store` reads itself; the region from the URL, else
+    /// [`crate::StoreOptions::region`].
     S3 {
         bucket: String,
         endpoint: Option<String>,
@@ -66,28 +69,6 @@ impl StoreUrl {
             ))),
         }
     }
-}
-
-/// Strata's state directory: `STRATA_HOME`, else `/var/lib/strata` for root, else the
-/// user's data directory.
-pub fn strata_home() -> PathBuf {
-    if let Some(h) = std::env::var_os("STRATA_HOME").filter(|h| !h.is_empty()) {
-        return PathBuf::from(h);
-    }
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        return PathBuf::from("/var/lib/strata");
-    }
-    if let Some(d) = std::env::var_os("XDG_DATA_HOME").filter(|d| !d.is_empty()) {
-        return Path::new(&d).join("strata");
-    }
-    let home = std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into());
-    Path::new(&home).join(".local/share/strata")
-}
-
-/// The store used when no `--store`/`STRATA_STORE` is given.
-pub fn default_store_url() -> StoreUrl {
-    StoreUrl::Local(strata_home().join("store"))
 }
 
 #[cfg(test)]

@@ -64,23 +64,13 @@ pub async fn resolve_inputs(store: &Store, from: &[String]) -> anyhow::Result<Ve
 /// which never becomes part of the layer).
 const CA_BUNDLE_PATH: &str = "/.strata/ca-certificates.crt";
 
-/// The CA bundle build steps trust: `STRATA_BUILD_CA_BUNDLE` (`none`: the base's own),
-/// else the host's `SSL_CERT_FILE`, else the host's system bundle. A host behind an egress
-/// proxy that re-signs TLS trusts the proxy's CA there; the base layer does not.
-fn host_ca_bundle() -> Option<PathBuf> {
-    if std::env::var("STRATA_BUILD_CA_BUNDLE").is_ok_and(|v| v == "none") {
-        return None;
-    }
-    ["STRATA_BUILD_CA_BUNDLE", "SSL_CERT_FILE"]
-        .iter()
-        .filter_map(std::env::var_os)
-        .map(PathBuf::from)
-        .chain([PathBuf::from("/etc/ssl/certs/ca-certificates.crt")])
-        .find(|p| p.is_file())
-}
-
 pub struct RuntimeStepRunner {
     pub rt: Runtime,
+    /// The host's CA bundle the steps trust (the `build_ca_bundle` setting:
+    /// `STRATA_BUILD_CA_BUNDLE`, else `SSL_CERT_FILE`, else the system bundle; none: the
+    /// base's own). A host behind an egress proxy that re-signs TLS trusts the proxy's CA
+    /// there; the base layer does not.
+    pub ca_bundle: Option<PathBuf>,
 }
 
 impl StepRunner for RuntimeStepRunner {
@@ -97,7 +87,7 @@ impl StepRunner for RuntimeStepRunner {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| BuildError::Definition(format!("network: {e}")))?;
         let mut env = base_env();
-        let ca_bundle = host_ca_bundle();
+        let ca_bundle = self.ca_bundle.clone();
         if ca_bundle.is_some() {
             for var in [
                 "SSL_CERT_FILE",

@@ -43,14 +43,15 @@ pub enum CatalogCommand {
     },
 }
 
-pub async fn run(store: &Store, cmd: CatalogCommand) -> Result<i32> {
+/// Runs `cmd`; registrations and removals are recorded as made by `registrant`.
+pub async fn run(store: &Store, registrant: &str, cmd: CatalogCommand) -> Result<i32> {
     let catalog = Catalog::open(store).await?;
     match cmd {
         CatalogCommand::Register { entry, json } => {
             let text = std::fs::read_to_string(&entry)
                 .with_context(|| format!("reading {}", entry.display()))?;
             let e = Entry::from_toml(&text, &entry.display().to_string())?;
-            let r = catalog.register(e).await?;
+            let r = catalog.register(e, registrant).await?;
             if json {
                 print_json(&r)?;
             } else {
@@ -115,7 +116,7 @@ pub async fn run(store: &Store, cmd: CatalogCommand) -> Result<i32> {
         }
         CatalogCommand::Rm { ids } => {
             for id in ids {
-                for reference in catalog.remove(&id).await? {
+                for reference in catalog.remove(&id, registrant).await? {
                     println!("removed {reference}");
                 }
             }

@@ -4,8 +4,8 @@
 use anyhow::Result;
 use strata_runtime::doctor::{check_host, ready, Status};
 
-pub fn run(store_url: Option<String>, json: bool) -> Result<i32> {
-    let cfg = crate::sandbox::runtime_config(store_url)?;
+pub fn run(settings: &crate::config::Settings, json: bool) -> Result<i32> {
+    let cfg = crate::sandbox::runtime_config(settings)?;
     let checks = check_host(&cfg);
     let ok = ready(&checks);
     if json {

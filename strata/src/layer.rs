@@ -10,6 +10,7 @@ use strata_builder::steps::StepOptions;
 use strata_builder::{BuildReport, BuildRequest, LayerDefinition, LayerKind, Source};
 use strata_store::Store;
 
+use crate::config::Settings;
 use crate::output::{byte_progress, human_bytes, print_json};
 
 #[derive(Subcommand)]
@@ -83,19 +84,19 @@ pub enum StoredLayerCommand {
     },
 }
 
-pub async fn run(url: Option<String>, cmd: LayerCommand) -> Result<i32> {
+pub async fn run(settings: &Settings, cmd: LayerCommand) -> Result<i32> {
     match cmd {
-        LayerCommand::Mount { id, dir } => crate::lazy::mount(url, id, dir).await,
-        LayerCommand::Umount { dir } => crate::lazy::umount(dir).await,
-        LayerCommand::Stats { id, json } => crate::lazy::stats(id, json).await,
+        LayerCommand::Mount { id, dir } => crate::lazy::mount(settings, id, dir).await,
+        LayerCommand::Umount { dir } => crate::lazy::umount(settings, dir).await,
+        LayerCommand::Stats { id, json } => crate::lazy::stats(settings, id, json).await,
         LayerCommand::Stored(c) => {
-            let store = crate::open_store(url.as_deref())?;
-            run_stored(&store, url, c).await
+            let store = crate::open_store(settings)?;
+            run_stored(&store, settings, c).await
         }
     }
 }
 
-async fn run_stored(store: &Store, url: Option<String>, cmd: StoredLayerCommand) -> Result<i32> {
+async fn run_stored(store: &Store, settings: &Settings, cmd: StoredLayerCommand) -> Result<i32> {
     match cmd {
         StoredLayerCommand::Build {
             kind,
@@ -115,7 +116,7 @@ async fn run_stored(store: &Store, url: Option<String>, cmd: StoredLayerCommand)
                     def.exclude.extend(exclude);
                     def.name = name.or(def.name);
                     def.version = version.or(def.version);
-                    let report = build_steps(store, url, &def, no_cache).await?;
+                    let report = build_steps(store, settings, &def, no_cache).await?;
                     print_report(&report, json)?;
                     return Ok(0);
                 }
@@ -126,6 +127,7 @@ async fn run_stored(store: &Store, url: Option<String>, cmd: StoredLayerCommand)
                 r.name = name.or(r.name);
                 r.version = version.or(r.version);
                 r.prefix = prefix.or(r.prefix);
+                r.registry = settings.registry.clone();
                 r
             } else {
                 BuildRequest {
@@ -137,6 +139,7 @@ async fn run_stored(store: &Store, url: Option<String>, cmd: StoredLayerCommand)
                     prefix,
                     source_label: None,
                     provenance: Default::default(),
+                    registry: settings.registry.clone(),
                 }
             };
             let (bar, progress) = byte_progress(&format!("building {}", req.source));
@@ -226,7 +229,9 @@ async fn run_stored(store: &Store, url: Option<String>, cmd: StoredLayerCommand)
             }
             Ok(0)
         }
-        StoredLayerCommand::Rm { ids, force } => crate::layer_rm::remove(store, &ids, force).await,
+        StoredLayerCommand::Rm { ids, force } => {
+            crate::layer_rm::remove(store, &settings.runtime_dir(), &ids, force).await
+        }
         StoredLayerCommand::Export { id, dir } => {
             let id = store.resolve_layer(&id).await?;
             let m = store.get_layer(&id).await?;
@@ -278,14 +283,17 @@ fn print_report(report: &BuildReport, json: bool) -> Result<()> {
 /// Runs a definition's build steps in a container sandbox of the local runtime.
 async fn build_steps(
     store: &Store,
-    url: Option<String>,
+    settings: &Settings,
     def: &LayerDefinition,
     no_cache: bool,
 ) -> Result<BuildReport> {
     strata_builder::steps::validate(def)?;
     let inputs = crate::build_steps::resolve_inputs(store, &def.from).await?;
-    let rt = crate::sandbox::open_runtime(url)?;
-    let runner = std::sync::Arc::new(crate::build_steps::RuntimeStepRunner { rt });
+    let rt = crate::sandbox::open_runtime(settings)?;
+    let runner = std::sync::Arc::new(crate::build_steps::RuntimeStepRunner {
+        rt,
+        ca_bundle: settings.build_ca_bundle.host_bundle(),
+    });
     let opts = StepOptions {
         no_cache,
         output: Some(std::sync::Arc::new(|data: &[u8]| {

@@ -16,8 +16,8 @@ use strata_runtime::SandboxRecord;
 use strata_store::{Digest, Store};
 
 /// Removes the layers `ids` (full IDs or unique prefixes) unless a catalog version or a
-/// live sandbox uses one of them; with `force`, removes them anyway and says who used them.
-pub async fn remove(store: &Store, ids: &[String], force: bool) -> Result<i32> {
+/// live sandbox of the runtime at `runtime_dir` uses one of them; with `force`, removes them anyway and says who used them.
+pub async fn remove(store: &Store, runtime_dir: &Path, ids: &[String], force: bool) -> Result<i32> {
     let mut layers = Vec::new();
     for text in ids {
         let id = store.resolve_layer(text).await?;
@@ -28,7 +28,7 @@ pub async fn remove(store: &Store, ids: &[String], force: bool) -> Result<i32> {
     let mut users: BTreeMap<Digest, Vec<String>> =
         Catalog::open(store).await?.users_of(&layers).await?;
     let catalog_uses = !users.is_empty();
-    let sandboxes = sandboxes_using(&crate::sandbox::runtime_dir(), &layers);
+    let sandboxes = sandboxes_using(runtime_dir, &layers);
     let sandbox_uses = !sandboxes.is_empty();
     for (layer, names) in sandboxes {
         users.entry(layer).or_default().extend(names);

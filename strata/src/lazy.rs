@@ -8,21 +8,23 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use strata_lazyfs::{connect_or_start, Client, LazyError, Paths, Request, Response};
-use strata_store::{strata_home, Store};
+use strata_store::Store;
 
 use strata_catalog::parse_size;
 
+use crate::config::{ErofsMount, Settings};
 use crate::output::{human_bytes, print_json};
 
-pub fn paths() -> Paths {
-    Paths::new(strata_home().join("lazyfs"))
+pub fn paths(settings: &Settings) -> Paths {
+    Paths::new(settings.lazyfs_dir())
 }
 
-/// Starts `strata [--store URL] lazyfs serve` in the background, logging to the daemon's
-/// log file.
-pub fn daemon_starter(store_url: Option<String>) -> strata_runtime::StartDaemon {
+/// Starts `strata lazyfs serve` in the background with the same settings as this process
+/// (its home, store and settings file), logging to the daemon's log file.
+pub fn daemon_starter(settings: &Settings) -> strata_runtime::StartDaemon {
+    let settings = settings.clone();
     std::sync::Arc::new(move || -> Result<(), LazyError> {
-        let paths = paths();
+        let paths = paths(&settings);
         // Private to root before the log (and then the daemon's socket) is made in it.
         strata_lazyfs::prepare_run_dir(&paths)?;
         let log = std::fs::OpenOptions::new()
@@ -32,7 +34,10 @@ pub fn daemon_starter(store_url: Option<String>) -> strata_runtime::StartDaemon 
             .map_err(|e| LazyError::Daemon(format!("{}: {e}", paths.log_file().display())))?;
         let exe = std::env::current_exe().map_err(|e| LazyError::Daemon(e.to_string()))?;
         let mut cmd = Command::new(exe);
-        if let Some(u) = &store_url {
+        if let Some(file) = &settings.file {
+            cmd.arg("--config").arg(file);
+        }
+        if let Some(u) = &settings.store_given {
             cmd.arg("--store").arg(u);
         }
         cmd.args(["lazyfs", "serve"])
@@ -42,10 +47,8 @@ pub fn daemon_starter(store_url: Option<String>) -> strata_runtime::StartDaemon 
                     .map_err(|e| LazyError::Daemon(e.to_string()))?,
             )
             .stderr(log)
-            .env(
-                "STRATA_LOG",
-                std::env::var("STRATA_LOG").unwrap_or_else(|_| "info".into()),
-            );
+            .env("STRATA_HOME", &settings.home)
+            .env("STRATA_LOG", settings.log.as_deref().unwrap_or("info"));
         // Its own process group: the daemon outlives this command and its terminal.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         cmd.spawn()
@@ -55,10 +58,10 @@ pub fn daemon_starter(store_url: Option<String>) -> strata_runtime::StartDaemon 
 }
 
 /// Connects to the daemon, starting it if none is running.
-pub fn client(store_url: Option<&str>) -> Result<Client> {
-    let start = daemon_starter(store_url.map(str::to_string));
+pub fn client(settings: &Settings) -> Result<Client> {
+    let start = daemon_starter(settings);
     Ok(connect_or_start(
-        &paths(),
+        &paths(settings),
         Duration::from_secs(15),
         move || start(),
     )?)
@@ -81,60 +84,41 @@ pub enum CacheCommand {
 
 #[derive(Subcommand)]
 pub enum LazyfsCommand {
-    /// Run the lazyfs daemon in the foreground (normally started on demand).
+    /// Run the lazyfs daemon in the foreground (normally started on demand). Each flag
+    /// overrides its setting (environment, strata.toml).
     Serve {
-        /// Local chunk cache bound.
-        #[arg(long, env = "STRATA_CACHE_MAX", default_value = "10G", value_parser = parse_size)]
-        cache_max: u64,
-        /// How long a read waits for an unreachable store before failing with EIO.
-        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-        fetch_timeout: Duration,
-        /// How long a layer stays mounted after the last sandbox using it goes.
-        #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
-        idle_detach: Duration,
+        /// Local chunk cache bound (env STRATA_CACHE_MAX; default 10G).
+        #[arg(long, value_parser = parse_size)]
+        cache_max: Option<u64>,
+        /// How long a read waits for an unreachable store before failing with EIO
+        /// (default 30s).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        fetch_timeout: Option<Duration>,
+        /// How long a layer stays mounted after the last sandbox using it goes (default
+        /// 60s).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        idle_detach: Option<Duration>,
         /// How layer images are mounted: `file` (straight from the image file, Linux
-        /// 6.12+), `loop` (through loop devices, any kernel), or `auto` (probe once).
-        #[arg(long, env = "STRATA_EROFS_MOUNT", value_enum, default_value_t = ErofsMount::Auto)]
-        erofs_mount: ErofsMount,
+        /// 6.12+), `loop` (through loop devices, any kernel), or `auto` (probe once; the
+        /// default). Env STRATA_EROFS_MOUNT.
+        #[arg(long, value_enum)]
+        erofs_mount: Option<ErofsMount>,
     },
     /// Stop the daemon, unmounting everything it serves.
     Stop,
 }
 
-/// How the daemon mounts layer images (`--erofs-mount`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ErofsMount {
-    Auto,
-    File,
-    Loop,
-}
-
-impl ErofsMount {
-    pub fn source(self) -> Option<strata_lazyfs::mounts::ErofsSource> {
-        use strata_lazyfs::mounts::ErofsSource;
-        match self {
-            ErofsMount::Auto => None,
-            ErofsMount::File => Some(ErofsSource::File),
-            ErofsMount::Loop => Some(ErofsSource::Loop),
-        }
-    }
-}
-
-pub async fn serve(
-    store: Store,
-    cache_max: u64,
-    fetch_timeout: Duration,
-    idle_detach: Duration,
-    erofs: Option<strata_lazyfs::mounts::ErofsSource>,
-) -> Result<i32> {
+/// Runs the daemon in the foreground with the settings' cache bound, timeouts and mount
+/// path.
+pub async fn serve(store: Store, settings: &Settings) -> Result<i32> {
     let cfg = strata_lazyfs::daemon::DaemonConfig {
-        paths: paths(),
-        cache_max_bytes: cache_max,
+        paths: paths(settings),
+        cache_max_bytes: settings.cache_max,
         policy: strata_lazyfs::FetchPolicy {
-            timeout: fetch_timeout,
+            timeout: settings.fetch_timeout,
         },
-        idle_detach,
-        erofs,
+        idle_detach: settings.idle_detach,
+        erofs: settings.erofs_mount.source(),
     };
     strata_lazyfs::daemon::serve(cfg, store).await?;
     Ok(0)
@@ -143,12 +127,12 @@ pub async fn serve(
 /// Which daemon a call talks to. Only `layer mount` starts one; queries, unmounts and
 /// stop talk to a running daemon or fail, so they never leave a daemon behind.
 enum Reach {
-    StartIfNeeded(Option<String>),
-    Running,
+    StartIfNeeded(Box<Settings>),
+    Running(Paths),
 }
 
-fn running_client() -> Result<Client> {
-    Client::connect(&paths().socket())
+fn running_client(paths: &Paths) -> Result<Client> {
+    Client::connect(&paths.socket())
         .context("no lazyfs daemon is running (`strata layer mount` starts one)")
 }
 
@@ -156,8 +140,8 @@ fn running_client() -> Result<Client> {
 async fn call(reach: Reach, req: Request) -> Result<Response> {
     tokio::task::spawn_blocking(move || -> Result<Response> {
         let mut c = match reach {
-            Reach::StartIfNeeded(url) => client(url.as_deref())?,
-            Reach::Running => running_client()?,
+            Reach::StartIfNeeded(settings) => client(&settings)?,
+            Reach::Running(paths) => running_client(&paths)?,
         };
         Ok(c.call(&req)?)
     })
@@ -170,10 +154,10 @@ fn absolute(dir: &std::path::Path) -> Result<PathBuf> {
     std::path::absolute(dir).with_context(|| format!("{}", dir.display()))
 }
 
-pub async fn mount(store_url: Option<String>, id: String, dir: PathBuf) -> Result<i32> {
+pub async fn mount(settings: &Settings, id: String, dir: PathBuf) -> Result<i32> {
     let dir = absolute(&dir)?;
     match call(
-        Reach::StartIfNeeded(store_url),
+        Reach::StartIfNeeded(Box::new(settings.clone())),
         Request::Mount {
             id,
             dir: dir.clone(),
@@ -191,14 +175,14 @@ pub async fn mount(store_url: Option<String>, id: String, dir: PathBuf) -> Resul
 
 /// Releases a bind `layer mount` made; the daemon refuses any other directory
 /// ([`LazyError::NotBound`]), whatever is mounted there.
-pub async fn umount(dir: PathBuf) -> Result<i32> {
+pub async fn umount(settings: &Settings, dir: PathBuf) -> Result<i32> {
     let dir = absolute(&dir)?;
-    call(Reach::Running, Request::Umount { dir }).await?;
+    call(Reach::Running(paths(settings)), Request::Umount { dir }).await?;
     Ok(0)
 }
 
-pub async fn stats(id: String, json: bool) -> Result<i32> {
-    match call(Reach::Running, Request::Stats { id }).await? {
+pub async fn stats(settings: &Settings, id: String, json: bool) -> Result<i32> {
+    match call(Reach::Running(paths(settings)), Request::Stats { id }).await? {
         Response::Stats(s) => {
             if json {
                 print_json(&s)?;
@@ -230,7 +214,7 @@ pub async fn stats(id: String, json: bool) -> Result<i32> {
     }
 }
 
-pub async fn cache(cmd: CacheCommand) -> Result<i32> {
+pub async fn cache(settings: &Settings, cmd: CacheCommand) -> Result<i32> {
     let (req, json) = match cmd {
         CacheCommand::Stats { json } => (Request::CacheStats, json),
         CacheCommand::Prune { max_size } => (
@@ -240,7 +224,7 @@ pub async fn cache(cmd: CacheCommand) -> Result<i32> {
             false,
         ),
     };
-    match call(Reach::Running, req).await? {
+    match call(Reach::Running(paths(settings)), req).await? {
         Response::CacheStats(s) => {
             if json {
                 print_json(&s)?;
@@ -261,14 +245,15 @@ pub async fn cache(cmd: CacheCommand) -> Result<i32> {
     }
 }
 
-pub async fn stop() -> Result<i32> {
-    if Client::connect(&paths().socket()).is_err() {
+pub async fn stop(settings: &Settings) -> Result<i32> {
+    let paths = paths(settings);
+    if Client::connect(&paths.socket()).is_err() {
         eprintln!("no lazyfs daemon is running");
         return Ok(0);
     }
-    call(Reach::Running, Request::Shutdown).await?;
+    call(Reach::Running(paths.clone()), Request::Shutdown).await?;
     // Returns once the daemon is gone, so a caller may clear its directories or start
     // another at once.
-    strata_lazyfs::wait_stopped(&paths(), Duration::from_secs(120))?;
+    strata_lazyfs::wait_stopped(&paths, Duration::from_secs(120))?;
     Ok(0)
 }

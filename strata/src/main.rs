@@ -1,8 +1,11 @@
 //! The `strata` binary: parses the command line and wires the library crates together.
 //! Nothing here decides how layers or stores work; it only calls into the crates that do.
+//! Every setting (flags, environment, `strata.toml`) is resolved once, in [`config`], and
+//! passed down.
 
 mod build_steps;
 mod catalog;
+mod config;
 mod doctor;
 mod layer;
 mod layer_rm;
@@ -11,9 +14,11 @@ mod output;
 mod sandbox;
 mod store;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use strata_store::{default_store_url, Store, StoreUrl};
+use strata_store::Store;
+
+use crate::config::{DaemonFlags, Settings};
 
 #[derive(Parser)]
 #[command(
@@ -22,10 +27,8 @@ use strata_store::{default_store_url, Store, StoreUrl};
     about = "Layered, lazily loaded sandbox environments for agents"
 )]
 struct Cli {
-    /// Store URL: a directory, file:///dir, or s3://bucket?endpoint=http://host:port.
-    /// Default: a local store under STRATA_HOME.
-    #[arg(long, global = true, env = "STRATA_STORE")]
-    store: Option<String>,
+    #[command(flatten)]
+    global: config::GlobalFlags,
 
     #[command(subcommand)]
     command: Command,
@@ -61,23 +64,52 @@ enum Command {
     },
 }
 
-pub fn open_store(url: Option<&str>) -> Result<Store> {
-    let url = match url {
-        Some(u) => StoreUrl::parse(u)?,
-        None => default_store_url(),
-    };
-    Ok(Store::open(&url)?)
+pub fn open_store(settings: &Settings) -> Result<Store> {
+    Ok(Store::open_with(&settings.store, &settings.store_options)?)
+}
+
+/// Logs to stderr at the configured level (`warn` by default).
+fn init_logging(settings: &Settings) -> Result<()> {
+    let filter = settings.log.as_deref().unwrap_or("warn");
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .with_context(|| format!("log filter `{filter}` (STRATA_LOG or log)"))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+    Ok(())
 }
 
 fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("STRATA_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
+    let daemon = match &cli.command {
+        Command::Lazyfs(lazy::LazyfsCommand::Serve {
+            cache_max,
+            fetch_timeout,
+            idle_detach,
+            erofs_mount,
+        }) => DaemonFlags {
+            cache_max: *cache_max,
+            fetch_timeout: *fetch_timeout,
+            idle_detach: *idle_detach,
+            erofs_mount: *erofs_mount,
+        },
+        _ => DaemonFlags::default(),
+    };
+    let settings = match Settings::load(
+        &cli.global,
+        &daemon,
+        &config::process_env,
+        config::running_as_root(),
+    )
+    .and_then(|s| init_logging(&s).map(|()| s))
+    {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(1);
+        }
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -89,31 +121,19 @@ fn main() {
         }
     };
     let result = runtime.block_on(async {
-        let url = cli.store.clone();
+        let s = &settings;
         match cli.command {
-            Command::Layer(c) => layer::run(url, c).await,
-            Command::Store(c) => store::run(&open_store(url.as_deref())?, c).await,
-            Command::Catalog(c) => catalog::run(&open_store(url.as_deref())?, c).await,
-            Command::Cache(c) => lazy::cache(c).await,
-            Command::Lazyfs(lazy::LazyfsCommand::Serve {
-                cache_max,
-                fetch_timeout,
-                idle_detach,
-                erofs_mount,
-            }) => {
-                lazy::serve(
-                    open_store(url.as_deref())?,
-                    cache_max,
-                    fetch_timeout,
-                    idle_detach,
-                    erofs_mount.source(),
-                )
-                .await
+            Command::Layer(c) => layer::run(s, c).await,
+            Command::Store(c) => store::run(&open_store(s)?, c).await,
+            Command::Catalog(c) => catalog::run(&open_store(s)?, &s.registrant, c).await,
+            Command::Cache(c) => lazy::cache(s, c).await,
+            Command::Lazyfs(lazy::LazyfsCommand::Serve { .. }) => {
+                lazy::serve(open_store(s)?, s).await
             }
-            Command::Lazyfs(lazy::LazyfsCommand::Stop) => lazy::stop().await,
-            Command::Run(a) => sandbox::run(&open_store(url.as_deref())?, url, a).await,
-            Command::Sandbox(c) => sandbox::sandbox(&open_store(url.as_deref())?, url, c).await,
-            Command::Doctor { json } => doctor::run(url, json),
+            Command::Lazyfs(lazy::LazyfsCommand::Stop) => lazy::stop(s).await,
+            Command::Run(a) => sandbox::run(&open_store(s)?, s, a).await,
+            Command::Sandbox(c) => sandbox::sandbox(&open_store(s)?, s, c).await,
+            Command::Doctor { json } => doctor::run(s, json),
         }
     });
     match result {

@@ -12,8 +12,9 @@ use strata_catalog::{Backend, Budgets, Catalog};
 use strata_runtime::{
     ExecRequest, ExecResult, Overrides, Runtime, RuntimeConfig, SandboxSpec, Stdin, Stream,
 };
-use strata_store::{strata_home, Store};
+use strata_store::Store;
 
+use crate::config::Settings;
 use crate::lazy::daemon_starter;
 use crate::output::{human_bytes, print_json};
 
@@ -188,34 +189,34 @@ pub enum SandboxCommand {
     },
 }
 
-fn agent_path() -> Result<PathBuf> {
-    if let Ok(p) = std::env::var("STRATA_AGENT") {
-        return Ok(PathBuf::from(p));
+/// The `strata-agent` binary: as configured, else beside this one.
+fn agent_path(settings: &Settings) -> Result<PathBuf> {
+    if let Some(p) = &settings.agent {
+        return Ok(p.clone());
     }
     let exe = std::env::current_exe().context("locating the strata binary")?;
     Ok(exe.with_file_name("strata-agent"))
 }
 
-/// The local runtime's state directory (`$STRATA_HOME/runtime`).
-pub fn runtime_dir() -> PathBuf {
-    strata_home().join("runtime")
-}
-
-/// The local runtime's settings, from the environment and the binary's location.
-pub fn runtime_config(store_url: Option<String>) -> Result<RuntimeConfig> {
+/// The local runtime's settings, from the binary's settings and its location.
+pub fn runtime_config(settings: &Settings) -> Result<RuntimeConfig> {
     let lazyfs = strata_runtime::LazyfsAccess {
-        paths: crate::lazy::paths(),
-        start: daemon_starter(store_url),
+        paths: crate::lazy::paths(settings),
+        start: daemon_starter(settings),
     };
-    let mut cfg = RuntimeConfig::new(runtime_dir(), lazyfs, agent_path()?)?;
-    cfg.container_agent = std::env::current_exe()
-        .ok()
-        .and_then(|exe| strata_runtime::static_agent_for(&exe));
+    let mut cfg = RuntimeConfig::new(settings.runtime_dir(), lazyfs, agent_path(settings)?);
+    cfg.oci_runtime = settings.oci_runtime.clone();
+    cfg.vm = settings.vm.clone();
+    cfg.container_agent = settings.static_agent.clone().or_else(|| {
+        std::env::current_exe()
+            .ok()
+            .and_then(|exe| strata_runtime::static_agent_for(&exe))
+    });
     Ok(cfg)
 }
 
-pub fn open_runtime(store_url: Option<String>) -> Result<Runtime> {
-    Ok(Runtime::open(runtime_config(store_url)?)?)
+pub fn open_runtime(settings: &Settings) -> Result<Runtime> {
+    Ok(Runtime::open(runtime_config(settings)?)?)
 }
 
 async fn resolve(store: &Store, catalog_id: &str, options: &SandboxOptions) -> Result<SandboxSpec> {
@@ -240,14 +241,10 @@ fn print_sink() -> impl FnMut(Stream, &[u8]) {
     }
 }
 
-/// Keeps `STRATA_POOL` (default 2) ready pieces waiting, so the next create on this host
-/// skips their cost: writable uppers of the disk budget just used and, for fncall,
-/// agents already in their cgroups. Done after the command's own work.
-fn top_up_pool(rt: &Runtime, spec: &SandboxSpec) {
-    let target = std::env::var("STRATA_POOL")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(2);
+/// Keeps `target` ready pieces waiting (the `pool` setting, `STRATA_POOL`), so the next
+/// create on this host skips their cost: writable uppers of the disk budget just used and,
+/// for fncall, agents already in their cgroups. Done after the command's own work.
+fn top_up_pool(rt: &Runtime, spec: &SandboxSpec, target: usize) {
     // VMs take an unmounted disk image, not a mounted upper.
     if matches!(spec.backend, Backend::Fncall | Backend::Container) {
         if let Err(e) = rt.fill_uppers(spec.limits.disk_bytes, target) {
@@ -281,7 +278,7 @@ fn duration(text: &Option<String>) -> Result<Option<Duration>> {
         .transpose()
 }
 
-pub async fn run(store: &Store, store_url: Option<String>, args: RunArgs) -> Result<i32> {
+pub async fn run(store: &Store, settings: &Settings, args: RunArgs) -> Result<i32> {
     let spec = resolve(store, &args.catalog_id, &args.options).await?;
     let argv = match (&args.named, args.cmd.is_empty()) {
         (Some(name), true) => {
@@ -298,8 +295,9 @@ pub async fn run(store: &Store, store_url: Option<String>, args: RunArgs) -> Res
         (Some(_), false) => bail!("give either --command NAME or a command after --, not both"),
         (None, true) => bail!("nothing to run: add `-- CMD...` or `--command NAME`"),
     };
+    let settings = settings.clone();
     tokio::task::spawn_blocking(move || -> Result<i32> {
-        let rt = open_runtime(store_url)?;
+        let rt = open_runtime(&settings)?;
         let sandbox = rt.create_owned(spec)?;
         let req = ExecRequest {
             argv,
@@ -309,7 +307,7 @@ pub async fn run(store: &Store, store_url: Option<String>, args: RunArgs) -> Res
         let spec = sandbox.spec().clone();
         let result = sandbox.exec_streaming(&req, &mut print_sink());
         let destroyed = sandbox.destroy();
-        top_up_pool(&rt, &spec);
+        top_up_pool(&rt, &spec, settings.pool);
         let result = result?;
         destroyed?;
         report_budget(&result);
@@ -323,7 +321,8 @@ fn split_remote(arg: &str) -> Option<(&str, &str)> {
     (path.starts_with('/') && !id.is_empty() && !id.contains('/')).then_some((id, path))
 }
 
-pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxCommand) -> Result<i32> {
+pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) -> Result<i32> {
+    let settings = settings.clone();
     if let SandboxCommand::Create {
         options,
         catalog_id,
@@ -333,19 +332,19 @@ pub async fn sandbox(store: &Store, store_url: Option<String>, cmd: SandboxComma
         let spec = resolve(store, catalog_id, options).await?;
         let json = *json;
         return tokio::task::spawn_blocking(move || -> Result<i32> {
-            let rt = open_runtime(store_url)?;
+            let rt = open_runtime(&settings)?;
             let sb = rt.create(spec)?;
             if json {
                 print_json(sb.record())?;
             }
             println!("{}", sb.id());
-            top_up_pool(&rt, sb.spec());
+            top_up_pool(&rt, sb.spec(), settings.pool);
             Ok(0)
         })
         .await?;
     }
     tokio::task::spawn_blocking(move || -> Result<i32> {
-        let rt = open_runtime(store_url)?;
+        let rt = open_runtime(&settings)?;
         match cmd {
             SandboxCommand::Create { .. } => unreachable!("handled above"),
             SandboxCommand::Exec {

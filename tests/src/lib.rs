@@ -261,6 +261,7 @@ pub fn build(
         prefix: None,
         source_label: None,
         provenance: Default::default(),
+        registry: Default::default(),
     };
     rt.block_on(strata_builder::build(store, &req, None))
 }

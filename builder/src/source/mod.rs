@@ -277,11 +277,13 @@ impl Source {
         Ok(Source::Tar(p))
     }
 
-    /// Reads the source into a tree, sending file data to `sink`.
+    /// Reads the source into a tree, sending file data to `sink`; a registry image is
+    /// pulled with `registry`'s settings.
     pub fn read(
         &self,
         kind: LayerKind,
         excludes: &Excludes,
+        registry: &registry::RegistrySettings,
         sink: &dyn ChunkSink,
     ) -> Result<Tree, BuildError> {
         // A base is the bottom of every stack: whiteouts in it have nothing to hide.
@@ -310,7 +312,7 @@ impl Source {
             Source::OciLayout { path, reference } => {
                 oci::read_layout(path, reference.as_deref(), whiteouts, excludes, sink)
             }
-            Source::Registry(r) => registry::read_image(r, whiteouts, excludes, sink),
+            Source::Registry(r) => registry::read_image(r, registry, whiteouts, excludes, sink),
             Source::Git { repo, rev } => read_git(repo, rev, excludes, sink),
             Source::Upper { dir, filter } => upper::read_upper(dir, filter, excludes, sink),
         }

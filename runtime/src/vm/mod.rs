@@ -48,7 +48,8 @@ const TEMPLATE_DISK_BYTES: u64 = 1 << 40;
 /// How long a booting guest may take to answer (TCG on a busy host is slow).
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
-/// How VMs run on this host.
+/// How VMs run on this host. The caller sets it (the `strata` binary, from its settings:
+/// `STRATA_GUEST_DIR`, `STRATA_VM_ACCEL`, `STRATA_VM_TEMPLATES`, `STRATA_QEMU`).
 #[derive(Debug, Clone)]
 pub struct VmConfig {
     /// The guest kernel and its modules (`scripts/guest-kernel.sh`).
@@ -57,18 +58,18 @@ pub struct VmConfig {
     pub accel: String,
     /// Start from a template snapshot instead of booting.
     pub templates: bool,
+    /// The QEMU binary (a name on PATH or a path).
+    pub qemu: PathBuf,
 }
 
-impl VmConfig {
-    /// From `STRATA_GUEST_DIR`, `STRATA_VM_ACCEL` and `STRATA_VM_TEMPLATES` (default: the
-    /// setup script's directory, `auto`, templates on).
-    pub fn from_env() -> VmConfig {
+impl Default for VmConfig {
+    /// The setup script's guest directory, `auto`, templates on, Debian's QEMU.
+    fn default() -> VmConfig {
         VmConfig {
-            guest_dir: std::env::var_os("STRATA_GUEST_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from("/usr/local/lib/strata/guest")),
-            accel: std::env::var("STRATA_VM_ACCEL").unwrap_or_else(|_| "auto".into()),
-            templates: std::env::var("STRATA_VM_TEMPLATES").map_or(true, |v| v != "0"),
+            guest_dir: PathBuf::from("/usr/local/lib/strata/guest"),
+            accel: "auto".into(),
+            templates: true,
+            qemu: PathBuf::from("qemu-system-x86_64"),
         }
     }
 }
@@ -239,7 +240,7 @@ impl VmBackend {
             }
         }
         let t = Instant::now();
-        let kvm = qemu::kvm_works(shape, &self.dir.join("probe"));
+        let kvm = qemu::kvm_works(&self.cfg.qemu, shape, &self.dir.join("probe"));
         let accel = if kvm { Accel::Kvm } else { Accel::Tcg };
         tracing::info!(
             accel = accel.as_str(),
@@ -376,14 +377,16 @@ impl VmBackend {
         }
     }
 
-    /// Starts QEMU (in `cgroup` when given) detached from the caller; its PID.
+    /// Starts QEMU (the binary `qemu`, in `cgroup` when given) detached from the caller;
+    /// its PID.
     fn spawn_qemu(
+        qemu: &Path,
         shape: &MachineShape,
         files: &qemu::MachineFiles,
         log: &Path,
         cgroup: Option<&Cgroup>,
     ) -> Result<std::process::Child, RuntimeError> {
-        let mut cmd = qemu::command(shape, files);
+        let mut cmd = qemu::command(qemu, shape, files);
         let out = std::fs::File::create(log).map_err(RuntimeError::io(log))?;
         let err = out.try_clone().map_err(RuntimeError::io(log))?;
         cmd.stdin(Stdio::null())
@@ -399,7 +402,7 @@ impl VmBackend {
         cmd.spawn().map_err(|e| {
             RuntimeError::Setup(format!(
                 "cannot run {}: {e} (install qemu-system-x86 with scripts/setup.sh)",
-                qemu::binary().display()
+                qemu.display()
             ))
         })
     }
@@ -461,7 +464,7 @@ impl VmBackend {
             );
             let mut h = blake3::Hasher::new();
             h.update(&serde_json::to_vec(shape).unwrap_or_default());
-            let cmd = qemu::command(shape, &files);
+            let cmd = qemu::command(&self.cfg.qemu, shape, &files);
             h.update(cmd.get_program().as_encoded_bytes());
             for arg in cmd.get_args() {
                 h.update(arg.as_encoded_bytes());
@@ -537,7 +540,8 @@ impl VmBackend {
         }
         disks.resize(shape.disk_slots(), disks[1].clone());
         let files = Self::files(work, disks, None);
-        let mut child = Self::spawn_qemu(shape, &files, &work.join("qemu.log"), None)?;
+        let mut child =
+            Self::spawn_qemu(&self.cfg.qemu, shape, &files, &work.join("qemu.log"), None)?;
         let outcome = (|| {
             guest_ping(&files.port_socket, BOOT_TIMEOUT)?;
             // Saved while running (the save stops it at the end), so a restore runs as
@@ -765,7 +769,13 @@ impl VmBackend {
         }
         files.netdev = network.as_ref().map(|(opts, _)| opts.clone());
         files.page_cached_slot = disks.image_layer().map(|(base, _)| qemu::meta_slot(base));
-        let child = Self::spawn_qemu(&shape, &files, &ctx.dir.join("qemu.log"), Some(&ctx.cgroup))?;
+        let child = Self::spawn_qemu(
+            &self.cfg.qemu,
+            &shape,
+            &files,
+            &ctx.dir.join("qemu.log"),
+            Some(&ctx.cgroup),
+        )?;
         let pid = child.id();
         std::thread::spawn(move || {
             let mut child = child;
@@ -1038,6 +1048,7 @@ mod tests {
                 guest_dir: PathBuf::from("/nonexistent"),
                 accel: "tcg".into(),
                 templates: false,
+                qemu: PathBuf::from("qemu-system-x86_64"),
             },
             agent: PathBuf::from("/opt/it's strata/strata-agent"),
             guest_agent: None,

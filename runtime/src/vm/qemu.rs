@@ -111,13 +111,6 @@ pub struct MachineFiles {
     pub page_cached_slot: Option<usize>,
 }
 
-/// The QEMU binary (`STRATA_QEMU` or Debian's).
-pub fn binary() -> PathBuf {
-    std::env::var_os("STRATA_QEMU")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("qemu-system-x86_64"))
-}
-
 /// The host TSC frequency in kHz: a TCG guest told it skips calibration, which otherwise
 /// often hangs under emulation.
 fn host_khz() -> Option<u64> {
@@ -140,9 +133,9 @@ fn host_khz() -> Option<u64> {
 /// Python about twice as slowly (measured here).
 const TCG_CPU: &str = "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt,+cx16";
 
-/// The full command line.
-pub fn command(shape: &MachineShape, files: &MachineFiles) -> Command {
-    let mut cmd = Command::new(binary());
+/// The full command line, running the QEMU binary `qemu`.
+pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Command {
+    let mut cmd = Command::new(qemu);
     let m = shape.machine;
     let machine = match m {
         Machine::Microvm => "microvm,x-option-roms=off,rtc=on",
@@ -397,7 +390,8 @@ impl Qmp {
 /// Whether KVM can run a standard guest here: boots the guest kernel under KVM with the
 /// probe marker and waits for the agent's line on the console. Some hosts expose a
 /// `/dev/kvm` a stock kernel cannot boot on (PVM); they hang, so the probe has a deadline.
-pub fn kvm_works(shape: &MachineShape, scratch: &Path) -> bool {
+/// `qemu` is the QEMU binary.
+pub fn kvm_works(qemu: &Path, shape: &MachineShape, scratch: &Path) -> bool {
     if !Path::new("/dev/kvm").exists() {
         return false;
     }
@@ -426,7 +420,7 @@ pub fn kvm_works(shape: &MachineShape, scratch: &Path) -> bool {
         accel: Accel::Kvm,
         ..shape.clone()
     };
-    let mut cmd = command(&shape, &files);
+    let mut cmd = command(qemu, &shape, &files);
     cmd.stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null());
