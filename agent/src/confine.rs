@@ -11,14 +11,23 @@
 //! agent applies to itself.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::Path;
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
 use strata_agent_proto::policy::{DENIED_SYSCALLS, KEPT_CAPS};
 
-const LAST_CAP: u32 = 40;
+use crate::sys;
+
+/// The symlinks of a sandbox's /dev (name, target).
+pub const DEV_LINKS: [(&str, &str); 5] = [
+    ("ptmx", "pts/ptmx"),
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+];
 
 const NAMESPACE_FLAGS: [u64; 8] = [
     libc::CLONE_NEWNS as u64,
@@ -34,7 +43,7 @@ const NAMESPACE_FLAGS: [u64; 8] = [
 pub fn enter(rootfs: &Path, hostname: &str) -> Result<(), String> {
     mount_filesystems(rootfs)?;
     nix::unistd::sethostname(hostname).map_err(|e| format!("sethostname: {e}"))?;
-    loopback_up()?;
+    sys::loopback_up()?;
     limit_resources()?;
     drop_capabilities().map_err(|e| format!("dropping capabilities: {e}"))?;
     if landlock_usable() {
@@ -138,13 +147,7 @@ fn mount_filesystems(root: &Path) -> Result<(), String> {
             Some("mode=1777,size=65536k"),
         ),
     )?;
-    for (link, to) in [
-        ("ptmx", "pts/ptmx"),
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ] {
+    for (link, to) in DEV_LINKS {
         let _ = std::os::unix::fs::symlink(to, dev.join(link));
     }
     ctx(
@@ -164,105 +167,17 @@ fn mount_filesystems(root: &Path) -> Result<(), String> {
     Ok(())
 }
 
-fn loopback_up() -> Result<(), String> {
-    // SAFETY: a datagram socket and two SIOC*IFFLAGS ioctls on a zeroed ifreq we own.
-    unsafe {
-        let s = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if s < 0 {
-            return Err(format!("socket: {}", std::io::Error::last_os_error()));
-        }
-        let mut req: libc::ifreq = std::mem::zeroed();
-        for (i, b) in b"lo\0".iter().enumerate() {
-            req.ifr_name[i] = *b as libc::c_char;
-        }
-        let mut r = libc::ioctl(s, libc::SIOCGIFFLAGS, &mut req);
-        if r == 0 {
-            req.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
-            r = libc::ioctl(s, libc::SIOCSIFFLAGS, &req);
-        }
-        let err = std::io::Error::last_os_error();
-        libc::close(s);
-        if r != 0 {
-            return Err(format!("bringing up lo: {err}"));
-        }
-    }
-    Ok(())
-}
-
 fn limit_resources() -> Result<(), String> {
     use nix::sys::resource::{setrlimit, Resource};
     ctx("RLIMIT_CORE", setrlimit(Resource::RLIMIT_CORE, 0, 0))?;
     Ok(())
 }
 
-#[repr(C)]
-struct CapHeader {
-    version: u32,
-    pid: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Default)]
-struct CapData {
-    effective: u32,
-    permitted: u32,
-    inheritable: u32,
-}
-
 /// Drops every capability but the shared policy's, from the bounding set too. Allocates
 /// nothing, so a forked child may call it before exec.
 fn drop_capabilities() -> std::io::Result<()> {
-    drop_bounding()?;
-    keep_policy_caps()
-}
-
-/// Removes every capability but the policy's from the bounding set: no later exec, of a
-/// set-user-ID file or not, gets one back.
-fn drop_bounding() -> std::io::Result<()> {
-    for cap in 0..=LAST_CAP {
-        if KEPT_CAPS.iter().any(|(_, c)| *c == cap) {
-            continue;
-        }
-        // SAFETY: PR_CAPBSET_DROP takes a capability number; EINVAL for caps this kernel lacks.
-        let r = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
-        if r != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EINVAL) {
-                return Err(e);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Sets the effective and permitted sets to the policy's, nothing inheritable.
-fn keep_policy_caps() -> std::io::Result<()> {
-    let mut mask = [0u32; 2];
-    for (_, cap) in KEPT_CAPS {
-        mask[(cap / 32) as usize] |= 1 << (cap % 32);
-    }
-    let header = CapHeader {
-        version: 0x2008_0522,
-        pid: 0,
-    };
-    let data = [
-        CapData {
-            effective: mask[0],
-            permitted: mask[0],
-            inheritable: 0,
-        },
-        CapData {
-            effective: mask[1],
-            permitted: mask[1],
-            inheritable: 0,
-        },
-    ];
-    // SAFETY: capset with a v3 header and two data structs.
-    let r = unsafe { libc::syscall(libc::SYS_capset, &header, data.as_ptr()) };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    sys::drop_bounding(KEPT_CAPS)?;
+    sys::keep_caps(KEPT_CAPS)
 }
 
 /// Full access to the sandbox's own tree, read-only /proc and /sys, no device nodes made
@@ -311,18 +226,7 @@ fn filesystem_rules() -> Result<landlock::RulesetCreated, String> {
 /// (Linux 5.13 to 5.18) refuses every rename or link across directories to a confined
 /// process (EXDEV), which breaks package managers and build tools, so it is not used.
 pub fn landlock_usable() -> bool {
-    const LANDLOCK_CREATE_RULESET_VERSION: libc::c_uint = 1;
-    // SAFETY: landlock_create_ruleset with a null attribute and the VERSION flag only
-    // returns the ABI version (or an error); it reads no memory.
-    let abi = unsafe {
-        libc::syscall(
-            libc::SYS_landlock_create_ruleset,
-            std::ptr::null::<u8>(),
-            0usize,
-            LANDLOCK_CREATE_RULESET_VERSION,
-        )
-    };
-    abi >= 2
+    strata_host::landlock_abi() >= 2
 }
 
 /// A ruleset that restricts no file access but makes a new Landlock domain, which is what
@@ -397,43 +301,6 @@ fn seccomp_programs() -> Result<Vec<seccompiler::BpfProgram>, String> {
         .collect()
 }
 
-/// Makes the agent non-dumpable: its memory, environment, descriptors and executable in
-/// /proc are then closed to every process without CAP_SYS_PTRACE (no command has it), and
-/// it cannot be ptraced. Inherited by a fork until the child's exec.
-pub fn not_dumpable() {
-    // SAFETY: prctl(PR_SET_DUMPABLE, 0) takes no pointers.
-    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
-}
-
-/// Marks every descriptor from `from` up close-on-exec, so none of the agent's reaches a
-/// command (std's own exec-error pipe is close-on-exec already).
-fn cloexec_from(from: u32) -> std::io::Result<()> {
-    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
-    // SAFETY: close_range takes no pointers; with CLOEXEC it only sets descriptor flags.
-    let r = unsafe { libc::syscall(libc::SYS_close_range, from, u32::MAX, CLOSE_RANGE_CLOEXEC) };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Becomes `uid`:`gid` with no supplementary groups.
-fn set_ids(uid: u32, gid: u32) -> std::io::Result<()> {
-    let check = |r: libc::c_int| {
-        if r != 0 {
-            Err(std::io::Error::last_os_error())
-        } else {
-            Ok(())
-        }
-    };
-    // SAFETY: setgroups with an empty list, then setgid and setuid: no pointers read.
-    unsafe {
-        check(libc::setgroups(0, std::ptr::null()))?;
-        check(libc::setgid(gid))?;
-        check(libc::setuid(uid))
-    }
-}
-
 /// What a VM guest's command enters on top of the scope: the agent there keeps its
 /// privileges (it sets the clock, mounts, writes cgroups), so each command drops them.
 struct GuestRules {
@@ -493,24 +360,16 @@ impl Jail {
     /// Enters the jail as `uid`:`gid`. Only system calls, nothing allocated on success: it
     /// runs in a forked child of the multi-threaded agent.
     pub fn enter(&self, uid: u32, gid: u32) -> std::io::Result<()> {
-        cloexec_from(3)?;
+        sys::cloexec_from(3)?;
         if self.guest.is_some() {
-            // SAFETY: prctl(PR_SET_NO_NEW_PRIVS, 1) takes no pointers.
-            if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            drop_bounding()?;
-            let zero = libc::rlimit {
-                rlim_cur: 0,
-                rlim_max: 0,
-            };
-            // SAFETY: setrlimit with a valid rlimit struct.
-            unsafe { libc::setrlimit(libc::RLIMIT_CORE, &zero) };
+            sys::no_new_privs()?;
+            sys::drop_bounding(KEPT_CAPS)?;
+            sys::no_core_dumps();
         }
-        set_ids(uid, gid)?;
+        sys::set_ids(uid, gid)?;
         if self.guest.is_some() && uid == 0 {
             // A non-root user lost every capability with setuid; root keeps the policy's.
-            keep_policy_caps()?;
+            sys::keep_caps(KEPT_CAPS)?;
         }
         self.restrict()?;
         if let Some(g) = &self.guest {
@@ -525,14 +384,9 @@ impl Jail {
     }
 
     fn restrict(&self) -> std::io::Result<()> {
-        let Some(fd) = &self.ruleset else {
-            return Ok(());
-        };
-        // SAFETY: landlock_restrict_self with a ruleset descriptor we own and no flags.
-        let r = unsafe { libc::syscall(libc::SYS_landlock_restrict_self, fd.as_raw_fd(), 0) };
-        if r != 0 {
-            return Err(std::io::Error::last_os_error());
+        match &self.ruleset {
+            Some(fd) => sys::landlock_restrict(fd),
+            None => Ok(()),
         }
-        Ok(())
     }
 }

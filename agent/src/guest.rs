@@ -15,7 +15,6 @@ use std::collections::HashMap;
 use std::ffi::CString;
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
@@ -88,13 +87,13 @@ fn boot() -> Result<(), String> {
     // does not run it again: its kernel filesystems (moved into the root at setup), the
     // budget cgroup and the loopback interface.
     kernel_filesystems()?;
-    interface_up("lo", None)?;
+    crate::sys::interface_up("lo", None)?;
     let _ = BOOT_DISKS.set(scan_disks());
     if cmdline.split_whitespace().any(|w| w == "strata.probe") {
         // The accelerator probe: reaching here proves the guest boots.
         console("strata-probe-ok");
-        // SAFETY: reboot(2) ends the VM (QEMU runs with -no-reboot).
-        unsafe { libc::reboot(libc::LINUX_REBOOT_CMD_RESTART) };
+        // Ends the VM (QEMU runs with -no-reboot).
+        let _ = nix::sys::reboot::reboot(nix::sys::reboot::RebootMode::RB_AUTOBOOT);
     }
     let port = find_port(Duration::from_secs(30))?;
     console(&format!("strata-agent: serving on {}", port.display()));
@@ -116,13 +115,9 @@ fn load_module_list(list: &str, wanted: impl Fn(&str) -> bool) -> Result<(), Str
         }
         let path = format!("{MODULES}/{name}.ko");
         let f = File::open(&path).map_err(|e| format!("{path}: {e}"))?;
-        // SAFETY: finit_module with a descriptor we own and an empty parameter string.
-        let r = unsafe { libc::syscall(libc::SYS_finit_module, f.as_raw_fd(), c"".as_ptr(), 0) };
-        if r != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EEXIST) {
-                return Err(format!("loading module {name}: {e}"));
-            }
+        match nix::kmod::finit_module(&f, c"", nix::kmod::ModuleInitFlags::empty()) {
+            Ok(()) | Err(nix::errno::Errno::EEXIST) => {}
+            Err(e) => return Err(format!("loading module {name}: {e}")),
         }
     }
     Ok(())
@@ -334,29 +329,23 @@ fn set_up(s: &GuestSetup) -> Result<(), String> {
     Ok(())
 }
 
-nix::ioctl_none!(blk_reread_partitions, 0x12, 95);
-
 /// Drops the pages the kernel cached from a disk: in a guest restored from a template
 /// they came from the template's placeholder, not from this sandbox's file.
 fn forget_disk_contents(dev: &str) -> Result<(), String> {
     let f = File::open(dev).map_err(|e| format!("{dev}: {e}"))?;
-    // SAFETY: fadvise on a descriptor we own; the whole device, no memory passed.
-    let r = unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    if r != 0 {
-        return Err(format!(
-            "dropping the cached pages of {dev}: {}",
-            std::io::Error::from_raw_os_error(r)
-        ));
-    }
-    Ok(())
+    nix::fcntl::posix_fadvise(
+        &f,
+        0,
+        0,
+        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED,
+    )
+    .map_err(|e| format!("dropping the cached pages of {dev}: {e}"))
 }
 
 /// Reads a disk's partition table again (a template's placeholder had none).
 fn reread_partitions(dev: &str) -> Result<(), String> {
     let f = File::open(dev).map_err(|e| format!("{dev}: {e}"))?;
-    // SAFETY: BLKRRPART takes no argument; nothing has the disk's partitions open.
-    unsafe { blk_reread_partitions(f.as_raw_fd()) }
-        .map(drop)
+    crate::sys::reread_partitions(&f)
         .map_err(|e| format!("reading the partition table of {dev}: {e}"))
 }
 
@@ -548,13 +537,7 @@ fn sandbox_devices() -> Result<(), String> {
         // mknod applies the umask.
         let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666));
     }
-    for (link, to) in [
-        ("ptmx", "pts/ptmx"),
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ] {
+    for (link, to) in crate::confine::DEV_LINKS {
         let path = format!("{SANDBOX_DEV}/{link}");
         std::os::unix::fs::symlink(to, &path).map_err(|e| format!("{path}: {e}"))?;
     }
@@ -619,7 +602,7 @@ fn network(net: &strata_agent_proto::GuestNetwork) -> Result<(), String> {
         .address
         .parse()
         .map_err(|_| format!("bad guest address {}", net.address))?;
-    interface_up(&nic, Some((addr, net.prefix)))?;
+    crate::sys::interface_up(&nic, Some((addr, net.prefix)))?;
     let mut hosts = std::fs::read_to_string("/etc/hosts").unwrap_or_default();
     if !hosts.is_empty() && !hosts.ends_with('\n') {
         hosts.push('\n');
@@ -628,58 +611,6 @@ fn network(net: &strata_agent_proto::GuestNetwork) -> Result<(), String> {
         hosts.push_str(&format!("{}\t{}\n", h.address, h.name));
     }
     std::fs::write("/etc/hosts", hosts).map_err(|e| format!("/etc/hosts: {e}"))
-}
-
-/// Brings an interface up, with an IPv4 address when given (`lo` needs none: programs
-/// expect localhost even without a network).
-fn interface_up(name: &str, addr: Option<(std::net::Ipv4Addr, u8)>) -> Result<(), String> {
-    let err = |what: &str| format!("{what} {name}: {}", std::io::Error::last_os_error());
-    // SAFETY: a datagram socket and SIOC* ioctls on zeroed ifreqs naming the interface.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(err("socket for"));
-        }
-        let new_req = || {
-            let mut req: libc::ifreq = std::mem::zeroed();
-            for (i, b) in name.bytes().take(libc::IFNAMSIZ - 1).enumerate() {
-                req.ifr_name[i] = b as libc::c_char;
-            }
-            req
-        };
-        let sockaddr = |ip: std::net::Ipv4Addr| {
-            let mut sa: libc::sockaddr_in = std::mem::zeroed();
-            sa.sin_family = libc::AF_INET as libc::sa_family_t;
-            sa.sin_addr.s_addr = u32::from_ne_bytes(ip.octets());
-            std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sa)
-        };
-        let result = (|| {
-            if let Some((ip, prefix)) = addr {
-                let mut req = new_req();
-                req.ifr_ifru.ifru_addr = sockaddr(ip);
-                if libc::ioctl(fd, libc::SIOCSIFADDR, &req) != 0 {
-                    return Err(err("setting the address of"));
-                }
-                let mask = u32::MAX.checked_shl(32 - prefix as u32).unwrap_or(0);
-                let mut req = new_req();
-                req.ifr_ifru.ifru_netmask = sockaddr(std::net::Ipv4Addr::from(mask));
-                if libc::ioctl(fd, libc::SIOCSIFNETMASK, &req) != 0 {
-                    return Err(err("setting the netmask of"));
-                }
-            }
-            let mut req = new_req();
-            if libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut req) != 0 {
-                return Err(err("reading the flags of"));
-            }
-            req.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
-            if libc::ioctl(fd, libc::SIOCSIFFLAGS, &req) != 0 {
-                return Err(err("bringing up"));
-            }
-            Ok(())
-        })();
-        libc::close(fd);
-        result
-    }
 }
 
 /// The cgroup every command joins: the sandbox's memory and process budgets, enforced by
@@ -709,13 +640,11 @@ fn set_clock_and_entropy(time_ns: u64, seed: &[u8]) -> Result<(), String> {
         tv_sec: (time_ns / 1_000_000_000) as libc::time_t,
         tv_nsec: (time_ns % 1_000_000_000) as libc::c_long,
     };
-    // SAFETY: clock_settime with a valid timespec.
-    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
-        return Err(format!(
-            "setting the clock: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
+    nix::time::clock_settime(
+        nix::time::ClockId::CLOCK_REALTIME,
+        nix::sys::time::TimeSpec::from(ts),
+    )
+    .map_err(|e| format!("setting the clock: {e}"))?;
     if seed.is_empty() {
         return Ok(());
     }
@@ -725,15 +654,7 @@ fn set_clock_and_entropy(time_ns: u64, seed: &[u8]) -> Result<(), String> {
     info.extend_from_slice(&(seed.len() as i32).to_ne_bytes());
     info.extend_from_slice(seed);
     let f = File::open("/dev/urandom").map_err(|e| format!("/dev/urandom: {e}"))?;
-    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
-    // SAFETY: RNDADDENTROPY reads a rand_pool_info of the length its header states.
-    if unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) } != 0 {
-        return Err(format!(
-            "adding entropy: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(())
+    crate::sys::add_entropy(&f, &info).map_err(|e| format!("adding entropy: {e}"))
 }
 
 /// The sandbox cgroup's budget counters and the writable disk's use.

@@ -17,21 +17,22 @@
 //! `guest`); `strata-agent relay` and `connect` are the host-side helpers of a VM (see
 //! `relay`).
 //!
-//! In every role the agent is not dumpable (see [`confine::not_dumpable`]) and holds its
+//! In every role the agent is not dumpable (see `sys::not_dumpable`) and holds its
 //! sandbox's key only in memory.
 
 mod confine;
 mod guest;
 mod relay;
 mod serve;
+mod sys;
 
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixListener;
 use std::sync::Mutex;
 
 use nix::sched::CloneFlags;
-use nix::unistd::{fork, ForkResult};
+use nix::unistd::ForkResult;
 use strata_agent_proto::{AgentError, AgentMsg, ErrorKind, HostMsg, SandboxBoot, SandboxKey};
 
 const USAGE: &str = "usage: strata-agent sandbox (settings as JSON on stdin) | strata-agent init --listen-fd N --key-fd M | strata-agent relay ... | strata-agent connect ...";
@@ -46,8 +47,7 @@ fn read_boot() -> Result<SandboxBoot, String> {
 
 /// Reads a whole descriptor (a pipe the host filled and closed) and closes it.
 fn read_fd(fd: i32) -> Result<String, String> {
-    // SAFETY: the host passed this descriptor, the read end of a pipe, for us alone.
-    let mut f = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(fd) });
+    let mut f = std::fs::File::from(sys::take_fd(fd));
     let mut text = String::new();
     f.read_to_string(&mut text)
         .map_err(|e| format!("reading descriptor {fd}: {e}"))?;
@@ -77,8 +77,7 @@ fn container_init() -> Result<(), String> {
     };
     let key = SandboxKey::from_hex(&read_fd(key)?).map_err(|e| e.to_string())?;
     serve::set_key(key);
-    // SAFETY: the host passed this descriptor, a listening Unix socket, for us alone.
-    let listener = unsafe { UnixListener::from_raw_fd(listen) };
+    let listener = UnixListener::from(sys::take_fd(listen));
     close_inherited_stdio();
     serve::serve(listener, confine::Jail::scope());
     Ok(())
@@ -88,7 +87,7 @@ fn container_init() -> Result<(), String> {
 type Helper = fn(&[String]) -> Result<(), String>;
 
 fn main() {
-    confine::not_dumpable();
+    sys::not_dumpable();
     if let Some(v) = std::env::var("STRATA_AGENT_PROTOCOL")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -151,8 +150,7 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
             .map_err(|e| format!("unshare: {e}"))?;
     }
     let (ready_r, ready_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
-    // SAFETY: the process is single-threaded here; the child only continues this program.
-    match unsafe { fork() }.map_err(|e| format!("fork: {e}"))? {
+    match sys::fork_single_threaded().map_err(|e| format!("fork: {e}"))? {
         ForkResult::Parent { child } => {
             drop(ready_w);
             let mut report = String::new();
@@ -161,8 +159,7 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
                 println!("{child}");
                 Ok(())
             } else {
-                // SAFETY: plain kill(2) of our own child.
-                unsafe { libc::kill(child.as_raw(), libc::SIGKILL) };
+                let _ = nix::sys::signal::kill(child, nix::sys::signal::Signal::SIGKILL);
                 Err(if report.is_empty() {
                     "the sandbox init died during setup".into()
                 } else {
@@ -266,8 +263,7 @@ fn close_inherited_stdio() {
     {
         let fd = OwnedFd::from(null);
         for target in 0..3 {
-            // SAFETY: dup2 onto the standard descriptors.
-            unsafe { libc::dup2(fd.as_raw_fd(), target) };
+            sys::dup_onto(&fd, target);
         }
     }
 }

@@ -124,30 +124,23 @@ fn reap(shared: Shared) {
     loop {
         // Sleep in the kernel until a child has exited, without reaping it yet: polling
         // would take the CPU from the commands (in a TCG guest, a lot of it).
-        // SAFETY: a zeroed siginfo_t is valid; waitid fills it.
-        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
-        // SAFETY: waitid on any child with a valid out pointer; WNOWAIT leaves it waitable.
-        let r = unsafe { libc::waitid(libc::P_ALL, 0, &mut info, libc::WEXITED | libc::WNOWAIT) };
+        let exited = crate::sys::wait_for_exit();
         let mut c = lock.lock().unwrap_or_else(|p| p.into_inner());
-        if r != 0 {
+        let Some(pid) = exited else {
             // No child at all: wait for a command to start. A command already started but
             // not yet seen by waitid is checked for first, so its exit is not missed.
             let running = c.spawning > 0 || c.owned.iter().any(|p| !c.exited.contains_key(p));
             let wait = Duration::from_millis(if running { 1 } else { 50 });
             let _ = cv.wait_timeout(c, wait);
             continue;
-        }
+        };
         // While a command is being spawned the reaper keeps off: std reaps a child whose
         // exec failed itself, and a fast-exiting command is not registered yet.
         while c.spawning > 0 {
             c = cv.wait(c).unwrap_or_else(|p| p.into_inner());
         }
-        // SAFETY: si_pid of a filled-in CLD_* siginfo.
-        let pid = unsafe { info.si_pid() };
-        let mut status = 0;
-        // SAFETY: waitpid on that child; WNOHANG never blocks.
-        let got = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
-        if got == pid && c.owned.contains(&pid) {
+        let status = crate::sys::reap(pid);
+        if let Some(status) = status.filter(|_| c.owned.contains(&pid)) {
             c.exited.insert(pid, status);
             cv.notify_all();
         }
@@ -258,31 +251,14 @@ fn exec(
         .stderr(Stdio::piped());
     let procs = COMMAND_CGROUP.get().cloned();
     let (uid, gid) = (spec.uid, spec.gid);
-    // SAFETY: between fork and exec only system calls run (open, write, close, prctl,
-    // capset, setuid, landlock, seccomp), all async-signal-safe; nothing is allocated.
-    unsafe {
-        cmd.pre_exec(move || {
-            if let Some(procs) = &procs {
-                // Join the budget cgroup, and be an OOM victim again (the agent is not).
-                for (path, value) in [
-                    (procs.as_ptr(), &b"0"[..]),
-                    (c"/proc/self/oom_score_adj".as_ptr(), &b"0"[..]),
-                ] {
-                    let fd = libc::open(path, libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    let ok =
-                        libc::write(fd, value.as_ptr().cast(), value.len()) == value.len() as isize;
-                    libc::close(fd);
-                    if !ok {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-            }
-            jail.enter(uid, gid)
-        });
-    }
+    crate::sys::before_exec(&mut cmd, move || {
+        if let Some(procs) = &procs {
+            // Join the budget cgroup, and be an OOM victim again (the agent is not).
+            crate::sys::write_now(procs, b"0")?;
+            crate::sys::write_now(c"/proc/self/oom_score_adj", b"0")?;
+        }
+        jail.enter(uid, gid)
+    });
     let (lock, cv) = &*shared;
     lock.lock().unwrap_or_else(|p| p.into_inner()).spawning += 1;
     let spawned = cmd.spawn();
@@ -364,8 +340,8 @@ fn exec(
             }
             Ok(Some(Frame::Data(FrameKind::StdinEof, _))) => stdin = None,
             Ok(Some(Frame::Control(HostMsg::Signal { signal }))) => {
-                // SAFETY: signals the command's own process group.
-                unsafe { libc::kill(-pid, signal) };
+                // The command's own process group.
+                crate::sys::signal_group(pid, signal);
             }
             Ok(Some(_)) => {}
             // Host gone: the command keeps running, like a detached exec.

@@ -3,7 +3,6 @@
 //! EROFS reader independent of our writer.
 
 use std::collections::HashMap;
-use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -74,21 +73,6 @@ pub fn open_image(
     }
 }
 
-fn cstr(p: &Path) -> Result<CString, BuildError> {
-    CString::new(p.as_os_str().as_bytes()).map_err(|_| BuildError::BadEntry {
-        path: p.display().to_string(),
-        reason: "path contains a NUL byte".into(),
-    })
-}
-
-fn check(path: &Path, rc: libc::c_int) -> Result<(), BuildError> {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io_err(path)(std::io::Error::last_os_error()))
-    }
-}
-
 /// Writes the tree of an EROFS image into `dest` (which must be empty or missing):
 /// contents, modes, owners (when run as root), xattrs, hard links, devices and times.
 pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, BuildError> {
@@ -103,8 +87,7 @@ pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, 
             reason: "export target is not empty".into(),
         });
     }
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
+    let root = nix::unistd::geteuid().is_root();
     let bad = |e: erofs_rs::Error| BuildError::Source(format!("reading image: {e}"));
     let mut report = ExportReport::default();
     let mut first_path: HashMap<u64, PathBuf> = HashMap::new();
@@ -174,11 +157,13 @@ pub fn export_image(fs: &EroFS<MmapImage>, dest: &Path) -> Result<ExportReport, 
                     .device()
                     .map(|(ma, mi)| libc::makedev(ma, mi))
                     .unwrap_or(0);
-                let c = cstr(&target)?;
-                // SAFETY: c is a valid NUL-terminated path.
-                check(&target, unsafe {
-                    libc::mknod(c.as_ptr(), mode | perm, dev)
-                })?;
+                nix::sys::stat::mknod(
+                    &target,
+                    nix::sys::stat::SFlag::from_bits_truncate(mode),
+                    nix::sys::stat::Mode::from_bits_truncate(perm),
+                    dev,
+                )
+                .map_err(|e| io_err(&target)(std::io::Error::from_raw_os_error(e as i32)))?;
             }
         }
         apply_meta(fs, &target, &ino, root)?;
@@ -198,7 +183,6 @@ fn apply_meta(
 ) -> Result<(), BuildError> {
     let bad = |e: erofs_rs::Error| BuildError::Source(format!("reading image: {e}"));
     let is_link = ino.is_symlink();
-    let c = cstr(path)?;
     // chown clears setuid bits and file capabilities: owner first, then mode, then xattrs.
     if root {
         std::os::unix::fs::lchown(path, Some(ino.uid()), Some(ino.gid())).map_err(io_err(path))?;
@@ -212,39 +196,19 @@ fn apply_meta(
         if !root && !name.starts_with(b"user.") {
             continue;
         }
-        let name =
-            CString::new(name).map_err(|_| BuildError::Internal("xattr name with NUL".into()))?;
-        // SAFETY: pointers are valid for the given lengths.
-        check(path, unsafe {
-            libc::lsetxattr(
-                c.as_ptr(),
-                name.as_ptr(),
-                value.as_ptr().cast(),
-                value.len(),
-                0,
-            )
-        })?;
+        // Set on the entry itself, never through a symlink.
+        xattr::set(path, std::ffi::OsStr::from_bytes(&name), &value).map_err(io_err(path))?;
     }
     let (secs, nsec) = ino.modified_unix();
-    let times = [
-        libc::timespec {
-            tv_sec: secs,
-            tv_nsec: nsec as _,
-        },
-        libc::timespec {
-            tv_sec: secs,
-            tv_nsec: nsec as _,
-        },
-    ];
-    // SAFETY: c is a valid path and times has two entries.
-    check(path, unsafe {
-        libc::utimensat(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            times.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    })
+    let t = nix::sys::time::TimeSpec::new(secs, nsec as _);
+    nix::sys::stat::utimensat(
+        nix::fcntl::AT_FDCWD,
+        path,
+        &t,
+        &t,
+        nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+    )
+    .map_err(|e| io_err(path)(std::io::Error::from_raw_os_error(e as i32)))
 }
 
 /// Exports layer `m` from the store into `dest`, using `scratch` for its image files.
