@@ -147,6 +147,21 @@ pub fn attach(file: &Path, opts: Options) -> io::Result<LoopDevice> {
     )))
 }
 
+impl LoopDevice {
+    /// Sets how far the kernel reads ahead on the device (`queue/read_ahead_kb`).
+    pub fn set_read_ahead(&self, kib: u32) -> io::Result<()> {
+        let name = self
+            .path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        std::fs::write(
+            format!("/sys/block/{name}/queue/read_ahead_kb"),
+            kib.to_string(),
+        )
+    }
+}
+
 /// The file loop device `dev` (`/dev/loopN`) is bound to, if it is bound.
 pub fn backing_file(dev: &Path) -> Option<PathBuf> {
     let name = dev.file_name()?.to_str()?;

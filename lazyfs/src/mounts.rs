@@ -11,6 +11,13 @@ fn nix_io(e: nix::Error) -> io::Error {
 
 pub use strata_host::ErofsSource;
 
+/// The blob's loop device reads the FUSE file buffered: direct I/O measured slower (0.74×
+/// against 0.83× of the file-backed path's warm reads, bench lazyfs suite).
+const BLOB_DIRECT: bool = false;
+/// Readahead of the loop devices: 16 MiB measured 0.88× of the file-backed warm reads,
+/// 4 MiB 0.83×, 128 KiB (the kernel's default) 0.71×, 32 MiB 0.59×.
+const BLOB_READ_AHEAD_KIB: u32 = 16384;
+
 /// Mounts the EROFS image file `meta` at `target`, read-only, with `blob` as its extra
 /// device: straight from the files, or (`Loop`, kernels before 6.12) through loop devices,
 /// the image's read with direct I/O (it is on local disk; cached once, by the device) and
@@ -40,12 +47,19 @@ pub fn mount_erofs(
                 b,
                 Options {
                     read_only: true,
-                    direct_io: false,
+                    direct_io: BLOB_DIRECT,
                     block_size: 4096,
                 },
             )
         })
         .transpose()?;
+    // EROFS reads its files ahead by the primary device's setting (the image's loop
+    // device, 128 KiB by default): as wide as the FUSE blob's own readahead, so a
+    // sequential reader's requests reach the daemon in runs its chunk cache serves well.
+    let _ = meta_dev.set_read_ahead(BLOB_READ_AHEAD_KIB);
+    if let Some(d) = &blob_dev {
+        let _ = d.set_read_ahead(BLOB_READ_AHEAD_KIB);
+    }
     // The devices stay open until the mount holds them, or autoclear would free them.
     mount_erofs_from(
         &meta_dev.path,
