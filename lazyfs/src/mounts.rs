@@ -14,7 +14,7 @@ pub use strata_host::ErofsSource;
 /// The blob's loop device reads the FUSE file buffered: direct I/O measured slower (0.74×
 /// against 0.83× of the file-backed path's warm reads, bench lazyfs suite).
 const BLOB_DIRECT: bool = false;
-/// Readahead of the loop devices: 16 MiB measured 0.88× of the file-backed warm reads,
+/// Readahead of the loop devices: 16 MiB measured 0.83–0.88× of the file-backed warm reads,
 /// 4 MiB 0.83×, 128 KiB (the kernel's default) 0.71×, 32 MiB 0.59×.
 const BLOB_READ_AHEAD_KIB: u32 = 16384;
 
