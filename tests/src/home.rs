@@ -135,6 +135,18 @@ impl CliHome {
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
+    /// Runs `strata ARGS`, asserting it fails; returns its stderr.
+    pub fn refused(&self, args: &[&str]) -> String {
+        let o = self.cli(args);
+        assert!(!o.status.success(), "strata {args:?} succeeded");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    }
+
+    /// Runs `strata ARGS`, asserting success; its stdout as JSON.
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        serde_json::from_str(&self.ok(args)).expect("JSON output")
+    }
+
     pub fn runtime_dir(&self) -> PathBuf {
         self.home.join("runtime")
     }

@@ -71,18 +71,21 @@ fn doctor_names_fuse_and_its_fix_when_fuse_is_hidden() {
     }
     let home = CliHome::new("doctor-");
     // /dev/fuse replaced by /dev/null in a private mount namespace.
-    let o = Command::new("unshare")
-        .args([
-            "-m",
-            "sh",
-            "-c",
-            "mount --bind /dev/null /dev/fuse && exec \"$0\" doctor --json",
-        ])
-        .arg(strata_bin())
-        .env("STRATA_HOME", &home.home)
-        .env("STRATA_STORE", &home.store)
-        .output()
-        .expect("unshare");
+    let hidden = |json: &str| {
+        Command::new("unshare")
+            .args([
+                "-m",
+                "sh",
+                "-c",
+                &format!("mount --bind /dev/null /dev/fuse && exec \"$0\" doctor {json}"),
+            ])
+            .arg(strata_bin())
+            .env("STRATA_HOME", &home.home)
+            .env("STRATA_STORE", &home.store)
+            .output()
+            .expect("unshare")
+    };
+    let o = hidden("--json");
     let r = report(&o);
     assert_eq!(o.status.code(), Some(1), "{r:#}");
     assert_eq!(r["ready"], false);
@@ -95,18 +98,7 @@ fn doctor_names_fuse_and_its_fix_when_fuse_is_hidden() {
             .contains("modprobe fuse"),
         "{fuse}"
     );
-    let text_out = Command::new("unshare")
-        .args([
-            "-m",
-            "sh",
-            "-c",
-            "mount --bind /dev/null /dev/fuse && exec \"$0\" doctor",
-        ])
-        .arg(strata_bin())
-        .env("STRATA_HOME", &home.home)
-        .env("STRATA_STORE", &home.store)
-        .output()
-        .expect("unshare");
+    let text_out = hidden("");
     let text = String::from_utf8_lossy(&text_out.stdout);
     assert!(
         text.contains("FAIL  fuse") && text.contains("fix: modprobe fuse"),

@@ -5,51 +5,10 @@
 //! registered entry uses is refused with the entry named. No root needed.
 
 use std::collections::{BTreeSet, HashSet};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::path::Path;
 
 use strata_builder::{LayerKind, Source};
 use strata_tests::*;
-
-/// `strata ARGS` against `store`, in a private STRATA_HOME (no sandboxes in it).
-struct Cli {
-    home: PathBuf,
-    store: PathBuf,
-}
-
-impl Cli {
-    fn run(&self, args: &[&str]) -> Output {
-        Command::new(strata_bin())
-            .env("STRATA_HOME", &self.home)
-            .arg("--store")
-            .arg(&self.store)
-            .args(args)
-            .output()
-            .expect("running strata")
-    }
-
-    fn ok(&self, args: &[&str]) -> String {
-        let o = self.run(args);
-        assert!(
-            o.status.success(),
-            "strata {args:?}: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
-    /// Runs `strata ARGS`, asserting it fails; returns its stderr.
-    fn refused(&self, args: &[&str]) -> String {
-        let o = self.run(args);
-        assert!(!o.status.success(), "strata {args:?} succeeded");
-        String::from_utf8_lossy(&o.stderr).into_owned()
-    }
-
-    fn json(&self, args: &[&str]) -> serde_json::Value {
-        serde_json::from_str(&self.ok(args)).expect("JSON output")
-    }
-}
 
 /// What the layers left in a local store reference, read from the files themselves.
 struct Referenced {
@@ -120,10 +79,8 @@ fn objects(store: &Path, prefix: &str) -> BTreeSet<String> {
 fn removed_versions_and_layers_are_collected_and_used_layers_are_refused() {
     let rt = runtime();
     let work = tempfile::tempdir_in(scratch_root()).unwrap();
-    let cli = Cli {
-        home: work.path().join("home"),
-        store: work.path().join("store"),
-    };
+    // A private STRATA_HOME (no sandboxes in it) and store.
+    let cli = strata_tests::home::CliHome::new("retention-");
     let store =
         strata_store::Store::open(&strata_store::StoreUrl::Local(cli.store.clone())).unwrap();
 
@@ -284,7 +241,7 @@ fn removed_versions_and_layers_are_collected_and_used_layers_are_refused() {
     );
 
     // --force removes a used layer anyway, and says who used it.
-    let o = cli.run(&["layer", "rm", "--force", &workspaces[2]]);
+    let o = cli.cli(&["layer", "rm", "--force", &workspaces[2]]);
     assert!(o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(
