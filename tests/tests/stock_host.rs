@@ -198,15 +198,16 @@ STRATA_STATIC_AGENT = "/opt/strata/static/strata-agent"
         );
         assert_eq!(code, Some(137), "{backend} memory: {out}{err}");
         assert!(err.contains("budget exceeded: memory"), "{backend}: {err}");
-        // Processes: a fork bomb is contained.
-        let (out, err, _) = run(
+        // Processes: more processes than the budget, each staying (a bomb of short-lived
+        // forks can end before it reaches the budget in an emulated guest).
+        let (out, err, code) = run(
             "--pids 64 --timeout 5s",
-            "-- bash -c 'bomb() { bomb | bomb & }; bomb; wait'",
+            "-- sh -c 'for i in $(seq 100); do sleep 30 & done; wait'",
         );
-        assert!(
-            err.contains("budget exceeded: pids"),
-            "{backend} pids: {out}{err}"
-        );
+        if !err.contains("budget exceeded: pids") {
+            let (dmesg, _, _) = inside("dmesg | tail -20; strata sandbox ls");
+            panic!("{backend} pids: code {code:?}: {out}{err}\ninside: {dmesg}");
+        }
         // Wall clock.
         let t = Instant::now();
         let (_, err, code) = run("--timeout 2s", "-- sleep 120");
