@@ -109,10 +109,14 @@ fn a_hostile_command_cannot_take_over_the_agent() {
 /// another build is refused with both versions named, and a pool of them is drained.
 #[test]
 fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
-    let Some(env) = env("runtime_agent_version") else {
+    let Some(shared) = env("runtime_agent_version") else {
         return;
     };
-    let ready = env.cli.runtime_dir().join("pool/ready");
+    // A home of its own (the same store): the other tests' creates refill their home's
+    // pool meanwhile, and must neither take this test's old agents nor give it new ones.
+    let home = shared.cli.sharing_store("runtime-version-");
+    let reference = shared.reference.clone();
+    let ready = home.runtime_dir().join("pool/ready");
     let pool_pids = || -> Vec<u32> {
         std::fs::read_dir(&ready)
             .map(|rd| {
@@ -125,9 +129,9 @@ fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
             })
             .unwrap_or_default()
     };
-    env.ok(&["sandbox", "pool", "--drain"]);
+    home.ok(&["sandbox", "pool", "--drain"]);
     // Agents that answer as protocol v1 (an older build's pool).
-    let o = env
+    let o = home
         .cmd(&["sandbox", "pool", "--fill", "2"])
         .env("STRATA_AGENT_PROTOCOL", "1")
         .output()
@@ -136,8 +140,8 @@ fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
     let old = pool_pids();
     assert_eq!(old.len(), 2, "pool: {old:?}");
     // A create claims one, is refused, drains the rest and starts its agent cold.
-    let o = env
-        .cmd(&["sandbox", "create", "--backend", "fncall", &env.reference])
+    let o = home
+        .cmd(&["sandbox", "create", "--backend", "fncall", &reference])
         .env("STRATA_POOL", "0")
         .output()
         .unwrap();
@@ -149,7 +153,7 @@ fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
         "the refusal names both versions: {err}"
     );
     let id = out.lines().last().unwrap().trim().to_string();
-    let o = env.sh(&id, "echo fresh");
+    let o = home.cli(&["sandbox", "exec", &id, "--", "sh", "-c", "echo fresh"]);
     assert_eq!(text(&o).0, "fresh\n", "{}", text(&o).1);
     for pid in &old {
         let alive =
@@ -157,10 +161,10 @@ fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
         assert!(!alive, "pooled agent {pid} of protocol v1 still runs");
     }
     assert!(pool_pids().is_empty(), "the stale pool was not drained");
-    env.ok(&["sandbox", "rm", &id]);
+    home.ok(&["sandbox", "rm", &id]);
     // Started cold, such an agent is refused at once, naming both versions.
-    let o = env
-        .cmd(&["run", "--backend", "fncall", &env.reference, "--", "true"])
+    let o = home
+        .cmd(&["run", "--backend", "fncall", &reference, "--", "true"])
         .env("STRATA_AGENT_PROTOCOL", "1")
         .env("STRATA_POOL", "0")
         .output()
