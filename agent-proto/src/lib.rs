@@ -26,6 +26,15 @@ pub use msg::*;
 /// so that a mismatch is always reported with both numbers.
 pub const PROTOCOL_VERSION: u32 = 2;
 
+/// The fields of /proc/PID/stat after the command name (which sits in parentheses and may
+/// hold spaces): `[0]` is the state, `[1]` the parent PID, `[19]` the start time, `[21]`
+/// the resident pages.
+pub fn proc_stat_fields(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    Some(rest.split(' ').map(str::to_string).collect())
+}
+
 /// A process's command line from /proc, arguments joined by spaces.
 pub fn proc_cmdline(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline"))

@@ -307,6 +307,14 @@ struct GuestRules {
     seccomp: Vec<seccompiler::BpfProgram>,
 }
 
+/// The descriptor of the ruleset `make` builds, where this kernel's Landlock is usable.
+fn usable_ruleset(make: fn() -> Result<landlock::RulesetCreated, String>) -> Option<OwnedFd> {
+    landlock_usable()
+        .then(make)
+        .and_then(Result::ok)
+        .and_then(Option::<OwnedFd>::from)
+}
+
 /// What each command enters between fork and exec. Prepared once (everything that
 /// allocates or opens happens here); [`Jail::enter`] only makes system calls.
 pub struct Jail {
@@ -321,10 +329,7 @@ impl Jail {
     /// confined, so a new domain per command is what is added.
     pub fn scope() -> Jail {
         Jail {
-            ruleset: landlock_usable()
-                .then(scope_rules)
-                .and_then(Result::ok)
-                .and_then(Option::<OwnedFd>::from),
+            ruleset: usable_ruleset(scope_rules),
             guest: None,
         }
     }
@@ -333,10 +338,7 @@ impl Jail {
     /// fncall confinement, which the privileged guest agent does not have itself.
     pub fn guest() -> Result<Jail, String> {
         Ok(Jail {
-            ruleset: landlock_usable()
-                .then(filesystem_rules)
-                .and_then(Result::ok)
-                .and_then(Option::<OwnedFd>::from),
+            ruleset: usable_ruleset(filesystem_rules),
             guest: Some(GuestRules {
                 seccomp: seccomp_programs()?,
             }),

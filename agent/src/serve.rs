@@ -464,10 +464,7 @@ pub fn processes() -> Vec<ProcessEntry> {
 }
 
 fn read_process(pid: u32) -> Option<ProcessEntry> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name is in parentheses and may contain spaces; fields follow the last ')'.
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = rest.split(' ').collect();
+    let fields = strata_agent_proto::proc_stat_fields(pid)?;
     let state = fields.first()?.to_string();
     let ppid = fields.get(1)?.parse().ok()?;
     let rss_pages: u64 = fields.get(21)?.parse().ok()?;

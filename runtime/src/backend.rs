@@ -215,11 +215,9 @@ pub(crate) fn pump(
 /// Start time of a live process in clock ticks since boot (field 22 of /proc/PID/stat);
 /// `None` for a process that is gone or a zombie.
 pub fn process_start(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 2..];
-    let mut fields = rest.split(' ');
-    if matches!(fields.next(), Some("Z" | "X")) {
+    let fields = strata_agent_proto::proc_stat_fields(pid)?;
+    if matches!(fields.first().map(String::as_str), Some("Z" | "X")) {
         return None;
     }
-    fields.nth(18)?.parse().ok()
+    fields.get(19)?.parse().ok()
 }

@@ -65,16 +65,25 @@ pub(crate) fn check_format(path: &Path, found: u32, reads: u32) -> Result<(), Ru
     Ok(())
 }
 
+/// Decodes a persisted JSON file (`bytes` read from `path`) whose `format` field (absent:
+/// 0) must be at most `reads`.
+pub(crate) fn decode_versioned<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    bytes: &[u8],
+    reads: u32,
+) -> Result<T, RuntimeError> {
+    let bad = |e: serde_json::Error| RuntimeError::Invalid(format!("{}: {e}", path.display()));
+    let value: serde_json::Value = serde_json::from_slice(bytes).map_err(bad)?;
+    let format = value.get("format").and_then(|f| f.as_u64()).unwrap_or(0) as u32;
+    check_format(path, format, reads)?;
+    serde_json::from_value(value).map_err(bad)
+}
+
 impl SandboxRecord {
     /// Reads a record, refusing one of a newer format.
     pub fn load(path: &Path) -> Result<SandboxRecord, RuntimeError> {
         let text = std::fs::read(path).map_err(RuntimeError::io(path))?;
-        let value: serde_json::Value = serde_json::from_slice(&text)
-            .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))?;
-        let format = value.get("format").and_then(|f| f.as_u64()).unwrap_or(0) as u32;
-        check_format(path, format, RECORD_FORMAT)?;
-        serde_json::from_value(value)
-            .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))
+        decode_versioned(path, &text, RECORD_FORMAT)
     }
 
     /// Writes the record atomically (a temp file renamed over it).

@@ -966,14 +966,11 @@ impl SandboxBackend for VmBackend {
         let upper_image = &sb.uppers.image(&rec.id);
         let t = Instant::now();
         let machine_path = dir.join("machine.json");
-        let machine: serde_json::Value = serde_json::from_slice(
+        let shape: MachineShape = crate::record::decode_versioned(
+            &machine_path,
             &std::fs::read(&machine_path).map_err(RuntimeError::io(&machine_path))?,
-        )
-        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", machine_path.display())))?;
-        let format = machine.get("format").and_then(|f| f.as_u64()).unwrap_or(0) as u32;
-        crate::record::check_format(&machine_path, format, SNAPSHOT_FORMAT)?;
-        let shape: MachineShape = serde_json::from_value(machine)
-            .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", machine_path.display())))?;
+            SNAPSHOT_FORMAT,
+        )?;
         std::fs::create_dir_all(dest).map_err(RuntimeError::io(dest))?;
         let mut qmp = qemu::Qmp::connect(&dir.join("qmp.sock"), Duration::from_secs(5))?;
         let was_running = qmp.status()? == "running";
@@ -1019,12 +1016,7 @@ pub fn read_snapshot(dir: &Path) -> Result<SnapshotRecord, RuntimeError> {
             dir.display()
         ))
     })?;
-    let value: serde_json::Value = serde_json::from_slice(&bytes)
-        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))?;
-    let format = value.get("format").and_then(|f| f.as_u64()).unwrap_or(0) as u32;
-    crate::record::check_format(&path, format, SNAPSHOT_FORMAT)?;
-    serde_json::from_value(value)
-        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))
+    crate::record::decode_versioned(&path, &bytes, SNAPSHOT_FORMAT)
 }
 
 fn file_len(p: &Path) -> u64 {
