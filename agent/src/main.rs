@@ -139,7 +139,7 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
     serve::set_key(key);
     // Bound before the pivot, in the host's view of the filesystem, so the host can reach it.
     let _ = std::fs::remove_file(&boot.socket);
-    let listener = UnixListener::bind(&boot.socket)
+    let listener = strata_host::unix::bind(std::path::Path::new(&boot.socket))
         .map_err(|e| format!("listening on {}: {e}", boot.socket))?;
     let flags = CloneFlags::CLONE_NEWPID | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS;
     if boot.rootfs.is_none() {

@@ -11,7 +11,6 @@
 //! connection (its stdin and stdout) to that destination.
 
 use std::collections::HashMap;
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -33,7 +32,7 @@ pub fn main(args: &[String]) -> Result<(), String> {
     let (port, listen) = (port.ok_or(usage)?, listen.ok_or(usage)?);
     let deadline = Instant::now() + Duration::from_secs(30);
     let stream = loop {
-        match UnixStream::connect(&port) {
+        match strata_host::unix::connect(&port) {
             Ok(s) => break s,
             Err(e) if Instant::now() > deadline => {
                 return Err(format!("connecting to {}: {e}", port.display()))
@@ -42,7 +41,7 @@ pub fn main(args: &[String]) -> Result<(), String> {
         }
     };
     let _ = std::fs::remove_file(&listen);
-    let listener = UnixListener::bind(&listen)
+    let listener = strata_host::unix::bind(&listen)
         .map_err(|e| format!("listening on {}: {e}", listen.display()))?;
     let out = Arc::new(Mutex::new(
         stream.try_clone().map_err(|e| format!("port: {e}"))?,

@@ -2,6 +2,7 @@
 //! well-kept library wraps (or only with build-time bindgen, or not as needed): loop
 //! devices ([`loopdev`]), locks, extents, in-kernel copies and root-confined opens
 //! ([`fs`]), what a child does between fork and exec ([`exec`]),
+//! Unix sockets at paths longer than an address holds ([`unix`]),
 //! whether the kernel mounts EROFS from a file ([`erofs_file_backed`]) and its Landlock
 //! ABI. Every `unsafe` block of those crates is here, each with its reason; where `nix`
 //! has the call, callers use `nix`.
@@ -9,6 +10,7 @@
 pub mod exec;
 pub mod fs;
 pub mod loopdev;
+pub mod unix;
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;

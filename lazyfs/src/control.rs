@@ -141,7 +141,7 @@ pub struct Client {
 
 impl Client {
     pub fn connect(socket: &Path) -> Result<Client, LazyError> {
-        let s = UnixStream::connect(socket).map_err(LazyError::io(socket))?;
+        let s = strata_host::unix::connect(socket).map_err(LazyError::io(socket))?;
         s.set_read_timeout(Some(Duration::from_secs(600)))
             .map_err(LazyError::io(socket))?;
         Ok(Client {

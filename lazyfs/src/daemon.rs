@@ -557,7 +557,12 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
 
     let socket = paths.socket();
     let _ = std::fs::remove_file(&socket);
-    let listener = UnixListener::bind(&socket).map_err(LazyError::io(&socket))?;
+    let listener = strata_host::unix::bind(&socket)
+        .and_then(|l| {
+            l.set_nonblocking(true)?;
+            UnixListener::from_std(l)
+        })
+        .map_err(LazyError::io(&socket))?;
     // Only root (the mounting user) may drive mounts.
     let _ = std::fs::set_permissions(&socket, std::os::unix::fs::PermissionsExt::from_mode(0o600));
     tracing::info!(socket = %socket.display(), "lazyfs daemon ready");

@@ -101,7 +101,7 @@ impl Conversation {
         request: &HostMsg,
         timeout: Option<Duration>,
     ) -> Result<Conversation, RuntimeError> {
-        let conn = UnixStream::connect(socket).map_err(|e| {
+        let conn = strata_host::unix::connect(socket).map_err(|e| {
             RuntimeError::AgentGone(format!("connecting to {}: {e}", socket.display()))
         })?;
         conn.set_read_timeout(timeout).ok();

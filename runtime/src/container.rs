@@ -392,8 +392,7 @@ impl SandboxBackend for ContainerBackend {
             Some(agent) => {
                 let sock = crate::agent::socket_path(new.dir);
                 let _ = std::fs::remove_file(&sock);
-                let listener = std::os::unix::net::UnixListener::bind(&sock)
-                    .map_err(RuntimeError::io(&sock))?;
+                let listener = strata_host::unix::bind(&sock).map_err(RuntimeError::io(&sock))?;
                 let (key_r, key_w) =
                     nix::unistd::pipe().map_err(|e| RuntimeError::Setup(format!("pipe: {e}")))?;
                 let key = crate::agent::read_key(new.dir)?;

@@ -349,6 +349,9 @@ impl Settings {
         let home = env_home
             .or_else(|| l.file_path(&f.home))
             .unwrap_or_else(|| default_home(env, root));
+        // Absolute: the runtime names files to processes that run elsewhere (QEMU runs in
+        // a machine's directory, an agent after its pivot).
+        let home = std::path::absolute(&home).unwrap_or(home);
 
         let store_given = match (&flags.store, l.env_str("STRATA_STORE")?, &f.store) {
             (Some(s), _, _) => Some((s.clone(), "--store".to_string())),

@@ -285,7 +285,7 @@ fn pause_resume_and_snapshot_restore_keep_processes_and_files() {
 /// `query-status` over a VM's QMP socket.
 fn qmp_query_status(sock: &Path) -> String {
     use std::io::{BufRead, BufReader, Write};
-    let s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    let s = strata_host::unix::connect(sock).unwrap();
     let mut w = s.try_clone().unwrap();
     let mut r = BufReader::new(s);
     let mut line = String::new();
@@ -426,7 +426,7 @@ fn a_full_vm_with_a_display_serves_its_screen_over_vnc() {
         .join("sandboxes")
         .join(&id)
         .join("vnc.sock");
-    let mut conn = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let mut conn = strata_host::unix::connect(&sock).unwrap();
     let mut greeting = [0u8; 12];
     std::io::Read::read_exact(&mut conn, &mut greeting).unwrap();
     assert!(greeting.starts_with(b"RFB "), "{greeting:?}");

@@ -432,7 +432,7 @@ impl VmBackend {
             ))
         })?;
         let deadline = Instant::now() + Duration::from_secs(30);
-        while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        while strata_host::unix::connect(&sock).is_err() {
             if let Ok(Some(status)) = child.try_wait() {
                 return Err(RuntimeError::VmStart(format!(
                     "the agent relay exited ({status}): {}",
@@ -631,7 +631,7 @@ fn guest_ping(port: &Path, within: Duration) -> Result<(), RuntimeError> {
     use strata_agent_proto::{handshake, mux, read_frame, write_control, Frame};
     let deadline = Instant::now() + within;
     let stream = loop {
-        match std::os::unix::net::UnixStream::connect(port) {
+        match strata_host::unix::connect(port) {
             Ok(s) => break s,
             Err(e) if Instant::now() > deadline => {
                 return Err(RuntimeError::AgentGone(format!("{}: {e}", port.display())))

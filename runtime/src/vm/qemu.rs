@@ -133,9 +133,26 @@ fn host_khz() -> Option<u64> {
 /// Python about twice as slowly (measured here).
 const TCG_CPU: &str = "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt,+cx16";
 
+/// How QEMU is told of a socket: relative to its working directory, the machine's own
+/// (QEMU binds the path itself, and a home deep in the filesystem gives absolute paths
+/// longer than a socket address holds).
+fn socket_name<'a>(socket: &'a Path, cwd: Option<&Path>) -> std::borrow::Cow<'a, str> {
+    match (cwd, socket.parent(), socket.file_name()) {
+        (Some(cwd), Some(parent), Some(name)) if parent == cwd => name.to_string_lossy(),
+        _ => socket.to_string_lossy(),
+    }
+}
+
 /// The full command line, running the QEMU binary `qemu`.
 pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Command {
     let mut cmd = Command::new(qemu);
+    let cwd = files
+        .qmp_socket
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty());
+    if let Some(dir) = cwd {
+        cmd.current_dir(dir);
+    }
     let m = shape.machine;
     let machine = match m {
         Machine::Microvm => "microvm,x-option-roms=off,rtc=on",
@@ -167,7 +184,8 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
     }
     match &files.vnc_socket {
         Some(sock) => {
-            cmd.arg("-vnc").arg(format!("unix:{}", sock.display()));
+            cmd.arg("-vnc")
+                .arg(format!("unix:{}", socket_name(sock, cwd)));
         }
         None => {
             cmd.args(["-display", "none"]);
@@ -198,12 +216,12 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
         .arg(format!("file:{}", files.console_log.display()));
     cmd.arg("-qmp").arg(format!(
         "unix:{},server=on,wait=off",
-        files.qmp_socket.display()
+        socket_name(&files.qmp_socket, cwd)
     ));
     cmd.args(["-device", &format!("{},id=vser", m.device("virtio-serial"))]);
     cmd.arg("-chardev").arg(format!(
         "socket,id=agent,path={},server=on,wait=off",
-        files.port_socket.display()
+        socket_name(&files.port_socket, cwd)
     ));
     cmd.args([
         "-device",
@@ -268,7 +286,7 @@ impl Qmp {
     pub fn connect(socket: &Path, within: Duration) -> Result<Qmp, RuntimeError> {
         let deadline = Instant::now() + within;
         let stream = loop {
-            match UnixStream::connect(socket) {
+            match strata_host::unix::connect(socket) {
                 Ok(s) => break s,
                 Err(e) if Instant::now() > deadline => {
                     return Err(RuntimeError::Qmp(format!(
