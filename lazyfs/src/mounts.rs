@@ -14,9 +14,12 @@ pub use strata_host::ErofsSource;
 /// The blob's loop device reads the FUSE file buffered: direct I/O measured slower (0.74×
 /// against 0.83× of the file-backed path's warm reads, bench lazyfs suite).
 const BLOB_DIRECT: bool = false;
-/// Readahead of the loop devices: 16 MiB measured 0.83–0.88× of the file-backed warm reads,
-/// 4 MiB 0.83×, 128 KiB (the kernel's default) 0.71×, 32 MiB 0.59×.
-const BLOB_READ_AHEAD_KIB: u32 = 16384;
+/// EROFS reads a file ahead by its primary device's readahead (the image's loop device).
+/// About one largest request of the blob's loop device (1280 KiB here) reads best: warm
+/// reads of the lazyfs bench tree, interleaved with the file-backed path, 11 rounds each:
+/// 512 KiB 508–543 MB/s, 1 MiB 508–578, 1280 KiB 526–539, against 4 MiB 263, 16 MiB
+/// 299–385 and 128 KiB 452.
+const FILE_READ_AHEAD_KIB: u32 = 1024;
 
 /// Mounts the EROFS image file `meta` at `target`, read-only, with `blob` as its extra
 /// device: straight from the files, or (`Loop`, kernels before 6.12) through loop devices,
@@ -53,13 +56,9 @@ pub fn mount_erofs(
             )
         })
         .transpose()?;
-    // EROFS reads its files ahead by the primary device's setting (the image's loop
-    // device, 128 KiB by default): as wide as the FUSE blob's own readahead, so a
-    // sequential reader's requests reach the daemon in runs its chunk cache serves well.
-    let _ = meta_dev.set_read_ahead(BLOB_READ_AHEAD_KIB);
-    if let Some(d) = &blob_dev {
-        let _ = d.set_read_ahead(BLOB_READ_AHEAD_KIB);
-    }
+    // The blob device's own readahead plays no part: EROFS reads file data from it in
+    // bios, never through its page cache.
+    let _ = meta_dev.set_read_ahead(FILE_READ_AHEAD_KIB);
     // The devices stay open until the mount holds them, or autoclear would free them.
     mount_erofs_from(
         &meta_dev.path,
