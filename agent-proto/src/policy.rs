@@ -60,3 +60,33 @@ pub const DENIED_SYSCALLS: &[(&str, libc::c_long)] = &[
     ("io_uring_enter", libc::SYS_io_uring_enter),
     ("io_uring_register", libc::SYS_io_uring_register),
 ];
+
+/// Kernel files a sandbox must not read: unreadable (an empty file or directory is
+/// mounted over them). runc's defaults, and the kernel's page tables of the host's memory
+/// (`/proc/kpage*`): a recursive grep that read `/proc/kpagecgroup` crashed a host kernel
+/// in DSec's report, and they show every page of the host.
+pub const MASKED_PATHS: &[&str] = &[
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/latency_stats",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/kpagecgroup",
+    "/proc/kpageflags",
+    "/proc/kpagecount",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+
+/// Kernel files a sandbox may read but not write (runc's defaults).
+pub const READONLY_PATHS: &[&str] = &[
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+];

@@ -16,7 +16,7 @@ use std::path::Path;
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
-use strata_agent_proto::policy::{DENIED_SYSCALLS, KEPT_CAPS};
+use strata_agent_proto::policy::{self, DENIED_SYSCALLS, KEPT_CAPS};
 
 use crate::sys;
 
@@ -160,10 +160,75 @@ fn mount_filesystems(root: &Path) -> Result<(), String> {
             None::<&str>,
         ),
     )?;
+    mask_kernel_files(root)?;
     ctx("entering the root", nix::unistd::chdir(root))?;
     ctx("pivot_root", nix::unistd::pivot_root(".", "."))?;
     ctx("detaching the old root", umount2(".", MntFlags::MNT_DETACH))?;
     ctx("chdir /", nix::unistd::chdir("/"))?;
+    Ok(())
+}
+
+/// Hides the policy's masked kernel files under `root` (its /proc and /sys mounted): an
+/// empty read-only tmpfs over a directory, the root's /dev/null over a file; and makes its
+/// read-only ones so. A path this kernel does not have is skipped.
+pub fn mask_kernel_files(root: &Path) -> Result<(), String> {
+    let under = |p: &str| root.join(p.trim_start_matches('/'));
+    let null = under("/dev/null");
+    for path in policy::MASKED_PATHS {
+        let target = under(path);
+        let Ok(meta) = std::fs::symlink_metadata(&target) else {
+            continue;
+        };
+        let masked = if meta.is_dir() {
+            mount(
+                Some("tmpfs"),
+                &target,
+                Some("tmpfs"),
+                MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some("size=4k,mode=0555"),
+            )
+        } else {
+            mount(
+                Some(&null),
+                &target,
+                None::<&str>,
+                MsFlags::MS_BIND,
+                None::<&str>,
+            )
+        };
+        ctx(&format!("masking {path}"), masked)?;
+    }
+    for path in policy::READONLY_PATHS {
+        let target = under(path);
+        if std::fs::symlink_metadata(&target).is_err() {
+            continue;
+        }
+        ctx(
+            &format!("binding {path}"),
+            mount(
+                Some(&target),
+                &target,
+                None::<&str>,
+                MsFlags::MS_BIND | MsFlags::MS_REC,
+                None::<&str>,
+            ),
+        )?;
+        ctx(
+            &format!("making {path} read-only"),
+            mount(
+                None::<&str>,
+                &target,
+                None::<&str>,
+                MsFlags::MS_BIND
+                    | MsFlags::MS_REMOUNT
+                    | MsFlags::MS_RDONLY
+                    | MsFlags::MS_NOSUID
+                    | MsFlags::MS_NODEV
+                    | MsFlags::MS_NOEXEC,
+                None::<&str>,
+            ),
+        )?;
+    }
     Ok(())
 }
 

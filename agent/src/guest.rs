@@ -581,6 +581,11 @@ fn enter_root(root: &str, privileged: bool) -> Result<(), String> {
         Some("mode=0755"),
     )
     .map_err(|e| format!("mounting /run in the sandbox root: {e}"))?;
+    // The guest's kernel is the sandbox's own, but its commands get the same view of it
+    // as a container's (a privileged guest's get all of it).
+    if !privileged {
+        crate::confine::mask_kernel_files(std::path::Path::new(root))?;
+    }
     nix::unistd::chdir(root).map_err(|e| format!("chdir {root}: {e}"))?;
     mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
         .map_err(|e| format!("moving the root: {e}"))?;

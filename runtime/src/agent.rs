@@ -20,7 +20,10 @@ use strata_agent_proto::{
 };
 
 use crate::cgroup::Cgroup;
-use crate::exec::{drive, Collected, Event, ExecEnv, ExecRequest, RawExit, Stdin, Stream};
+use crate::exec::{
+    drive, Collected, Event, ExecEnv, ExecRequest, RawExit, Stdin, Stream, DEFAULT_KEPT_OUTPUT,
+    OUTPUT_QUEUE,
+};
 
 use crate::RuntimeError;
 
@@ -288,7 +291,7 @@ impl AgentClient {
         }
         let Conversation { reader, writer } = c;
         let mut reader = reader;
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(OUTPUT_QUEUE);
         std::thread::spawn(move || loop {
             let event = match read_frame::<AgentMsg>(&mut reader) {
                 Ok(Some(Frame::Data(FrameKind::Stdout, d))) => Event::Output(Stream::Stdout, d),
@@ -349,7 +352,8 @@ impl AgentClient {
             }
         }
         let mut writer = writer;
-        drive(rx, env.timeout, sink, || {
+        let keep = req.keep_output.unwrap_or(DEFAULT_KEPT_OUTPUT);
+        drive(rx, env.timeout, keep, sink, || {
             let _ = write_control(
                 &mut writer,
                 &HostMsg::Signal {

@@ -8,7 +8,7 @@
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::SyncSender;
 
 use serde::Serialize;
 
@@ -195,7 +195,7 @@ pub(crate) fn cgroup_processes(cgroup: &Cgroup) -> Vec<ProcessInfo> {
 pub(crate) fn pump(
     mut src: Box<dyn Read + Send>,
     stream: Stream,
-    tx: Sender<Event>,
+    tx: SyncSender<Event>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 64 * 1024];

@@ -23,12 +23,14 @@ use oci_spec::runtime::{
     MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec,
     UserBuilder,
 };
-use strata_agent_proto::policy::{DENIED_SYSCALLS, KEPT_CAPS};
+use strata_agent_proto::policy::{self, DENIED_SYSCALLS, KEPT_CAPS};
 
 use crate::backend::{Host, NewSandbox, SandboxBackend, SandboxRef};
 use crate::cgroup::Cgroup;
 use crate::exec::ExecEnv;
-use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream};
+use crate::exec::{
+    drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream, DEFAULT_KEPT_OUTPUT, OUTPUT_QUEUE,
+};
 use crate::hostroot::{self, HostRoot};
 use crate::record::SandboxRecord;
 use crate::RuntimeError;
@@ -138,6 +140,11 @@ impl ContainerBackend {
         }
         self.clone()
     }
+}
+
+/// A policy's path list as the OCI spec takes it.
+fn strings(paths: &[&str]) -> Vec<String> {
+    paths.iter().map(|p| p.to_string()).collect()
 }
 
 /// The shared policy's capabilities as an OCI set: bounding, effective and permitted;
@@ -329,8 +336,8 @@ impl ContainerBackend {
             .cgroups_path(PathBuf::from(new.cgroup.oci_path()))
             .resources(resources)
             .seccomp(seccomp)
-            .masked_paths(oci_spec::runtime::get_default_maskedpaths())
-            .readonly_paths(oci_spec::runtime::get_default_readonly_paths())
+            .masked_paths(strings(policy::MASKED_PATHS))
+            .readonly_paths(strings(policy::READONLY_PATHS))
             .build()
             .map_err(bad)?;
         let mut spec = Spec::default();
@@ -478,7 +485,7 @@ impl SandboxBackend for ContainerBackend {
                 self.runtime.binary().display()
             ))
         })?;
-        let (tx, rx) = mpsc::channel();
+        let (tx, rx) = mpsc::sync_channel(OUTPUT_QUEUE);
         let mut readers = Vec::new();
         for (src, stream) in [
             (
@@ -530,7 +537,8 @@ impl SandboxBackend for ContainerBackend {
         });
         // On timeout, everything this command started dies, wherever it was re-parented;
         // what earlier commands left running stays.
-        let result = drive(rx, env.timeout, sink, || cgroup.kill_except(&before));
+        let keep = req.keep_output.unwrap_or(DEFAULT_KEPT_OUTPUT);
+        let result = drive(rx, env.timeout, keep, sink, || cgroup.kill_except(&before));
         let _ = waiter.join();
         let _ = std::fs::remove_file(&process_file);
         let _ = std::fs::remove_file(&pid_file);

@@ -37,7 +37,17 @@ pub struct ExecRequest {
     pub cwd: Option<String>,
     /// Defaults to the sandbox's per-command limit.
     pub timeout: Option<Duration>,
+    /// How many bytes of each stream the result keeps (default [`DEFAULT_KEPT_OUTPUT`]);
+    /// what is beyond reaches the sink and the counts, never memory.
+    pub keep_output: Option<usize>,
 }
+
+/// How much of each stream an exec's result keeps unless asked otherwise.
+pub const DEFAULT_KEPT_OUTPUT: usize = 16 << 20;
+
+/// Output events that wait for a slow consumer before a backend's reader stops reading,
+/// and so the command blocks on its full pipe (back-pressure, not memory).
+pub(crate) const OUTPUT_QUEUE: usize = 16;
 
 impl ExecRequest {
     pub fn argv<S: Into<String>>(argv: impl IntoIterator<Item = S>) -> ExecRequest {
@@ -89,8 +99,11 @@ pub struct ExecResult {
     pub stdout: Vec<u8>,
     #[serde(skip)]
     pub stderr: Vec<u8>,
+    /// What the command wrote to each stream, kept or not.
     pub stdout_bytes: u64,
     pub stderr_bytes: u64,
+    /// The kept output is a prefix: a stream wrote more than the request kept.
+    pub truncated: bool,
     pub duration_ms: u64,
     /// The budget that ended the command, when one did.
     pub budget: Option<Budget>,
@@ -130,25 +143,59 @@ pub enum Event {
     Failed(String),
 }
 
-/// Output so far, plus whether the wall-clock limit fired.
+/// The kept output (a prefix of each stream, up to a bound) and the counts of all of it,
+/// plus whether the wall-clock limit fired.
 pub struct Collected {
     pub exit: RawExit,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
     pub timed_out: bool,
 }
 
-/// Streams events to `sink` and collects them until the command exits. When `timeout`
-/// passes, `kill` is called once and the loop waits for the exit it causes.
+impl Collected {
+    /// A stream wrote more than was kept.
+    pub fn truncated(&self) -> bool {
+        self.stdout_bytes > self.stdout.len() as u64 || self.stderr_bytes > self.stderr.len() as u64
+    }
+}
+
+/// One stream's kept prefix and total.
+#[derive(Default)]
+struct Kept {
+    data: Vec<u8>,
+    total: u64,
+}
+
+impl Kept {
+    fn add(&mut self, part: &[u8], keep: usize) {
+        self.total += part.len() as u64;
+        let room = keep.saturating_sub(self.data.len());
+        self.data.extend_from_slice(&part[..part.len().min(room)]);
+    }
+}
+
+/// Streams events to `sink` and keeps up to `keep` bytes of each stream until the command
+/// exits. When `timeout` passes, `kill` is called once and the loop waits for the exit it
+/// causes.
 pub fn drive(
     events: Receiver<Event>,
     timeout: Duration,
+    keep: usize,
     sink: &mut dyn FnMut(Stream, &[u8]),
     mut kill: impl FnMut(),
 ) -> Result<Collected, String> {
     let deadline = Instant::now() + timeout;
     let mut timed_out = false;
-    let (mut stdout, mut stderr) = (Vec::new(), Vec::new());
+    let (mut stdout, mut stderr) = (Kept::default(), Kept::default());
+    let mut take = |s: Stream, data: &[u8], sink: &mut dyn FnMut(Stream, &[u8])| {
+        sink(s, data);
+        match s {
+            Stream::Stdout => stdout.add(data, keep),
+            Stream::Stderr => stderr.add(data, keep),
+        }
+    };
     loop {
         let wait = if timed_out {
             Duration::from_secs(30)
@@ -156,26 +203,18 @@ pub fn drive(
             deadline.saturating_duration_since(Instant::now())
         };
         match events.recv_timeout(wait) {
-            Ok(Event::Output(s, data)) => {
-                sink(s, &data);
-                match s {
-                    Stream::Stdout => stdout.extend_from_slice(&data),
-                    Stream::Stderr => stderr.extend_from_slice(&data),
-                }
-            }
+            Ok(Event::Output(s, data)) => take(s, &data, sink),
             Ok(Event::Exited(exit)) => {
                 // Output that raced the exit notice is still in the channel.
                 while let Ok(Event::Output(s, data)) = events.try_recv() {
-                    sink(s, &data);
-                    match s {
-                        Stream::Stdout => stdout.extend_from_slice(&data),
-                        Stream::Stderr => stderr.extend_from_slice(&data),
-                    }
+                    take(s, &data, sink);
                 }
                 return Ok(Collected {
                     exit,
-                    stdout,
-                    stderr,
+                    stdout_bytes: stdout.total,
+                    stderr_bytes: stderr.total,
+                    stdout: stdout.data,
+                    stderr: stderr.data,
                     timed_out,
                 });
             }
@@ -191,5 +230,61 @@ pub fn drive(
                 return Err("lost the command's output before it exited".into())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_beyond_the_kept_bound_reaches_the_sink_and_the_counts_only() {
+        let (tx, rx) = std::sync::mpsc::sync_channel(OUTPUT_QUEUE);
+        let writer = std::thread::spawn(move || {
+            for _ in 0..100 {
+                tx.send(Event::Output(Stream::Stdout, vec![b'y'; 1000]))
+                    .unwrap();
+            }
+            tx.send(Event::Output(Stream::Stderr, b"err".to_vec()))
+                .unwrap();
+            tx.send(Event::Exited(RawExit {
+                code: Some(0),
+                signal: None,
+                guest: None,
+            }))
+            .unwrap();
+        });
+        let mut sunk = 0usize;
+        let got = drive(
+            rx,
+            Duration::from_secs(10),
+            2500,
+            &mut |_, d| sunk += d.len(),
+            || {},
+        )
+        .unwrap();
+        writer.join().unwrap();
+        assert_eq!(sunk, 100_003);
+        assert_eq!(got.stdout.len(), 2500);
+        assert_eq!(got.stdout_bytes, 100_000);
+        assert_eq!(got.stderr, b"err");
+        assert!(got.truncated());
+    }
+
+    #[test]
+    fn output_within_the_bound_is_kept_whole() {
+        let (tx, rx) = std::sync::mpsc::sync_channel(OUTPUT_QUEUE);
+        tx.send(Event::Output(Stream::Stdout, b"hello".to_vec()))
+            .unwrap();
+        tx.send(Event::Exited(RawExit {
+            code: Some(3),
+            signal: None,
+            guest: None,
+        }))
+        .unwrap();
+        let got = drive(rx, Duration::from_secs(10), 5, &mut |_, _| {}, || {}).unwrap();
+        assert_eq!(got.stdout, b"hello");
+        assert!(!got.truncated());
+        assert_eq!(got.exit.code, Some(3));
     }
 }

@@ -231,8 +231,9 @@ impl Sandbox {
         let result = ExecResult {
             exit_code: collected.exit.code,
             signal: collected.exit.signal,
-            stdout_bytes: collected.stdout.len() as u64,
-            stderr_bytes: collected.stderr.len() as u64,
+            truncated: collected.truncated(),
+            stdout_bytes: collected.stdout_bytes,
+            stderr_bytes: collected.stderr_bytes,
             stdout: collected.stdout,
             stderr: collected.stderr,
             duration_ms: started.elapsed().as_millis() as u64,
@@ -245,7 +246,8 @@ impl Sandbox {
             json!({"argv": req.argv, "cwd": exec_env.cwd, "start": started_ms,
                    "end": crate::audit::now_ms(), "exit_code": result.exit_code,
                    "signal": result.signal, "stdout_bytes": result.stdout_bytes,
-                   "stderr_bytes": result.stderr_bytes, "budget": result.budget,
+                   "stderr_bytes": result.stderr_bytes, "truncated": result.truncated,
+                   "budget": result.budget,
                    "budgets_hit": result.budgets}),
         )?;
         Ok(result)

@@ -178,6 +178,8 @@ impl StepSandbox for RuntimeStepSandbox {
     ) -> Result<StepExit, BuildError> {
         let mut req = ExecRequest::shell(command);
         req.cwd = Some(self.workdir.clone());
+        // Streamed to the build's log; the result keeps none of it.
+        req.keep_output = Some(0);
         let result = self
             .sandbox()?
             .exec_streaming(&req, &mut |_, data| output(data))

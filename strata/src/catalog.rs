@@ -65,7 +65,11 @@ pub async fn run(store: &Store, registrant: &str, cmd: CatalogCommand) -> Result
             } else {
                 let e = &r.entry;
                 println!("id          {}", r.reference());
-                println!("registered  {} by {}", r.registered_at, r.registered_by);
+                println!(
+                    "registered  {} by {}",
+                    crate::output::human_time(r.registered_at),
+                    r.registered_by
+                );
                 println!("backend     {:?}", e.backend);
                 println!("base        {}", e.base);
                 if let Some(image) = &e.disk_image {
@@ -109,7 +113,11 @@ pub async fn run(store: &Store, registrant: &str, cmd: CatalogCommand) -> Result
                     };
                     println!(
                         "{:>6}  {:<8}  {:<12} {}  {}",
-                        r.seq, action, r.version, r.at, r.by
+                        r.seq,
+                        action,
+                        r.version,
+                        crate::output::human_time(r.at),
+                        r.by
                     );
                 }
             }

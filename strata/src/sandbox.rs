@@ -299,9 +299,11 @@ pub async fn run(store: &Store, settings: &Settings, args: RunArgs) -> Result<i3
     tokio::task::spawn_blocking(move || -> Result<i32> {
         let rt = open_runtime(&settings)?;
         let sandbox = rt.create_owned(spec)?;
+        // The output is printed as it comes; the result keeps none of it.
         let req = ExecRequest {
             argv,
             stdin: Stdin::Null,
+            keep_output: Some(0),
             ..Default::default()
         };
         let spec = sandbox.spec().clone();
@@ -366,6 +368,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
                     env: parse_env(&env)?,
                     cwd,
                     timeout: duration(&timeout)?,
+                    keep_output: Some(0),
                 };
                 let r = sb.exec_streaming(&req, &mut print_sink())?;
                 report_budget(&r);

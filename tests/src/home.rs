@@ -373,6 +373,53 @@ impl SampleEnv {
     /// its own, signals to the agent, accept on every inherited socket, every socket it
     /// can find) while the host runs 20 execs; every exec must return its real output and
     /// status, and the probe must have found nothing.
+    /// SECURITY.md, "the host's kernel": a sandbox's commands, root inside, read nothing of
+    /// the kernel's files about the host (`/proc/kpage*`, the page tables of every page of
+    /// the host's memory, whose read crashed a kernel in DSec's report; runc's masked
+    /// paths) and write none of its settings (`/proc/sys`, the sysrq trigger).
+    pub fn assert_kernel_files_hidden(&self, backend: &str) {
+        let script = r#"
+for f in /proc/kpagecgroup /proc/kpageflags /proc/kpagecount /proc/kcore /proc/timer_list /proc/keys; do
+  [ -e $f ] && echo "read $f $(head -c 64 $f 2>/dev/null | wc -c)"
+done
+for d in /proc/acpi /proc/scsi /sys/firmware; do
+  [ -d $d ] && echo "list $d $(ls -A $d | wc -l)"
+done
+(echo strata > /proc/sys/kernel/domainname) 2>/dev/null && echo "wrote /proc/sys/kernel/domainname"
+(echo h > /proc/sysrq-trigger) 2>/dev/null && echo "wrote /proc/sysrq-trigger"
+echo checked
+"#;
+        let out = self.ok(&[
+            "run",
+            "--backend",
+            backend,
+            &self.reference,
+            "--",
+            "sh",
+            "-c",
+            script,
+        ]);
+        assert!(out.contains("checked"), "{backend}: {out}");
+        for line in out.lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            match words.as_slice() {
+                ["read" | "list", path, n] => {
+                    assert_eq!(*n, "0", "{backend}: {path} shows something inside: {out}")
+                }
+                ["wrote", path] => panic!("{backend}: a command wrote {path}"),
+                _ => {}
+            }
+        }
+        // The host has the page tables: a container or fncall sandbox sees the host's
+        // /proc, so the masked file is there (and empty), not merely absent.
+        if !matches!(backend, "microvm" | "vm") && Path::new("/proc/kpagecgroup").exists() {
+            assert!(
+                out.contains("read /proc/kpagecgroup 0"),
+                "{backend}: /proc/kpagecgroup not checked: {out}"
+            );
+        }
+    }
+
     pub fn assert_agent_integrity(&self, backend: &str) {
         let probe = Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/agent_integrity.py");
         let id = self.create(&["--backend", backend]);

@@ -105,6 +105,87 @@ fn a_hostile_command_cannot_take_over_the_agent() {
     }
 }
 
+#[test]
+fn the_hosts_kernel_files_are_masked_and_its_settings_read_only() {
+    let Some(env) = env("runtime_kernel_files") else {
+        return;
+    };
+    for backend in BACKENDS {
+        env.assert_kernel_files_hidden(backend);
+    }
+}
+
+/// `yes` streamed through `strata run` into /dev/null: the CLI holds none of it (it printed
+/// 1.5 GB into 1.48 GB of resident memory before), and every byte arrives.
+#[test]
+fn streamed_output_is_never_held_in_memory() {
+    let Some(env) = env("runtime_stream_memory") else {
+        return;
+    };
+    const BYTES: u64 = 768 << 20;
+    const BOUND_KIB: u64 = 96 << 10;
+    for backend in BACKENDS {
+        let script = format!("yes | head -c {BYTES}");
+        let mut child = env
+            .cmd(&[
+                "run",
+                "--backend",
+                backend,
+                &env.reference,
+                "--",
+                "sh",
+                "-c",
+                &script,
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("strata run");
+        let status_file = format!("/proc/{}/status", child.id());
+        let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let watcher = {
+            let peak = peak.clone();
+            std::thread::spawn(move || {
+                // VmHWM is the peak so far: the last reading before the exit is the peak.
+                while let Ok(status) = std::fs::read_to_string(&status_file) {
+                    let hwm = status
+                        .lines()
+                        .find_map(|l| l.strip_prefix("VmHWM:"))
+                        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok());
+                    match hwm {
+                        Some(kib) => peak.fetch_max(kib, std::sync::atomic::Ordering::Relaxed),
+                        None => break,
+                    };
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+        };
+        let mut stdout = child.stdout.take().unwrap();
+        let mut counted = 0u64;
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            match std::io::Read::read(&mut stdout, &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => counted += n as u64,
+            }
+        }
+        let out = child.wait_with_output().expect("strata run");
+        watcher.join().unwrap();
+        assert!(
+            out.status.success(),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(counted, BYTES, "{backend}: every byte is delivered");
+        let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(peak > 0, "{backend}: the CLI's memory was never read");
+        assert!(
+            peak < BOUND_KIB,
+            "{backend}: the CLI peaked at {peak} KiB streaming {BYTES} bytes (bound {BOUND_KIB} KiB)"
+        );
+    }
+}
+
 /// The host-agent channel checks the protocol version on every connection: an agent of
 /// another build is refused with both versions named, and a pool of them is drained.
 #[test]

@@ -86,6 +86,14 @@ fn a_hostile_command_cannot_take_over_the_guest_agent() {
 }
 
 #[test]
+fn a_guests_kernel_files_are_masked_and_its_settings_read_only() {
+    let Some(env) = env("vm_kernel_files") else {
+        return;
+    };
+    env.assert_kernel_files_hidden("microvm");
+}
+
+#[test]
 fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     let Some(env) = env("vm_budgets") else {
         return;

@@ -191,8 +191,8 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
             cmd.args(["-display", "none"]);
         }
     }
-    cmd.arg("-kernel").arg(&shape.kernel);
-    cmd.arg("-initrd").arg(&shape.initramfs);
+    cmd.arg("-kernel").arg(absolute(&shape.kernel));
+    cmd.arg("-initrd").arg(absolute(&shape.initramfs));
     // With a display the kernel's console is on the screen too; the serial port stays
     // /dev/console (the last one named), the log the host keeps.
     let consoles = if shape.display {
@@ -213,7 +213,7 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
     }
     cmd.args(["-append", &append]);
     cmd.arg("-serial")
-        .arg(format!("file:{}", files.console_log.display()));
+        .arg(format!("file:{}", escape(&files.console_log)));
     cmd.arg("-qmp").arg(format!(
         "unix:{},server=on,wait=off",
         socket_name(&files.qmp_socket, cwd)
@@ -261,13 +261,21 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
     cmd
 }
 
+/// A path as QEMU must get it: absolute, since QEMU runs in the machine's directory.
+fn absolute(p: &Path) -> std::path::PathBuf {
+    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
 /// QEMU option values escape ',' by doubling it.
 fn escape(p: &Path) -> String {
-    p.display().to_string().replace(',', ",,")
+    absolute(p).display().to_string().replace(',', ",,")
 }
 
 fn shell_quote(p: &Path) -> String {
-    format!("'{}'", p.display().to_string().replace('\'', "'\\''"))
+    format!(
+        "'{}'",
+        absolute(p).display().to_string().replace('\'', "'\\''")
+    )
 }
 
 /// The disk slot of layer `i`'s metadata image (its blob is the next one).
