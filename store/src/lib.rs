@@ -50,6 +50,8 @@ pub enum StoreError {
     LayerNotFound(String),
     #[error("layer prefix `{prefix}` matches {count} layers; give more digits")]
     AmbiguousLayer { prefix: String, count: usize },
+    #[error("`{name}` names {} layers ({}); use a layer ID", ids.len(), ids.join(", "))]
+    AmbiguousLayerName { name: String, ids: Vec<String> },
     #[error("{what} is corrupt: {reason}. Run `strata store verify` to list every damaged object, then rebuild the affected layers")]
     Corrupt { what: String, reason: String },
     #[error("{what} is missing from the store (object `{key}`); rebuild the affected layers")]
@@ -576,13 +578,53 @@ impl Store {
     }
 
     /// Resolves a full layer ID or a unique prefix of at least 8 hex digits.
+    /// The layer whose provenance names it `name` at `version` (`layer build --name
+    /// --version`, or a definition's own): every layer's provenance is read, a few at a
+    /// time.
+    async fn layer_named(&self, name: &str, version: &str) -> Result<Digest> {
+        use futures::StreamExt;
+        let wanted = (Some(name), Some(version));
+        let found: Vec<Result<Option<Digest>>> = futures::stream::iter(self.list_layers().await?)
+            .map(|id| async move {
+                match self.get_provenance(&id).await {
+                    Ok(p) if (p.name.as_deref(), p.version.as_deref()) == wanted => Ok(Some(id)),
+                    Ok(_) | Err(StoreError::Missing { .. }) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            })
+            .buffer_unordered(16)
+            .collect()
+            .await;
+        let mut ids = Vec::new();
+        for f in found {
+            ids.extend(f?);
+        }
+        ids.sort();
+        match ids.as_slice() {
+            [one] => Ok(*one),
+            [] => Err(StoreError::LayerNotFound(format!(
+                "{name}@{version}` (no layer's provenance has that name and version; \
+                 `strata layer ls` lists them`"
+            ))),
+            _ => Err(StoreError::AmbiguousLayerName {
+                name: format!("{name}@{version}"),
+                ids: ids.iter().map(Digest::to_hex).collect(),
+            }),
+        }
+    }
+
+    /// A layer named by its ID, a unique prefix of 8 or more hex digits, or `NAME@VERSION`.
     pub async fn resolve_layer(&self, text: &str) -> Result<Digest> {
         if let Ok(d) = text.parse::<Digest>() {
             return Ok(d);
         }
+        if let Some((name, version)) = text.split_once('@') {
+            return self.layer_named(name, version).await;
+        }
         if text.len() < 8 || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
             return Err(StoreError::LayerNotFound(format!(
-                "{text}` (a layer ID is 64 hex digits or a unique prefix of 8 or more`"
+                "{text}` (a layer is named by its ID, 64 hex digits or a unique prefix of 8 \
+                 or more, or by `NAME@VERSION` from its provenance`"
             )));
         }
         let lower = text.to_ascii_lowercase();
@@ -609,6 +651,10 @@ mod tests {
     use crate::manifest::FORMAT_VERSION;
 
     pub(crate) async fn sample_layer(store: &Store, text: &[u8]) -> LayerManifest {
+        sample_layer_with(store, text, &Provenance::default()).await
+    }
+
+    async fn sample_layer_with(store: &Store, text: &[u8], prov: &Provenance) -> LayerManifest {
         let mut b = pack::PackBuilder::new();
         let enc = chunk::encode(text);
         b.push(&enc);
@@ -633,8 +679,37 @@ mod tests {
             }],
         };
         m.id = m.content_id();
-        store.put_layer(&m, &Provenance::default()).await.unwrap();
+        store.put_layer(&m, prov).await.unwrap();
         m
+    }
+
+    #[tokio::test]
+    async fn a_layer_is_found_by_the_name_and_version_of_its_provenance() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&StoreUrl::Local(dir.path().into())).unwrap();
+        let named = |name: &str, version: &str| Provenance {
+            name: Some(name.into()),
+            version: Some(version.into()),
+            ..Default::default()
+        };
+        let v1 = sample_layer_with(&store, b"one", &named("tools", "1")).await;
+        let v2 = sample_layer_with(&store, b"two", &named("tools", "2")).await;
+        sample_layer(&store, b"unnamed").await;
+        assert_eq!(store.resolve_layer("tools@1").await.unwrap(), v1.id);
+        assert_eq!(store.resolve_layer("tools@2").await.unwrap(), v2.id);
+        let err = store.resolve_layer("tools@3").await.unwrap_err();
+        assert!(matches!(err, StoreError::LayerNotFound(_)), "{err}");
+        assert!(err.to_string().contains("tools@3"), "{err}");
+        // Two layers built under one name and version: the name is refused, both named.
+        let again = sample_layer_with(&store, b"three", &named("tools", "1")).await;
+        let err = store.resolve_layer("tools@1").await.unwrap_err();
+        assert!(
+            matches!(err, StoreError::AmbiguousLayerName { .. }),
+            "{err}"
+        );
+        for id in [v1.id, again.id] {
+            assert!(err.to_string().contains(&id.to_hex()), "{err}");
+        }
     }
 
     #[test]

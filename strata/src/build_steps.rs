@@ -29,8 +29,9 @@ fn sandbox_err(e: impl std::fmt::Display) -> BuildError {
     BuildError::Sandbox(e.to_string())
 }
 
-/// Resolves a definition's `from` (layer IDs or unique prefixes, and catalog IDs, which
-/// stand for their entry's whole stack) to layer IDs, top-most first.
+/// Resolves a definition's `from` (layer IDs or unique prefixes, catalog IDs, which stand
+/// for their entry's whole stack, and a layer's `NAME@VERSION` where no entry has that ID)
+/// to layer IDs, top-most first.
 pub async fn resolve_inputs(store: &Store, from: &[String]) -> anyhow::Result<Vec<Digest>> {
     let mut inputs = Vec::new();
     // Opened once, on the first catalog ID: opening probes the store's conditional writes.
@@ -43,7 +44,23 @@ pub async fn resolve_inputs(store: &Store, from: &[String]) -> anyhow::Result<Ve
             };
             let reg = opened.get(reference).await;
             catalog = Some(opened);
-            let reg = reg?;
+            let reg = match reg {
+                Err(strata_catalog::CatalogError::NotFound(_)) if reference.contains('@') => {
+                    match store.resolve_layer(reference).await {
+                        Ok(layer) => {
+                            inputs.push(layer);
+                            continue;
+                        }
+                        Err(strata_store::StoreError::LayerNotFound(_)) => {
+                            anyhow::bail!(
+                                "`{reference}` is neither a catalog entry nor a layer's NAME@VERSION"
+                            )
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                other => other?,
+            };
             for layer in reg.entry.layers() {
                 inputs.push(layer.parse::<Digest>().map_err(|e| {
                     anyhow::anyhow!("catalog entry {reference} names layer `{layer}`: {e}")

@@ -86,3 +86,64 @@ fn register_show_history_and_concurrent_writers_on_a_local_store() {
     std::fs::write(&conc, format!("id = \"conc/entry\"\nbase = \"{base}\"\n")).unwrap();
     concurrent_registrations(store_url, &conc);
 }
+
+/// An entry names its layers by `NAME@VERSION` (what `layer build --name --version` put
+/// in their provenance) instead of copied IDs; registration stores the full IDs, and a name
+/// no layer has is refused by name.
+#[test]
+fn an_entry_names_its_layers_by_name_and_version() {
+    let work = tempfile::tempdir_in(scratch_root()).unwrap();
+    let store_url = work.path().join("store");
+    let store_url = store_url.to_str().unwrap();
+    let build = |tree: &str, name: &str, version: &str| {
+        let src = work.path().join(tree);
+        fixtures::workspace_tree(&src, 5, 1);
+        // Content of its own: a layer is its content, and its first build names it.
+        std::fs::write(src.join("which"), tree).unwrap();
+        let o = strata(
+            store_url,
+            &[
+                "layer",
+                "build",
+                src.to_str().unwrap(),
+                "--name",
+                name,
+                "--version",
+                version,
+            ],
+        );
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .last()
+            .unwrap()
+            .to_string()
+    };
+    let base = build("os", "os/bookworm", "12");
+    let tools = build("tools", "toolkit/pytest", "8.3.4");
+    let entry = work.path().join("entry.toml");
+    std::fs::write(
+        &entry,
+        "id = \"demo/named\"\nbase = \"os/bookworm@12\"\ntoolkits = [\"toolkit/pytest@8.3.4\"]\n",
+    )
+    .unwrap();
+    let o = strata(store_url, &["catalog", "register", entry.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = strata(store_url, &["catalog", "show", "demo/named", "--json"]);
+    let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(j["entry"]["base"], base.as_str());
+    assert_eq!(j["entry"]["toolkits"][0], tools.as_str());
+    // Shown to people: a date, not seconds since 1970.
+    let o = strata(store_url, &["catalog", "show", "demo/named"]);
+    let shown = String::from_utf8_lossy(&o.stdout);
+    let line = shown.lines().find(|l| l.starts_with("registered")).unwrap();
+    assert!(line.contains(" UTC (") && line.contains(" ago)"), "{line}");
+
+    std::fs::write(&entry, "id = \"demo/named\"\nbase = \"os/bookworm@13\"\n").unwrap();
+    let o = strata(store_url, &["catalog", "register", entry.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("os/bookworm@13"),
+        "{err}"
+    );
+}
