@@ -39,6 +39,18 @@ impl FncallBackend {
         self.pool.join(state)
     }
 
+    /// What a pooled agent was started by: the protocol version and the agent binary's
+    /// identity. A pooled agent sets up its sandbox's root only when claimed, with the code
+    /// it was started with, so one started by an older build (another version, or the same
+    /// version with other confinement) is drained, never handed out.
+    fn build_tag(&self) -> String {
+        use std::os::unix::fs::MetadataExt;
+        let binary = std::fs::metadata(&self.agent)
+            .map(|m| format!("{}-{}.{}-{}", m.len(), m.mtime(), m.mtime_nsec(), m.ino()))
+            .unwrap_or_default();
+        format!("{PROTOCOL_VERSION} {binary}")
+    }
+
     fn pool_cgroup(&self, slot: &str) -> Cgroup {
         self.cgroups.sandbox(&format!("pool-{slot}"))
     }
@@ -137,8 +149,7 @@ impl FncallBackend {
                     let f = dir.join("pid");
                     std::fs::write(&f, format!("{pid} {start}")).map_err(RuntimeError::io(&f))?;
                     let v = dir.join("version");
-                    std::fs::write(&v, PROTOCOL_VERSION.to_string())
-                        .map_err(RuntimeError::io(&v))?;
+                    std::fs::write(&v, self.build_tag()).map_err(RuntimeError::io(&v))?;
                     let ready = self.pool_dir("ready").join(&slot);
                     std::fs::rename(&dir, &ready).map_err(RuntimeError::io(&ready))
                 });
@@ -154,9 +165,10 @@ impl FncallBackend {
     }
 
     /// Kills pooled agents and removes their slots and cgroups: every one, or (`only_stale`)
-    /// those whose agent died or was started by a build of another protocol version.
+    /// those whose agent died or was started by another build ([`Self::build_tag`]).
     pub fn drain(&self, only_stale: bool) -> usize {
         let mut n = 0;
+        let tag = self.build_tag();
         for state in ["ready", "filling", "claimed"] {
             let Ok(rd) = std::fs::read_dir(self.pool_dir(state)) else {
                 continue;
@@ -166,7 +178,7 @@ impl FncallBackend {
                 let alive = read_pid(&e.path())
                     .is_some_and(|(pid, start)| process_start(pid) == Some(start));
                 let current = std::fs::read_to_string(e.path().join("version"))
-                    .is_ok_and(|v| v.trim() == PROTOCOL_VERSION.to_string());
+                    .is_ok_and(|v| v.trim() == tag);
                 // Filling and claimed slots belong to a create in progress, unless stale.
                 let busy = state != "ready" && crate::age(&e.path()) < Duration::from_secs(60);
                 if (only_stale && alive && current) || busy {

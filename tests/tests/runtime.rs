@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use strata_tests::home::{can_run_sandboxes, text, SampleEnv};
-use strata_tests::{have_tool, scratch_root, HostServer};
+use strata_tests::{have_tool, scratch_root, strata_bin, HostServer};
 
 const BACKENDS: [&str; 2] = ["fncall", "container"];
 
@@ -256,6 +256,30 @@ fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
         err.contains("protocol v1") && err.contains(&current),
         "the refusal names both versions: {err}"
     );
+
+    // The same protocol from another build of the agent (an upgrade: a pooled agent sets
+    // up its root with the code it was started with): the next runtime command drains it.
+    let agent = home.home.join("strata-agent");
+    let built = strata_bin().with_file_name("strata-agent");
+    std::fs::copy(&built, &agent).unwrap();
+    let with_agent = |args: &[&str]| {
+        let o = home.cmd(args).env("STRATA_AGENT", &agent).output().unwrap();
+        assert!(o.status.success(), "{args:?}: {}", text(&o).1);
+    };
+    with_agent(&["sandbox", "pool", "--fill", "2"]);
+    let pooled = pool_pids();
+    assert_eq!(pooled.len(), 2, "pool: {pooled:?}");
+    with_agent(&["sandbox", "ls"]);
+    assert_eq!(pool_pids(), pooled, "the same build's pool is kept");
+    std::thread::sleep(Duration::from_millis(20));
+    std::fs::remove_file(&agent).unwrap();
+    std::fs::copy(&built, &agent).unwrap();
+    with_agent(&["sandbox", "ls"]);
+    assert!(
+        pool_pids().is_empty(),
+        "another build's pool was not drained"
+    );
+    home.ok(&["sandbox", "pool", "--drain"]);
 }
 
 #[test]
