@@ -420,6 +420,54 @@ echo checked
         }
     }
 
+    /// SECURITY.md, "confinement every sandbox gets": the shared policy's dangerous
+    /// syscalls are refused with EPERM before the kernel looks at their arguments (io_uring,
+    /// whose operations run in kernel workers seccomp never sees; bpf; perf; keyrings; new
+    /// namespaces; mounts).
+    pub fn assert_dangerous_syscalls_refused(&self, backend: &str) {
+        let script = r#"
+import ctypes, errno, json
+libc = ctypes.CDLL(None, use_errno=True)
+buf = ctypes.create_string_buffer(512)
+calls = {
+    "io_uring_setup": (425, (8, buf)),
+    "bpf": (321, (0, buf, 128)),
+    "perf_event_open": (298, (buf, 0, -1, -1, 0)),
+    "keyctl": (250, (0, 0)),
+    "unshare": (272, (0x10000000,)),
+    "mount": (165, (b"none", b"/tmp", b"tmpfs", 0, None)),
+}
+got = {}
+for name, (nr, args) in calls.items():
+    r = libc.syscall(nr, *args)
+    got[name] = "ok" if r >= 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+print(json.dumps(got))
+"#;
+        let out = self.ok(&[
+            "run",
+            "--backend",
+            backend,
+            &self.reference,
+            "--",
+            "python3",
+            "-c",
+            script,
+        ]);
+        let got: serde_json::Value =
+            serde_json::from_str(out.lines().last().unwrap_or_default()).expect("syscall JSON");
+        for (name, answer) in got.as_object().expect("an object") {
+            assert_eq!(
+                answer, "EPERM",
+                "{backend}: {name} reached the kernel: {got}"
+            );
+        }
+        assert_eq!(
+            got.as_object().map(|o| o.len()),
+            Some(6),
+            "{backend}: {got}"
+        );
+    }
+
     pub fn assert_agent_integrity(&self, backend: &str) {
         let probe = Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/agent_integrity.py");
         let id = self.create(&["--backend", backend]);

@@ -115,6 +115,16 @@ fn the_hosts_kernel_files_are_masked_and_its_settings_read_only() {
     }
 }
 
+#[test]
+fn dangerous_syscalls_are_refused_before_the_kernel_sees_them() {
+    let Some(env) = env("runtime_syscalls") else {
+        return;
+    };
+    for backend in BACKENDS {
+        env.assert_dangerous_syscalls_refused(backend);
+    }
+}
+
 /// `yes` streamed through `strata run` into /dev/null: the CLI holds none of it (it printed
 /// 1.5 GB into 1.48 GB of resident memory before), and every byte arrives.
 #[test]

@@ -94,6 +94,14 @@ fn a_guests_kernel_files_are_masked_and_its_settings_read_only() {
 }
 
 #[test]
+fn a_guests_dangerous_syscalls_are_refused() {
+    let Some(env) = env("vm_syscalls") else {
+        return;
+    };
+    env.assert_dangerous_syscalls_refused("microvm");
+}
+
+#[test]
 fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     let Some(env) = env("vm_budgets") else {
         return;
