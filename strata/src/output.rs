@@ -35,7 +35,7 @@ pub fn human_time(unix_secs: u64) -> String {
 }
 
 /// A duration to its largest unit or two: `3h 12m`, `45s`.
-fn rough_duration(d: std::time::Duration) -> String {
+pub fn rough_duration(d: std::time::Duration) -> String {
     let s = d.as_secs();
     let (days, hours, mins) = (s / 86_400, s / 3600 % 24, s / 60 % 60);
     match (days, hours, mins) {

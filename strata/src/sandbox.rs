@@ -431,10 +431,10 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
                     println!("{:<14} {:<10} {:>8}  CATALOG", "ID", "BACKEND", "IDLE");
                     for r in list {
                         println!(
-                            "{:<14} {:<10} {:>7}s  {}",
+                            "{:<14} {:<10} {:>8}  {}",
                             r.id,
                             r.spec.backend.as_str(),
-                            rt.idle_for(&r.id).as_secs(),
+                            crate::output::rough_duration(rt.idle_for(&r.id)),
                             r.spec.catalog_ref
                         );
                     }
