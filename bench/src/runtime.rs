@@ -117,9 +117,10 @@ pub(crate) fn runtime_config(home: &Path, store_url: &str) -> Result<RuntimeConf
             .stdout(Stdio::null())
             .stderr(log);
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        cmd.spawn()
+        let child = cmd
+            .spawn()
             .map_err(|e| strata_lazyfs::LazyError::Daemon(e.to_string()))?;
-        Ok(())
+        Ok(Some(child))
     });
     let mut cfg = RuntimeConfig::new(
         home.join("runtime"),

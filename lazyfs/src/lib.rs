@@ -246,28 +246,42 @@ pub fn wait_stopped(paths: &Paths, wait: Duration) -> Result<(), LazyError> {
 pub fn connect_or_start(
     paths: &Paths,
     wait: Duration,
-    start: impl FnOnce() -> Result<(), LazyError>,
+    start: impl FnOnce() -> Result<Option<std::process::Child>, LazyError>,
 ) -> Result<Client, LazyError> {
     if let Ok(mut c) = Client::connect(&paths.socket()) {
         if c.call(&Request::Ping).is_ok() {
             return Ok(c);
         }
     }
-    start()?;
-    let deadline = Instant::now() + wait;
+    let mut started = start()?;
+    let mut deadline = Instant::now() + wait;
+    let mut exited = None;
     loop {
         if let Ok(mut c) = Client::connect(&paths.socket()) {
             if c.call(&Request::Ping).is_ok() {
                 return Ok(c);
             }
         }
+        // The daemon we started ended: another one started at the same moment may still
+        // be coming up (a loser of that race exits), so wait a little for it, not the
+        // whole bound.
+        if exited.is_none() {
+            if let Some(status) = started.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                exited = Some(status);
+                deadline = deadline.min(Instant::now() + Duration::from_secs(2));
+            }
+        }
         if Instant::now() > deadline {
             let log = std::fs::read_to_string(paths.log_file()).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(10).collect();
-            return Err(LazyError::Daemon(format!(
-                "did not come up within {wait:?}; last log lines:\n{}",
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-            )));
+            let tail = tail.into_iter().rev().collect::<Vec<_>>().join("\n");
+            return Err(LazyError::Daemon(match exited {
+                Some(status) => format!(
+                    "exited as it started ({status}); last lines of {}:\n{tail}",
+                    paths.log_file().display()
+                ),
+                None => format!("did not come up within {wait:?}; last log lines:\n{tail}"),
+            }));
         }
         std::thread::sleep(Duration::from_millis(20));
     }

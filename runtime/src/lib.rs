@@ -195,8 +195,10 @@ pub(crate) fn age(path: &Path) -> Duration {
         .unwrap_or_default()
 }
 
-/// Starts the lazyfs daemon when none answers.
-pub type StartDaemon = Arc<dyn Fn() -> Result<(), LazyError> + Send + Sync>;
+/// Starts the lazyfs daemon when none answers; the process it started, if it can tell, so
+/// a daemon that dies at start is reported at once.
+pub type StartDaemon =
+    Arc<dyn Fn() -> Result<Option<std::process::Child>, LazyError> + Send + Sync>;
 
 /// How the runtime reaches the lazyfs daemon.
 #[derive(Clone)]

@@ -23,7 +23,7 @@ pub fn paths(settings: &Settings) -> Paths {
 /// (its home, store and settings file), logging to the daemon's log file.
 pub fn daemon_starter(settings: &Settings) -> strata_runtime::StartDaemon {
     let settings = settings.clone();
-    std::sync::Arc::new(move || -> Result<(), LazyError> {
+    std::sync::Arc::new(move || -> Result<Option<std::process::Child>, LazyError> {
         let paths = paths(&settings);
         // Private to root before the log (and then the daemon's socket) is made in it.
         strata_lazyfs::prepare_run_dir(&paths)?;
@@ -51,9 +51,10 @@ pub fn daemon_starter(settings: &Settings) -> strata_runtime::StartDaemon {
             .env("STRATA_LOG", settings.log.as_deref().unwrap_or("info"));
         // Its own process group: the daemon outlives this command and its terminal.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        cmd.spawn()
+        let child = cmd
+            .spawn()
             .map_err(|e| LazyError::Daemon(format!("starting the daemon: {e}")))?;
-        Ok(())
+        Ok(Some(child))
     })
 }
 

@@ -504,3 +504,35 @@ fn a_workspace_test_suite_on_lazy_layers_reads_a_small_fraction() {
             .success());
     }
 }
+
+/// A daemon the CLI starts on demand that dies at start is reported at once, with the
+/// reason from its log (here: a cache on tmpfs, refused), instead of after the full wait.
+#[test]
+fn a_daemon_that_dies_as_it_starts_is_reported_with_its_reason() {
+    if !have_root("lazyfs_dies_at_start") || !have_fuse("lazyfs_dies_at_start") {
+        return;
+    }
+    let shm = Path::new("/dev/shm");
+    if !shm.is_dir() {
+        assert!(
+            !privileged_required(),
+            "no /dev/shm (tmpfs) to put a home on"
+        );
+        eprintln!("SKIP lazyfs_dies_at_start: no /dev/shm");
+        return;
+    }
+    let home = tempfile::tempdir_in(shm).unwrap();
+    let store = tempfile::tempdir_in(scratch_root()).unwrap();
+    let target = tempfile::tempdir_in(scratch_root()).unwrap();
+    let o = Command::new(strata_bin())
+        .env("STRATA_HOME", home.path())
+        .args(["--store", store.path().to_str().unwrap(), "layer", "mount"])
+        .arg("ab".repeat(32))
+        .arg(target.path())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "mounted with a cache on tmpfs");
+    assert!(err.contains("exited as it started"), "{err}");
+    assert!(err.contains("on tmpfs"), "the daemon's own reason: {err}");
+}
