@@ -235,3 +235,46 @@ impl StepSandbox for RuntimeStepSandbox {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn from_names_a_layer_by_name_and_version_where_no_entry_has_that_id() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&strata_store::StoreUrl::Local(dir.path().join("store"))).unwrap();
+        let src = dir.path().join("tree");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(src.join("tool"), b"a tool").unwrap();
+        let built = strata_builder::build(
+            &store,
+            &strata_builder::BuildRequest {
+                source: strata_builder::Source::Dir(src),
+                kind: strata_builder::LayerKind::Toolkit,
+                name: Some("toolkit/demo".into()),
+                version: Some("1.0".into()),
+                exclude: Vec::new(),
+                prefix: None,
+                source_label: None,
+                provenance: Default::default(),
+                registry: Default::default(),
+            },
+            None,
+        )
+        .await
+        .unwrap();
+        let got = resolve_inputs(&store, &["toolkit/demo@1.0".to_string()])
+            .await
+            .unwrap();
+        assert_eq!(got, vec![built.id]);
+        let err = resolve_inputs(&store, &["toolkit/demo@2.0".to_string()])
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("neither a catalog entry nor a layer"),
+            "{err}"
+        );
+    }
+}

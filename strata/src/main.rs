@@ -73,8 +73,10 @@ fn init_logging(settings: &Settings) -> Result<()> {
     let filter = settings.log.as_deref().unwrap_or("warn");
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .with_context(|| format!("log filter `{filter}` (STRATA_LOG or log)"))?;
+    // Colours only on a terminal: a daemon's stderr is its log file.
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
     Ok(())
