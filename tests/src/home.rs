@@ -373,6 +373,13 @@ impl SampleEnv {
     /// its own, signals to the agent, accept on every inherited socket, every socket it
     /// can find) while the host runs 20 execs; every exec must return its real output and
     /// status, and the probe must have found nothing.
+    /// `strata run --backend BACKEND <sample> -- ARGV...`, asserting success; its stdout.
+    pub fn run_once(&self, backend: &str, argv: &[&str]) -> String {
+        let mut args = vec!["run", "--backend", backend, &self.reference, "--"];
+        args.extend_from_slice(argv);
+        self.ok(&args)
+    }
+
     /// SECURITY.md, "the host's kernel": a sandbox's commands, root inside, read nothing of
     /// the kernel's files about the host (`/proc/kpage*`, the page tables of every page of
     /// the host's memory, whose read crashed a kernel in DSec's report; runc's masked
@@ -389,16 +396,7 @@ done
 (echo h > /proc/sysrq-trigger) 2>/dev/null && echo "wrote /proc/sysrq-trigger"
 echo checked
 "#;
-        let out = self.ok(&[
-            "run",
-            "--backend",
-            backend,
-            &self.reference,
-            "--",
-            "sh",
-            "-c",
-            script,
-        ]);
+        let out = self.run_once(backend, &["sh", "-c", script]);
         assert!(out.contains("checked"), "{backend}: {out}");
         for line in out.lines() {
             let words: Vec<&str> = line.split_whitespace().collect();
@@ -443,16 +441,7 @@ for name, (nr, args) in calls.items():
     got[name] = "ok" if r >= 0 else errno.errorcode.get(ctypes.get_errno(), "?")
 print(json.dumps(got))
 "#;
-        let out = self.ok(&[
-            "run",
-            "--backend",
-            backend,
-            &self.reference,
-            "--",
-            "python3",
-            "-c",
-            script,
-        ]);
+        let out = self.run_once(backend, &["python3", "-c", script]);
         let got: serde_json::Value =
             serde_json::from_str(out.lines().last().unwrap_or_default()).expect("syscall JSON");
         for (name, answer) in got.as_object().expect("an object") {
