@@ -563,7 +563,7 @@ fn burst(env: &Env, tasks: &[(String, String)], work: &Path) -> Result<Vec<Row>>
         .map(|spec| {
             let runtime = runtime.clone();
             std::thread::spawn(move || -> Result<strata_runtime::Sandbox> {
-                let sb = runtime.create(spec)?;
+                let sb = runtime.create_owned(spec)?;
                 let r = sb.exec(&ExecRequest::argv(["python3", "-c", BURST_COMMAND]))?;
                 if !r.success() {
                     bail!(

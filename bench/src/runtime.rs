@@ -192,7 +192,7 @@ fn strata_once(s: &Setup, backend: Backend) -> Result<f64> {
     let mut spec = s.spec.clone();
     spec.backend = backend;
     let t = Instant::now();
-    let sb = s.runtime.create(spec)?;
+    let sb = s.runtime.create_owned(spec)?;
     let r = sb.exec(&ExecRequest::argv(["/bin/true"]))?;
     let took = t.elapsed().as_secs_f64() * 1000.0;
     sb.destroy()?;
@@ -392,7 +392,7 @@ pub fn run(
         let mut spec = s.spec.clone();
         spec.backend = backend;
         let boxes: Vec<_> = (0..n)
-            .map(|_| s.runtime.create(spec.clone()))
+            .map(|_| s.runtime.create_owned(spec.clone()))
             .collect::<Result<_, _>>()?;
         std::thread::sleep(Duration::from_millis(500));
         let mut total = 0u64;

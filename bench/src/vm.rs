@@ -26,7 +26,7 @@ fn vm_spec(base: &SandboxSpec, backend: Backend) -> SandboxSpec {
 /// Create, run `/bin/true`, destroy; returns create -> first exec done (ms).
 fn once(rt: &Runtime, spec: &SandboxSpec) -> Result<f64> {
     let t = Instant::now();
-    let sb = rt.create(spec.clone())?;
+    let sb = rt.create_owned(spec.clone())?;
     let r = sb.exec(&ExecRequest::argv(["/bin/true"]));
     let took = t.elapsed().as_secs_f64() * 1e3;
     sb.destroy()?;
@@ -127,10 +127,10 @@ pub fn run(
     }
 
     // Pause/resume: QMP stop/cont of a microVM against the freezer of a container.
-    let vm = warm_rt.create(vm_spec(&s.spec, Backend::Microvm))?;
+    let vm = warm_rt.create_owned(vm_spec(&s.spec, Backend::Microvm))?;
     let mut container_spec = s.spec.clone();
     container_spec.backend = Backend::Container;
-    let ct = warm_rt.create(container_spec)?;
+    let ct = warm_rt.create_owned(container_spec)?;
     let samples = if quick { 10 } else { 30 };
     let mut timings = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
     for _ in 0..samples {
@@ -238,7 +238,7 @@ pub fn run(
         ksm_read("sleep_millisecs"),
     );
     let idle: Vec<_> = (0..n)
-        .map(|_| warm_rt.create(vm_spec(&s.spec, Backend::Microvm)))
+        .map(|_| warm_rt.create_owned(vm_spec(&s.spec, Backend::Microvm)))
         .collect::<Result<_, _>>()?;
     let pids: Vec<u32> = idle.iter().map(|sb| sb.record().init_pid).collect();
     // Unmerge anything merged before, then let the guests settle.
