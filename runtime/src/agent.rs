@@ -21,8 +21,7 @@ use strata_agent_proto::{
 
 use crate::cgroup::Cgroup;
 use crate::exec::{
-    drive, Collected, Event, ExecEnv, ExecRequest, RawExit, Stdin, Stream, DEFAULT_KEPT_OUTPUT,
-    OUTPUT_QUEUE,
+    drive, Collected, Event, ExecEnv, ExecRequest, RawExit, Stdin, Stream, OUTPUT_QUEUE,
 };
 
 use crate::RuntimeError;
@@ -352,8 +351,7 @@ impl AgentClient {
             }
         }
         let mut writer = writer;
-        let keep = req.keep_output.unwrap_or(DEFAULT_KEPT_OUTPUT);
-        drive(rx, env.timeout, keep, sink, || {
+        drive(rx, env.timeout, req.kept_output(), sink, || {
             let _ = write_control(
                 &mut writer,
                 &HostMsg::Signal {

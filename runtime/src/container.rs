@@ -28,9 +28,7 @@ use strata_agent_proto::policy::{self, DENIED_SYSCALLS, KEPT_CAPS};
 use crate::backend::{Host, NewSandbox, SandboxBackend, SandboxRef};
 use crate::cgroup::Cgroup;
 use crate::exec::ExecEnv;
-use crate::exec::{
-    drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream, DEFAULT_KEPT_OUTPUT, OUTPUT_QUEUE,
-};
+use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream, OUTPUT_QUEUE};
 use crate::hostroot::{self, HostRoot};
 use crate::record::SandboxRecord;
 use crate::RuntimeError;
@@ -537,8 +535,9 @@ impl SandboxBackend for ContainerBackend {
         });
         // On timeout, everything this command started dies, wherever it was re-parented;
         // what earlier commands left running stays.
-        let keep = req.keep_output.unwrap_or(DEFAULT_KEPT_OUTPUT);
-        let result = drive(rx, env.timeout, keep, sink, || cgroup.kill_except(&before));
+        let result = drive(rx, env.timeout, req.kept_output(), sink, || {
+            cgroup.kill_except(&before)
+        });
         let _ = waiter.join();
         let _ = std::fs::remove_file(&process_file);
         let _ = std::fs::remove_file(&pid_file);

@@ -50,6 +50,11 @@ pub const DEFAULT_KEPT_OUTPUT: usize = 16 << 20;
 pub(crate) const OUTPUT_QUEUE: usize = 16;
 
 impl ExecRequest {
+    /// How many bytes of each stream the result keeps.
+    pub fn kept_output(&self) -> usize {
+        self.keep_output.unwrap_or(DEFAULT_KEPT_OUTPUT)
+    }
+
     pub fn argv<S: Into<String>>(argv: impl IntoIterator<Item = S>) -> ExecRequest {
         ExecRequest {
             argv: argv.into_iter().map(Into::into).collect(),
@@ -237,6 +242,14 @@ pub fn drive(
 mod tests {
     use super::*;
 
+    fn exited(code: i32) -> Event {
+        Event::Exited(RawExit {
+            code: Some(code),
+            signal: None,
+            guest: None,
+        })
+    }
+
     #[test]
     fn output_beyond_the_kept_bound_reaches_the_sink_and_the_counts_only() {
         let (tx, rx) = std::sync::mpsc::sync_channel(OUTPUT_QUEUE);
@@ -247,12 +260,7 @@ mod tests {
             }
             tx.send(Event::Output(Stream::Stderr, b"err".to_vec()))
                 .unwrap();
-            tx.send(Event::Exited(RawExit {
-                code: Some(0),
-                signal: None,
-                guest: None,
-            }))
-            .unwrap();
+            tx.send(exited(0)).unwrap();
         });
         let mut sunk = 0usize;
         let got = drive(
@@ -276,12 +284,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::sync_channel(OUTPUT_QUEUE);
         tx.send(Event::Output(Stream::Stdout, b"hello".to_vec()))
             .unwrap();
-        tx.send(Event::Exited(RawExit {
-            code: Some(3),
-            signal: None,
-            guest: None,
-        }))
-        .unwrap();
+        tx.send(exited(3)).unwrap();
         let got = drive(rx, Duration::from_secs(10), 5, &mut |_, _| {}, || {}).unwrap();
         assert_eq!(got.stdout, b"hello");
         assert!(!got.truncated());

@@ -577,7 +577,6 @@ impl Store {
         Ok(ids)
     }
 
-    /// Resolves a full layer ID or a unique prefix of at least 8 hex digits.
     /// The layer whose provenance names it `name` at `version` (`layer build --name
     /// --version`, or a definition's own): every layer's provenance is read, a few at a
     /// time.

@@ -46,18 +46,14 @@ pub async fn resolve_inputs(store: &Store, from: &[String]) -> anyhow::Result<Ve
             catalog = Some(opened);
             let reg = match reg {
                 Err(strata_catalog::CatalogError::NotFound(_)) if reference.contains('@') => {
-                    match store.resolve_layer(reference).await {
-                        Ok(layer) => {
-                            inputs.push(layer);
-                            continue;
-                        }
-                        Err(strata_store::StoreError::LayerNotFound(_)) => {
-                            anyhow::bail!(
-                                "`{reference}` is neither a catalog entry nor a layer's NAME@VERSION"
-                            )
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
+                    let layer = store.resolve_layer(reference).await.map_err(|e| match e {
+                        strata_store::StoreError::LayerNotFound(_) => anyhow::anyhow!(
+                            "`{reference}` is neither a catalog entry nor a layer's NAME@VERSION"
+                        ),
+                        e => e.into(),
+                    })?;
+                    inputs.push(layer);
+                    continue;
                 }
                 other => other?,
             };
