@@ -239,7 +239,10 @@ admin socket = $RUN/\$name.asok
 log file = $LOGS/\$name.log
 
 [client.rgw.a]
-rgw frontends = beast endpoint=127.0.0.1:$PORT
+# tcp_nodelay: without it radosgw sends a small response's second write only once the
+# client acknowledges the first, which a kept-alive connection delays by 40 ms (a small GET
+# measured 44 ms instead of ~1 ms).
+rgw frontends = beast endpoint=127.0.0.1:$PORT tcp_nodelay=1
 rgw data = $DIR/rgw
 rgw dns name = localhost
 pid file = $RUN/\$name.pid

@@ -16,14 +16,24 @@ use serde::Deserialize;
 use crate::report::{Row, Section};
 use crate::runtime::{bin, crun_cmd, export};
 
-struct Env {
-    home: PathBuf,
-    store: PathBuf,
-    strata: PathBuf,
+pub(crate) struct Env {
+    pub(crate) home: PathBuf,
+    /// The store's URL (a directory path for the local store).
+    pub(crate) store: String,
+    pub(crate) strata: PathBuf,
 }
 
 impl Env {
-    fn cmd(&self, args: &[&str]) -> Command {
+    /// The same store under another home.
+    pub(crate) fn with(&self, home: PathBuf, store: String) -> Env {
+        Env {
+            home,
+            store,
+            strata: self.strata.clone(),
+        }
+    }
+
+    pub(crate) fn cmd(&self, args: &[&str]) -> Command {
         let mut c = Command::new(&self.strata);
         c.args(args)
             .env("STRATA_HOME", &self.home)
@@ -32,7 +42,7 @@ impl Env {
         c
     }
 
-    fn ok(&self, args: &[&str]) -> Result<Output> {
+    pub(crate) fn ok(&self, args: &[&str]) -> Result<Output> {
         let out = self.cmd(args).output()?;
         if !out.status.success() {
             bail!(
@@ -43,12 +53,12 @@ impl Env {
         Ok(out)
     }
 
-    fn json(&self, args: &[&str]) -> Result<serde_json::Value> {
+    pub(crate) fn json(&self, args: &[&str]) -> Result<serde_json::Value> {
         Ok(serde_json::from_slice(&self.ok(args)?.stdout)?)
     }
 
     /// A cold host: no daemon, no cached chunk, no metadata image.
-    fn go_cold(&self) -> Result<()> {
+    pub(crate) fn go_cold(&self) -> Result<()> {
         self.ok(&["sandbox", "pool", "--drain"])?;
         self.ok(&["lazyfs", "stop"])?;
         for d in ["cache", "meta"] {
@@ -74,21 +84,21 @@ struct Workspace {
 
 /// The entry as `catalog show --json` prints it (the fields used here).
 #[derive(Deserialize)]
-struct Entry {
-    base: String,
+pub(crate) struct Entry {
+    pub(crate) base: String,
     #[serde(default)]
     toolkits: Vec<String>,
     workspace: Option<String>,
     #[serde(default)]
     env: BTreeMap<String, String>,
     #[serde(default)]
-    commands: BTreeMap<String, String>,
+    pub(crate) commands: BTreeMap<String, String>,
     workdir: Option<String>,
 }
 
 impl Entry {
     /// (role, layer ID), top-most first.
-    fn layers(&self) -> Vec<(&'static str, &str)> {
+    pub(crate) fn layers(&self) -> Vec<(&'static str, &str)> {
         let mut v: Vec<(&'static str, &str)> = self
             .toolkits
             .iter()
@@ -102,11 +112,13 @@ impl Entry {
     }
 }
 
-fn setup(scratch: &Path, repo: &Path) -> Result<(Env, Vec<String>)> {
+/// Builds and registers the datasets into the suite's local store (what is there already
+/// is found by its build key, not built again); returns the registered workspaces.
+pub(crate) fn setup(scratch: &Path, repo: &Path) -> Result<(Env, Vec<String>)> {
     let dir = std::fs::canonicalize(scratch)?.join("datasets");
     let env = Env {
         home: dir.join("home"),
-        store: dir.join("store"),
+        store: dir.join("store").display().to_string(),
         strata: bin("strata")?,
     };
     std::fs::create_dir_all(&env.home)?;
@@ -129,7 +141,12 @@ fn setup(scratch: &Path, repo: &Path) -> Result<(Env, Vec<String>)> {
 }
 
 /// A bundle running `command` (by /bin/sh) over `rootfs` with the entry's environment.
-fn eager_bundle(dir: &Path, rootfs: &Path, entry: &Entry, command: &str) -> Result<PathBuf> {
+pub(crate) fn eager_bundle(
+    dir: &Path,
+    rootfs: &Path,
+    entry: &Entry,
+    command: &str,
+) -> Result<PathBuf> {
     std::fs::create_dir_all(dir)?;
     let mut env: Vec<String> = entry.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
     env.push("HOME=/root".into());
@@ -230,13 +247,7 @@ pub fn run(scratch: &Path, repo: &Path, quick: bool) -> Result<Section> {
             let rootfs = work.join(format!("eager-{n}"));
             let t = Instant::now();
             for (_, layer) in entry.layers().iter().rev() {
-                export(
-                    &env.strata,
-                    &env.home,
-                    &env.store.display().to_string(),
-                    layer,
-                    &rootfs,
-                )?;
+                export(&env.strata, &env.home, &env.store, layer, &rootfs)?;
             }
             let bundle = eager_bundle(&work.join(format!("bundle-{n}")), &rootfs, &entry, &test)?;
             let state = work.join("crun");
@@ -464,7 +475,7 @@ fn disk_bytes(dirs: &[PathBuf]) -> u64 {
 
 /// `n` distinct workspaces for a burst: the real ones in turn, each with its own task file
 /// (an RL dataset is many tasks over the same repositories). Built once per scratch dir.
-fn task_layers(
+pub(crate) fn task_layers(
     env: &Env,
     repo: &Path,
     refs: &[String],
@@ -523,12 +534,36 @@ const BURST_COMMAND: &str = "import os, json; print(len(os.listdir('/work')))";
 /// N sandboxes of distinct workspaces started at once from a cold host, each running
 /// Python over its workspace; then the same with every layer extracted first.
 fn burst(env: &Env, tasks: &[(String, String)], work: &Path) -> Result<Vec<Row>> {
+    let n = tasks.len();
+    let store_url = env.store.clone();
+    let (strata_s, strata_bytes, entries) = burst_strata(env, tasks)?;
+    eager_burst(
+        env,
+        tasks,
+        work,
+        &store_url,
+        &entries,
+        n,
+        strata_s,
+        strata_bytes,
+    )
+}
+
+/// The Strata half of a burst: a cold host, N creates at once, Python over each workspace.
+/// Returns the wall time, the bytes written to local disk, and the entries used.
+pub(crate) fn burst_strata(
+    env: &Env,
+    tasks: &[(String, String)],
+) -> Result<(
+    f64,
+    u64,
+    BTreeMap<String, std::sync::Arc<strata_catalog::Registered>>,
+)> {
     use strata_catalog::Catalog;
     use strata_runtime::{ExecRequest, Overrides, SandboxSpec};
-    let n = tasks.len();
-    let store_url = env.store.display().to_string();
+    let store_url = env.store.clone();
     let rt = tokio::runtime::Runtime::new()?;
-    let store = strata_store::Store::open(&strata_store::StoreUrl::Local(env.store.clone()))?;
+    let store = strata_store::Store::open(&strata_store::StoreUrl::parse(&store_url)?)?;
     let mut specs = Vec::new();
     let mut entries = BTreeMap::new();
     for (reference, layer) in tasks {
@@ -589,7 +624,20 @@ fn burst(env: &Env, tasks: &[(String, String)], work: &Path) -> Result<Vec<Row>>
     }
     runtime.drain_pool();
     env.go_cold()?;
+    Ok((strata_s, strata_bytes, entries))
+}
 
+#[allow(clippy::too_many_arguments)]
+fn eager_burst(
+    env: &Env,
+    tasks: &[(String, String)],
+    work: &Path,
+    store_url: &str,
+    entries: &BTreeMap<String, std::sync::Arc<strata_catalog::Registered>>,
+    n: usize,
+    strata_s: f64,
+    strata_bytes: u64,
+) -> Result<Vec<Row>> {
     // Eager: extract base and toolkit once (a content-addressed snapshotter shares them)
     // and each workspace, then overlay and run each with crun, all at once.
     let eager = work.join("eager-burst");
@@ -606,13 +654,13 @@ fn burst(env: &Env, tasks: &[(String, String)], work: &Path) -> Result<Vec<Row>>
         .chain([("base", &first.base)])
     {
         let dir = eager.join(format!("{name}-{}", &layer[..12]));
-        export(&env.strata, &env.home, &store_url, layer, &dir)?;
+        export(&env.strata, &env.home, store_url, layer, &dir)?;
         shared.push(dir);
     }
     let mut roots = Vec::new();
     for (i, (_, layer)) in tasks.iter().enumerate() {
         let ws = eager.join(format!("ws-{i}"));
-        export(&env.strata, &env.home, &store_url, layer, &ws)?;
+        export(&env.strata, &env.home, store_url, layer, &ws)?;
         let (up, wk, root) = (
             eager.join(format!("up-{i}")),
             eager.join(format!("wk-{i}")),

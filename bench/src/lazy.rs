@@ -29,7 +29,7 @@ fn strata_bin() -> Result<PathBuf> {
     Ok(bin)
 }
 
-fn drop_caches() {
+pub(crate) fn drop_caches() {
     let _ = Command::new("sync").status();
     let _ = std::fs::write("/proc/sys/vm/drop_caches", "3");
 }
@@ -169,7 +169,7 @@ fn median(v: &mut [f64]) -> f64 {
     v[v.len() / 2]
 }
 
-const FIRST_WORK: &str =
+pub(crate) const FIRST_WORK: &str =
     "import json, email, asyncio, http.client, decimal; print(json.dumps({'ok': True}))";
 
 pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Section> {

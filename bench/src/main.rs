@@ -6,6 +6,7 @@ mod build;
 mod datasets;
 mod lazy;
 mod machine;
+mod remote;
 mod report;
 mod runtime;
 mod vm;
@@ -18,8 +19,9 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(name = "strata-bench")]
 struct Args {
-    /// Which suite to run: `build`, `lazyfs`, `runtime`, `datasets`, `vm`, or `quick`
-    /// (every suite, small sizes).
+    /// Which suite to run: `build`, `lazyfs`, `runtime`, `datasets`, `vm`, `remote`
+    /// (lazy loading from S3 through added latency), or `quick` (every suite but remote,
+    /// small sizes).
     /// Run from the repository root, as root (mounts, drop_caches).
     #[arg(long, default_value = "quick")]
     suite: String,
@@ -46,6 +48,7 @@ fn main() -> Result<()> {
         "runtime" => sections.push(runtime::run(&rt, &args.scratch, &repo, false)?),
         "datasets" => sections.push(datasets::run(&args.scratch, &repo, false)?),
         "vm" => sections.push(vm::run(&rt, &args.scratch, &repo, false)?),
+        "remote" => sections.push(remote::run(&rt, &args.scratch, &repo)?),
         "quick" => {
             sections.push(build::run(&rt, &args.scratch)?);
             sections.push(lazy::run(&rt, &args.scratch, &repo)?);
@@ -54,7 +57,9 @@ fn main() -> Result<()> {
             sections.push(vm::run(&rt, &args.scratch, &repo, true)?);
         }
         other => {
-            anyhow::bail!("unknown suite `{other}` (build, lazyfs, runtime, datasets, vm, quick)")
+            anyhow::bail!(
+                "unknown suite `{other}` (build, lazyfs, runtime, datasets, vm, remote, quick)"
+            )
         }
     }
     let results = report::Results {

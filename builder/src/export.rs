@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use erofs_rs::backend::MmapImage;
 use erofs_rs::EroFS;
-use futures::{StreamExt, TryStreamExt};
+use futures::TryStreamExt;
 use strata_store::{LayerManifest, Store};
 
 use crate::BuildError;
@@ -35,16 +35,14 @@ pub async fn fetch_layer_files(
     std::fs::write(meta_path, &meta).map_err(io_err(meta_path))?;
     let blob = std::fs::File::create(blob_path).map_err(io_err(blob_path))?;
     blob.set_len(m.blob_size).map_err(io_err(blob_path))?;
-    let blob = &blob;
-    futures::stream::iter(0..m.chunks.len())
-        .map(|i| async move {
-            let data = store.read_chunk(m, i).await?;
+    let mut batches = std::pin::pin!(store.layer_chunks(m));
+    while let Some(batch) = batches.try_next().await? {
+        for (i, data) in batch {
             blob.write_all_at(&data, m.chunks[i].blob_offset)
-                .map_err(io_err(blob_path))
-        })
-        .buffer_unordered(16)
-        .try_collect::<()>()
-        .await
+                .map_err(io_err(blob_path))?;
+        }
+    }
+    Ok(())
 }
 
 /// Counts of what an export wrote.

@@ -1,6 +1,12 @@
 //! One layer's data blob as the kernel sees it: a virtual file assembled from the layer's
 //! chunk table. Reads map to chunks, which come from the cache or are fetched from the
-//! store in ≥ 1 MiB units, verified, with bounded retries; readahead follows the reader.
+//! store, verified, with bounded retries; readahead follows the reader.
+//!
+//! Requests are shaped by the store's [`StoreTuning`]: a miss fetches its chunk with the
+//! neighbours that follow it in the pack up to the store's range size, and bulk work
+//! (readahead, the prefetch list) keeps the store's concurrency in flight (8 requests
+//! against a local directory, 32 against S3). A neighbour another fetch already has in flight is not
+//! asked for twice: each fetch claims the chunks it carries.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -9,21 +15,17 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use strata_store::{chunk, Digest, LayerManifest, Store, StoreError};
+use strata_store::{chunk, Digest, LayerManifest, Store, StoreError, StoreTuning};
 
-use crate::cache::{ChunkAt, ChunkCache, Span};
+use crate::cache::{ChunkAt, ChunkCache, Flight, Span};
 use crate::LazyError;
 
-/// Fetch at least this much of a pack per request.
-const FETCH_UNIT: u64 = 1 << 20;
-/// How far past a sequential read to fetch ahead from the store in the background...
-const READAHEAD: u64 = 4 << 20;
-/// ...and to load ahead from the local cache file, in reads of this size.
+/// How many fetch units past a sequential read to fetch ahead from the store, in parallel...
+const READAHEAD_UNITS: u64 = 4;
+/// ...and how far to load ahead from the local cache file, in reads of this size.
 const LOCAL_READAHEAD: u64 = 24 << 20;
 const LOCAL_RUN: u64 = 8 << 20;
-/// Background prefetch fetches this many chunks at once...
-const PREFETCH_PARALLEL: usize = 4;
-/// ...and waits while this many on-demand fetches are in flight.
+/// Background prefetch waits while this many on-demand fetches are in flight.
 const PREFETCH_YIELD: usize = 2;
 /// Upper bounds (ms) of the fetch latency histogram buckets; the last bucket is open.
 pub const LATENCY_BUCKETS_MS: [u64; 10] = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000];
@@ -72,6 +74,7 @@ impl Default for FetchPolicy {
 pub struct LayerBlob {
     pub manifest: Arc<LayerManifest>,
     store: Store,
+    tuning: StoreTuning,
     cache: Arc<ChunkCache>,
     policy: FetchPolicy,
     counters: Counters,
@@ -108,6 +111,7 @@ impl LayerBlob {
         let n = manifest.chunks.len();
         LayerBlob {
             manifest: Arc::new(manifest),
+            tuning: store.tuning(),
             store,
             cache,
             policy,
@@ -244,29 +248,43 @@ impl LayerBlob {
 
     /// Chunk `i` from the cache or the store, loaded once however many readers want it.
     pub(crate) async fn load(self: &Arc<Self>, i: usize) -> Result<(Bytes, Origin), LazyError> {
+        self.load_with(i, &Along::Neighbours).await
+    }
+
+    /// [`Self::load`], a fetch carrying along what `along` says.
+    async fn load_with(
+        self: &Arc<Self>,
+        i: usize,
+        along: &Along,
+    ) -> Result<(Bytes, Origin), LazyError> {
         let d = self.manifest.chunks[i].digest;
         let flight = self.cache.flight(&d);
         let _guard = flight.lock().await;
         let cached = tokio::task::block_in_place(|| self.cache.get(&self.at(i)));
         let r = match cached {
             Some(b) => Ok((b, Origin::Cache)),
-            None => self.fetch(i).await.map(|b| (b, Origin::Store)),
+            None => self.fetch(i, along).await.map(|b| (b, Origin::Store)),
         };
         drop(_guard);
         self.cache.land(&d, flight);
         r
     }
 
-    /// Fetches chunk `i` and its neighbours in the same pack (≥ 1 MiB in one request),
-    /// caching every chunk that verifies; retries transient failures until the policy's
-    /// timeout, and refetches a corrupt chunk once.
-    async fn fetch(self: &Arc<Self>, i: usize) -> Result<Bytes, LazyError> {
+    /// Fetches chunk `i` and the neighbours `along` names in the same pack (up to the
+    /// store's range size in one request), caching every chunk that verifies; retries
+    /// transient failures until the policy's timeout, and refetches a corrupt chunk once.
+    async fn fetch(self: &Arc<Self>, i: usize, along: &Along) -> Result<Bytes, LazyError> {
         let started = Instant::now();
         let deadline = started + self.policy.timeout;
         let mut delay = Duration::from_millis(50);
         let mut corrupt_retry = false;
         loop {
-            match self.fetch_once(i, corrupt_retry).await {
+            let along = if corrupt_retry {
+                &Along::Nothing
+            } else {
+                along
+            };
+            match self.fetch_once(i, along).await {
                 Ok(b) => {
                     self.observe(started.elapsed());
                     return Ok(b);
@@ -310,34 +328,58 @@ impl LayerBlob {
     }
 
     /// One attempt: a range GET over the pack covering chunk `i` and the chunks of this
-    /// layer that follow it in the pack, up to [`FETCH_UNIT`]. With `only`, just chunk `i`.
-    async fn fetch_once(&self, i: usize, only: bool) -> Result<Bytes, FetchError> {
+    /// layer that follow it in the pack and `along` admits, up to the store's range size,
+    /// that nobody else is fetching (they are claimed for the time of the fetch, so a
+    /// reader of one waits for this fetch instead of asking again).
+    async fn fetch_once(&self, i: usize, along: &Along) -> Result<Bytes, FetchError> {
         let chunks = &self.manifest.chunks;
         let c = &chunks[i];
         let pack = self.manifest.packs[c.pack as usize];
-        let group: Vec<usize> = if only {
-            vec![i]
-        } else {
-            let order = &self.by_pack[&c.pack];
-            let pos = order.iter().position(|&j| j == i).unwrap_or(0);
-            let mut g = Vec::new();
-            for &j in &order[pos..] {
-                let cj = &chunks[j];
+        let unit = self.tuning.range_bytes.max(c.stored_length as u64);
+        let mut claims = Claims::new(&self.cache);
+        let mut group = vec![i];
+        let order = &self.by_pack[&c.pack];
+        let pos = order.iter().position(|&j| j == i).unwrap_or(0);
+        let mut end = c.pack_offset + c.stored_length as u64;
+        for &j in order.get(pos + 1..).unwrap_or_default() {
+            let cj = &chunks[j];
+            let j_end = cj.pack_offset + cj.stored_length as u64;
+            if j_end - c.pack_offset > unit {
+                break;
+            }
+            match along {
+                Along::Nothing => break,
                 // Neighbours must also be near in the blob (the same directory, roughly):
                 // pack order follows the source's order, and a pack neighbour from another
                 // part of the tree is bytes nobody asked for.
-                if !g.is_empty()
-                    && (cj.pack_offset + cj.stored_length as u64 - c.pack_offset
-                        > FETCH_UNIT.max(c.stored_length as u64)
-                        || cj.blob_offset.abs_diff(c.blob_offset) > FETCH_UNIT
-                        || self.cache.contains(&self.at(j)))
-                {
-                    break;
+                Along::Neighbours => {
+                    if cj.blob_offset.abs_diff(c.blob_offset) > unit
+                        || cj.digest == c.digest
+                        || self.cache.contains(&self.at(j))
+                        || !claims.claim(&cj.digest)
+                    {
+                        break;
+                    }
                 }
-                g.push(j);
+                // Listed chunks only, skipping over others while the bytes between stay
+                // small: a prefetch list fetches what the first run read, not its
+                // neighbourhood.
+                Along::Listed(listed) => {
+                    if cj.pack_offset > end + LISTED_GAP {
+                        break;
+                    }
+                    if !listed.get(j).copied().unwrap_or(false)
+                        || cj.digest == c.digest
+                        || self.cache.contains(&self.at(j))
+                        || !claims.claim(&cj.digest)
+                    {
+                        continue;
+                    }
+                }
             }
-            g
-        };
+            end = end.max(j_end);
+            group.push(j);
+        }
         let last = &chunks[*group.last().unwrap_or(&i)];
         let start = c.pack_offset;
         let end = last.pack_offset + last.stored_length as u64;
@@ -389,7 +431,8 @@ impl LayerBlob {
     }
 
     /// Starts background loads of the chunks after a sequential read: from this layer's
-    /// cache file up to [`LOCAL_READAHEAD`] ahead, from the store up to [`READAHEAD`].
+    /// cache file up to [`LOCAL_READAHEAD`] ahead, from the store up to
+    /// [`READAHEAD_UNITS`] fetch units ahead, that many fetches in flight.
     fn readahead(self: &Arc<Self>, next: usize, read_end: u64) {
         // Chunks in this layer's cache file: far ahead, in reads of a few MiB issued at
         // once, the readahead a local block device would get from the kernel.
@@ -408,9 +451,15 @@ impl LayerBlob {
             }
         }
         self.load_local(local);
-        // From the store: nearer, one at a time, so reads a sandbox waits for come first.
+        // From the store: the next few fetch units, nearest first, in parallel (each
+        // fetch claims what it carries, so they do not overlap).
         let todo: Vec<usize> = self
-            .window(&self.ahead_store, next, read_end, READAHEAD)
+            .window(
+                &self.ahead_store,
+                next,
+                read_end,
+                READAHEAD_UNITS * self.tuning.range_bytes,
+            )
             .filter(|&j| {
                 let c = self.at(j);
                 !self.cache.is_hot(&c.digest) && !self.cache.on_disk(&c)
@@ -421,11 +470,19 @@ impl LayerBlob {
         }
         let this = self.clone();
         self.rt.spawn(async move {
-            for j in todo {
-                if this.load(j).await.is_err() {
-                    break;
-                }
-            }
+            use futures::StreamExt;
+            futures::stream::iter(todo)
+                .map(|j| {
+                    let this = this.clone();
+                    async move {
+                        if !this.cache.contains(&this.at(j)) {
+                            let _ = this.load(j).await;
+                        }
+                    }
+                })
+                .buffered(READAHEAD_UNITS as usize)
+                .collect::<()>()
+                .await;
         });
     }
 
@@ -451,14 +508,21 @@ impl LayerBlob {
         from..to.max(from)
     }
 
-    /// Fetches `order` (chunk indexes) in the background, a few at a time, in list order
-    /// (the order a first run needed them), holding back while several on-demand fetches
-    /// are in flight so reads a sandbox waits for go first.
+    /// Fetches `order` (chunk indexes) in the background, the store's concurrency in
+    /// flight, started in list order (the order a first run needed them), holding back
+    /// while several on-demand fetches are in flight so reads a sandbox waits for go first.
     pub fn prefetch(self: &Arc<Self>, order: Vec<u32>) {
         let this = self.clone();
         self.rt.spawn(async move {
             use futures::StreamExt;
             let n = this.manifest.chunks.len();
+            let mut listed = vec![false; n];
+            for &i in &order {
+                if let Some(l) = listed.get_mut(i as usize) {
+                    *l = true;
+                }
+            }
+            let along = Arc::new(Along::Listed(listed));
             futures::stream::iter(
                 order
                     .into_iter()
@@ -466,20 +530,22 @@ impl LayerBlob {
                     .filter(move |&i| i < n),
             )
             .map(|i| {
-                let this = this.clone();
+                let (this, along) = (this.clone(), along.clone());
                 async move {
                     while this.foreground.load(Ordering::Relaxed) >= PREFETCH_YIELD {
                         tokio::time::sleep(Duration::from_millis(2)).await;
                     }
-                    if this.cache.contains(&this.at(i)) {
+                    // Cached, or coming with an earlier fetch: nothing to wait for here.
+                    let at = this.at(i);
+                    if this.cache.contains(&at) || this.cache.in_flight(&at.digest) {
                         return;
                     }
-                    if this.load(i).await.is_ok() {
+                    if this.load_with(i, &along).await.is_ok() {
                         this.counters.prefetched.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             })
-            .buffer_unordered(PREFETCH_PARALLEL)
+            .buffer_unordered(this.tuning.concurrency)
             .collect::<()>()
             .await;
         });
@@ -501,6 +567,60 @@ impl LayerBlob {
                 .map(|a| a.load(Ordering::Relaxed))
                 .collect(),
             prefetched_chunks: c.prefetched.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// What a fetch carries along with the chunk it is for.
+enum Along {
+    /// Just the chunk (refetching a corrupt one).
+    Nothing,
+    /// The layer's chunks that follow it in the pack and are near it in the blob.
+    Neighbours,
+    /// The following chunks marked in this table (by chunk index): a prefetch list's.
+    Listed(Vec<bool>),
+}
+
+/// Bytes of unlisted chunks a prefetch fetch may carry between two listed ones rather
+/// than split into two requests.
+const LISTED_GAP: u64 = 64 << 10;
+
+/// Chunks a fetch carries, claimed (their flight locks held) until it has cached them, so
+/// a concurrent reader of one waits for this fetch rather than fetching it again.
+struct Claims<'a> {
+    cache: &'a ChunkCache,
+    held: Vec<(Digest, Flight, tokio::sync::OwnedMutexGuard<()>)>,
+}
+
+impl<'a> Claims<'a> {
+    fn new(cache: &'a ChunkCache) -> Claims<'a> {
+        Claims {
+            cache,
+            held: Vec::new(),
+        }
+    }
+
+    /// Claims chunk `d` unless another fetch (or a reader loading it) holds it.
+    fn claim(&mut self, d: &Digest) -> bool {
+        let flight = self.cache.flight(d);
+        match flight.clone().try_lock_owned() {
+            Ok(guard) => {
+                self.held.push((*d, flight, guard));
+                true
+            }
+            Err(_) => {
+                self.cache.land(d, flight);
+                false
+            }
+        }
+    }
+}
+
+impl Drop for Claims<'_> {
+    fn drop(&mut self) {
+        for (d, flight, guard) in self.held.drain(..) {
+            drop(guard);
+            self.cache.land(&d, flight);
         }
     }
 }

@@ -393,6 +393,11 @@ impl ChunkCache {
         }
     }
 
+    /// Whether a fetch or load of `d` is under way.
+    pub fn in_flight(&self, d: &Digest) -> bool {
+        self.inflight.lock().is_ok_and(|m| m.contains_key(d))
+    }
+
     /// Forgets a flight nobody else is waiting on.
     pub fn land(&self, d: &Digest, flight: Flight) {
         if let Ok(mut m) = self.inflight.lock() {

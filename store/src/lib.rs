@@ -93,6 +93,7 @@ pub struct RemovedLayers {
 pub struct Store {
     backend: Arc<dyn ObjectStore>,
     url: StoreUrl,
+    tuning: StoreTuning,
 }
 
 impl std::fmt::Debug for Store {
@@ -115,11 +116,19 @@ fn shard(prefix: &str, d: &Digest) -> ObjectPath {
 }
 
 /// How to open a store, beyond its URL: what the caller decided from its own settings.
+/// Unset request settings take the defaults of the store's kind ([`StoreTuning::local`],
+/// [`StoreTuning::remote`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StoreOptions {
     /// The S3 region when the URL names none (`?region=R`); without either, `us-east-1`.
     /// The `strata` binary passes `AWS_REGION` (or `AWS_DEFAULT_REGION`) here.
     pub region: Option<String>,
+    /// Requests one bulk reader (a layer's prefetch, an export) keeps in flight.
+    pub concurrency: Option<usize>,
+    /// The least one read of a pack asks for: neighbouring chunks come along up to it.
+    pub range_bytes: Option<u64>,
+    /// How long one request may take, retries included, before it fails.
+    pub request_timeout: Option<std::time::Duration>,
 }
 
 impl StoreOptions {
@@ -131,6 +140,99 @@ impl StoreOptions {
             .unwrap_or("us-east-1")
             .to_string()
     }
+
+    /// The request shape for a store at `url`: these options over its kind's defaults.
+    /// Zero values are refused by the caller's settings; here they are raised to one.
+    pub fn tuning_for(&self, url: &StoreUrl) -> StoreTuning {
+        let d = match url {
+            StoreUrl::Local(_) => StoreTuning::local(),
+            StoreUrl::S3 { .. } => StoreTuning::remote(),
+        };
+        StoreTuning {
+            concurrency: self.concurrency.unwrap_or(d.concurrency).max(1),
+            range_bytes: self.range_bytes.unwrap_or(d.range_bytes).max(4096),
+            request_timeout: self.request_timeout.unwrap_or(d.request_timeout),
+        }
+    }
+}
+
+/// How reads of a store are shaped. A local directory answers a read in microseconds and
+/// gains nothing from large or many parallel requests; an object store answers in
+/// milliseconds whatever the size, so its readers ask for more at once, more often.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreTuning {
+    /// Requests one bulk reader keeps in flight.
+    pub concurrency: usize,
+    /// The least one read of a pack asks for.
+    pub range_bytes: u64,
+    /// How long one request may take, retries included.
+    pub request_timeout: std::time::Duration,
+}
+
+impl StoreTuning {
+    /// A directory on this machine: 1 MiB reads (measured fastest for lazyfs on local
+    /// disk), a few at a time.
+    pub fn local() -> StoreTuning {
+        StoreTuning {
+            concurrency: 8,
+            range_bytes: 1 << 20,
+            request_timeout: std::time::Duration::from_secs(30),
+        }
+    }
+
+    /// An S3-compatible store: the same 1 MiB ranges, 32 in flight. Its round trips are
+    /// hidden by parallel requests; larger ranges cost more than they save (measured
+    /// against radosgw: 4 MiB ranges fetched 64 MB for a first Python start where 1 MiB
+    /// fetched 37 MB, and took 1.12 s against 0.91 s).
+    pub fn remote() -> StoreTuning {
+        StoreTuning {
+            concurrency: 32,
+            range_bytes: 1 << 20,
+            request_timeout: std::time::Duration::from_secs(30),
+        }
+    }
+}
+
+/// One read of a pack: bytes `start..end` holding the layer's chunks `chunks`.
+#[derive(Debug, PartialEq, Eq)]
+struct PackRun {
+    pack: u32,
+    start: u64,
+    end: u64,
+    chunks: Vec<usize>,
+}
+
+/// Bytes of other layers' chunks a read may carry between two of this layer's before it is
+/// cheaper to split it.
+const RUN_GAP: u64 = 64 << 10;
+
+/// The reads covering every chunk of `layer`: per pack, in pack order, neighbours merged
+/// up to `range` bytes (a chunk larger than that is one read alone).
+fn pack_runs(layer: &LayerManifest, range: u64) -> Vec<PackRun> {
+    let mut order: Vec<usize> = (0..layer.chunks.len()).collect();
+    order.sort_by_key(|&i| (layer.chunks[i].pack, layer.chunks[i].pack_offset));
+    let mut runs: Vec<PackRun> = Vec::new();
+    for i in order {
+        let c = &layer.chunks[i];
+        let end = c.pack_offset + c.stored_length as u64;
+        if let Some(r) = runs.last_mut() {
+            if r.pack == c.pack
+                && c.pack_offset <= r.end + RUN_GAP
+                && end.max(r.end) - r.start <= range
+            {
+                r.end = r.end.max(end);
+                r.chunks.push(i);
+                continue;
+            }
+        }
+        runs.push(PackRun {
+            pack: c.pack,
+            start: c.pack_offset,
+            end,
+            chunks: vec![i],
+        });
+    }
+    runs
 }
 
 impl Store {
@@ -143,6 +245,7 @@ impl Store {
     /// Opens the store at `url` with `options`. S3 credentials and other `AWS_*` settings
     /// are read from the environment by `object_store` itself.
     pub fn open_with(url: &StoreUrl, options: &StoreOptions) -> Result<Store> {
+        let tuning = options.tuning_for(url);
         let backend: Arc<dyn ObjectStore> = match url {
             StoreUrl::Local(dir) => {
                 std::fs::create_dir_all(dir).map_err(|source| StoreError::Io {
@@ -164,7 +267,15 @@ impl Store {
                 region,
                 prefix,
             } => {
+                // One key, not `with_client_options`: that would replace the client
+                // options the environment and `with_allow_http` set.
                 let mut b = object_store::aws::AmazonS3Builder::from_env()
+                    .with_config(
+                        object_store::aws::AmazonS3ConfigKey::Client(
+                            object_store::ClientConfigKey::Timeout,
+                        ),
+                        format!("{}ms", tuning.request_timeout.as_millis().max(1)),
+                    )
                     .with_bucket_name(bucket)
                     .with_conditional_put(object_store::aws::S3ConditionalPut::ETagMatch);
                 if let Some(e) = endpoint {
@@ -173,7 +284,16 @@ impl Store {
                         .with_allow_http(e.starts_with("http://"))
                         .with_virtual_hosted_style_request(false);
                 }
-                b = b.with_region(options.region_for(region.as_deref()));
+                // A request is retried a few times within its timeout, not object_store's
+                // default of ten over three minutes: callers (lazyfs) bound an outage
+                // themselves and must hear of it in time.
+                b = b
+                    .with_region(options.region_for(region.as_deref()))
+                    .with_retry(object_store::RetryConfig {
+                        backoff: Default::default(),
+                        max_retries: 3,
+                        retry_timeout: tuning.request_timeout,
+                    });
                 let s3 = b.build().map_err(|source| StoreError::Backend {
                     op: "open",
                     key: format!("s3://{bucket}"),
@@ -189,7 +309,13 @@ impl Store {
         Ok(Store {
             backend,
             url: url.clone(),
+            tuning,
         })
+    }
+
+    /// How reads of this store are shaped.
+    pub fn tuning(&self) -> StoreTuning {
+        self.tuning
     }
 
     pub fn url(&self) -> &StoreUrl {
@@ -303,6 +429,45 @@ impl Store {
             ),
             reason: e.to_string(),
         })
+    }
+
+    /// Every chunk of `layer`, verified, in batches and in no particular order: each batch
+    /// is one read of a pack covering neighbouring chunks of the layer, up to the store's
+    /// range size, with the store's concurrency in flight. For bulk readers (export),
+    /// where one request per chunk would pay a round trip per chunk.
+    pub fn layer_chunks<'a>(
+        &'a self,
+        layer: &'a LayerManifest,
+    ) -> impl futures::Stream<Item = Result<Vec<(usize, Vec<u8>)>>> + 'a {
+        use futures::StreamExt;
+        let runs = pack_runs(layer, self.tuning.range_bytes);
+        futures::stream::iter(runs)
+            .map(move |run| async move {
+                let pack = &layer.packs[run.pack as usize];
+                let bytes = self
+                    .read_pack_range(pack, run.start, run.end - run.start)
+                    .await?;
+                let mut out = Vec::with_capacity(run.chunks.len());
+                for i in run.chunks {
+                    let c = &layer.chunks[i];
+                    let at = (c.pack_offset - run.start) as usize;
+                    let data = chunk::decode(
+                        &bytes[at..at + c.stored_length as usize],
+                        c.length,
+                        &c.digest,
+                    )
+                    .map_err(|e| StoreError::Corrupt {
+                        what: format!(
+                            "chunk {} (pack {pack}, used by layer {})",
+                            c.digest, layer.id
+                        ),
+                        reason: e.to_string(),
+                    })?;
+                    out.push((i, data));
+                }
+                Ok(out)
+            })
+            .buffer_unordered(self.tuning.concurrency)
     }
 
     // ---- metadata images ----
@@ -507,6 +672,13 @@ impl Store {
         self.get_record(&Self::prefetch_key(id)).await
     }
 
+    /// Forgets the layer's prefetch list (the next first run records a new one).
+    pub async fn remove_prefetch(&self, id: &Digest) -> Result<()> {
+        self.delete_if_present(&Self::prefetch_key(id))
+            .await
+            .map(|_| ())
+    }
+
     fn build_record_key(build_key: &Digest) -> ObjectPath {
         ObjectPath::from(format!("builds/{build_key}.json"))
     }
@@ -683,6 +855,82 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_layers_chunks_are_read_in_few_large_verified_ranges() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open_with(
+            &StoreUrl::Local(dir.path().into()),
+            &StoreOptions {
+                range_bytes: Some(8192),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        // Two packs: 12 chunks in the first (one of another layer in the middle, and one
+        // used twice), 2 in the second.
+        // Incompressible, so the range bound is what splits the reads.
+        let noise = |seed: u8, len: usize| {
+            let mut out = Vec::new();
+            let mut d = Digest::of(&[seed]);
+            while out.len() < len {
+                d = Digest::of(&d.0);
+                out.extend_from_slice(&d.0);
+            }
+            out.truncate(len);
+            out
+        };
+        let texts: Vec<Vec<u8>> = (0..14u8).map(|i| noise(i, 2000 + i as usize)).collect();
+        let encoded: Vec<_> = texts.iter().map(|t| chunk::encode(t)).collect();
+        let (mut a, mut b) = (pack::PackBuilder::new(), pack::PackBuilder::new());
+        for (i, e) in encoded.iter().enumerate() {
+            let builder = if i < 12 { &mut a } else { &mut b };
+            builder.push(e);
+        }
+        let (a, b) = (a.finish(), b.finish());
+        let at: Vec<u64> = a.chunks.iter().chain(&b.chunks).map(|c| c.offset).collect();
+        store.put_pack(&a).await.unwrap();
+        store.put_pack(&b).await.unwrap();
+        let mut chunks = Vec::new();
+        let mut blob = 0u64;
+        for i in (0..14).filter(|&i| i != 5).chain([3]) {
+            let e = &encoded[i];
+            chunks.push(ChunkEntry {
+                blob_offset: blob,
+                length: e.length,
+                digest: e.digest,
+                pack: (i >= 12) as u32,
+                pack_offset: at[i],
+                stored_length: e.stored.len() as u32,
+            });
+            blob += (e.length as u64).div_ceil(4096) * 4096;
+        }
+        let m = LayerManifest {
+            format: FORMAT_VERSION,
+            id: Digest([1; 32]),
+            metadata: store.put_metadata(vec![7u8; 4096]).await.unwrap(),
+            blob_size: blob,
+            logical_bytes: 0,
+            files: 14,
+            packs: vec![a.id, b.id],
+            chunks,
+        };
+        let runs = pack_runs(&m, 8192);
+        let covered: usize = runs.iter().map(|r| r.chunks.len()).sum();
+        assert_eq!(covered, m.chunks.len());
+        assert!(runs.len() < m.chunks.len() / 2, "{runs:?}");
+        assert!(runs.iter().all(|r| r.end - r.start <= 8192), "{runs:?}");
+        let mut got = vec![None; m.chunks.len()];
+        let mut batches = std::pin::pin!(store.layer_chunks(&m));
+        while let Some(batch) = batches.try_next().await.unwrap() {
+            for (i, data) in batch {
+                got[i] = Some(data);
+            }
+        }
+        for (i, c) in m.chunks.iter().enumerate() {
+            assert_eq!(Digest::of(got[i].as_ref().unwrap()), c.digest, "chunk {i}");
+        }
+    }
+
+    #[tokio::test]
     async fn a_layer_is_found_by_the_name_and_version_of_its_provenance() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(&StoreUrl::Local(dir.path().into())).unwrap();
@@ -716,6 +964,7 @@ mod tests {
         let none = StoreOptions::default();
         let given = StoreOptions {
             region: Some("eu-west-3".into()),
+            ..Default::default()
         };
         assert_eq!(none.region_for(None), "us-east-1");
         assert_eq!(given.region_for(None), "eu-west-3");

@@ -164,6 +164,9 @@ pub struct Settings {
 struct FileSettings {
     home: Option<PathBuf>,
     store: Option<String>,
+    store_concurrency: Option<usize>,
+    store_range: Option<Size>,
+    store_timeout: Option<String>,
     log: Option<String>,
     cache_max: Option<Size>,
     erofs_mount: Option<ErofsMount>,
@@ -364,10 +367,44 @@ impl Settings {
             None => StoreUrl::Local(home.join("store")),
         };
         let store_given = store_given.map(|(text, _)| text);
+        let positive = |what: &'static str| {
+            move |v: &str| match v.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(n),
+                _ => Err(format!("not a positive number of {what}")),
+            }
+        };
+        let file_range = match &f.store_range {
+            Some(Size::Bytes(n)) => Some(*n),
+            Some(Size::Text(t)) => l.file_parse("store_range", Some(t), parse_size)?,
+            None => None,
+        };
+        let store_range = l
+            .env_parse("STRATA_STORE_RANGE", parse_size)?
+            .or(file_range);
+        if let Some(r) = store_range.filter(|&r| !(4096..=(256 << 20)).contains(&r)) {
+            bail!("the store range size {r} is out of bounds: give between 4K and 256M (STRATA_STORE_RANGE or store_range)");
+        }
+        let file_concurrency = match f.store_concurrency {
+            Some(0) => bail!(
+                "{}: store_concurrency = 0: give a positive number of requests",
+                l.file_name()
+            ),
+            n => n,
+        };
         let store_options = StoreOptions {
             region: match l.env_str("AWS_REGION")? {
                 Some(r) => Some(r),
                 None => l.env_str("AWS_DEFAULT_REGION")?,
+            },
+            concurrency: l
+                .env_parse("STRATA_STORE_CONCURRENCY", positive("requests"))?
+                .or(file_concurrency),
+            range_bytes: store_range,
+            request_timeout: match l.env_parse("STRATA_STORE_TIMEOUT", parse_duration)? {
+                Some(d) => Some(d),
+                None => {
+                    l.file_parse("store_timeout", f.store_timeout.as_deref(), parse_duration)?
+                }
             },
         };
 
@@ -647,6 +684,9 @@ registry_password = "secret"
 insecure_registries = ["registry.lan:5000"]
 build_ca_bundle = "proxy-ca.pem"
 cache_max = 4096
+store_concurrency = 12
+store_range = "8M"
+store_timeout = "1m"
 "#,
         );
         let d = dir.path();
@@ -661,6 +701,14 @@ cache_max = 4096
         assert_eq!(s.log.as_deref(), Some("debug"));
         assert_eq!(s.erofs_mount, ErofsMount::Loop);
         assert_eq!(s.idle_detach, Duration::from_secs(300));
+        assert_eq!(
+            (
+                s.store_options.concurrency,
+                s.store_options.range_bytes,
+                s.store_options.request_timeout
+            ),
+            (Some(12), Some(8 << 20), Some(Duration::from_secs(60)))
+        );
         assert_eq!(s.oci_runtime, OciRuntime::Runc("/usr/sbin/runc".into()));
         assert_eq!(s.agent, Some(d.join("bin/strata-agent")));
         assert_eq!(s.static_agent, Some("/opt/static-agent".into()));
@@ -795,6 +843,17 @@ cache_max = 4096
                 "STRATA_STORE: store URL `relative/dir`",
             ),
             ("STRATA_REGISTRY_USER", "bot", "no password"),
+            (
+                "STRATA_STORE_CONCURRENCY",
+                "0",
+                "STRATA_STORE_CONCURRENCY=0: not a positive number of requests",
+            ),
+            (
+                "STRATA_STORE_RANGE",
+                "1",
+                "store range size 1 is out of bounds",
+            ),
+            ("STRATA_STORE_TIMEOUT", "soon", "STRATA_STORE_TIMEOUT=soon"),
         ] {
             let msg = format!(
                 "{:#}",
@@ -819,9 +878,20 @@ cache_max = 4096
                 ("STRATA_BUILD_CA_BUNDLE", "none"),
                 ("AWS_DEFAULT_REGION", "eu-north-1"),
                 ("USER", "alice"),
+                ("STRATA_STORE_CONCURRENCY", "64"),
+                ("STRATA_STORE_RANGE", "2M"),
+                ("STRATA_STORE_TIMEOUT", "5s"),
             ],
         )
         .unwrap();
+        assert_eq!(
+            (
+                s.store_options.concurrency,
+                s.store_options.range_bytes,
+                s.store_options.request_timeout
+            ),
+            (Some(64), Some(2 << 20), Some(Duration::from_secs(5)))
+        );
         assert_eq!(s.pool, 2);
         assert!(!s.vm.templates);
         assert_eq!(s.registry.insecure, vec!["a:5000", "b"]);

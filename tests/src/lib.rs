@@ -1,9 +1,10 @@
 //! Fixtures for Strata's integration tests: privileged-capability gating, sample trees,
 //! whole-tree comparison, kernel EROFS mounts, the `strata` binary and private homes for
-//! it, and a real S3 server.
+//! it, a real S3 server, and a latency-injecting proxy to put in front of it.
 
 pub mod fixtures;
 pub mod home;
+pub mod proxy;
 pub mod s3;
 pub mod treecmp;
 

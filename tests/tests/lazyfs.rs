@@ -2,7 +2,8 @@
 //! read back exactly, metadata-only walks fetch nothing, a store outage fails reads with
 //! EIO within the bound and heals, a SIGKILLed daemon leaves nothing that hangs, the
 //! first run's access order becomes a prefetch list, and the control socket is root's
-//! alone and only undoes the daemon's own binds.
+//! alone and only undoes the daemon's own binds; and the same reads, corruption and outage
+//! against radosgw through a proxy adding latency.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -535,4 +536,115 @@ fn a_daemon_that_dies_as_it_starts_is_reported_with_its_reason() {
     assert!(!o.status.success(), "mounted with a cache on tmpfs");
     assert!(err.contains("exited as it started"), "{err}");
     assert!(err.contains("on tmpfs"), "the daemon's own reason: {err}");
+}
+
+/// The lazy path against a real S3 store (radosgw) behind the latency-injecting proxy at
+/// 2 ms added round-trip time: every byte read back exactly, a corrupt response detected
+/// and fetched again, an outage failing uncached reads within the bound and healing.
+#[test]
+fn over_radosgw_with_added_latency_reads_exactly_refetches_corruption_and_bounds_an_outage() {
+    use strata_tests::proxy::{LatencyProxy, Link};
+    if !have_root("lazyfs_s3") || !have_fuse("lazyfs_s3") {
+        return;
+    }
+    let Some(server) = strata_tests::s3::S3Server::start("lazyfs_s3") else {
+        return;
+    };
+    let rt = runtime();
+    let work = tempfile::tempdir_in(scratch_root()).unwrap();
+    let src = work.path().join("src");
+    fixtures::full_tree(&src, true);
+    fixtures::workspace_tree(&src.join("ws"), 400, 9);
+    let direct =
+        strata_store::Store::open(&strata_store::StoreUrl::parse(&server.url).unwrap()).unwrap();
+    let id = build(&rt, &direct, Source::Dir(src.clone()), LayerKind::Base)
+        .unwrap()
+        .id
+        .to_hex();
+    // A second layer, read first during the outage: nothing of it is cached by then.
+    let other_src = work.path().join("other");
+    fixtures::workspace_tree(&other_src, 50, 31);
+    let other = build(
+        &rt,
+        &direct,
+        Source::Dir(other_src.clone()),
+        LayerKind::Workspace,
+    )
+    .unwrap()
+    .id
+    .to_hex();
+
+    let endpoint = server.url.split("endpoint=http://").nth(1).unwrap();
+    let proxy = LatencyProxy::start(
+        endpoint.parse().unwrap(),
+        Link {
+            rtt: Duration::from_millis(2),
+            bandwidth: None,
+        },
+    )
+    .unwrap();
+    let url = server.url.replace(endpoint, &proxy.addr().to_string());
+    let home = work.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let daemon = Daemon::start(&home, &url, "3s");
+    let (mnt, other_mnt) = (work.path().join("mnt"), work.path().join("other-mnt"));
+    for (layer, dir) in [(&id, &mnt), (&other, &other_mnt)] {
+        let o = daemon.cli(&["layer", "mount", layer, dir.to_str().unwrap()]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+
+    // The first data read gets a response with a flipped byte: detected by the chunk's
+    // digest, fetched again, and the reader gets the right bytes.
+    proxy.corrupt_next(1);
+    assert_eq!(
+        std::fs::read(mnt.join("big/three-mib")).unwrap(),
+        std::fs::read(src.join("big/three-mib")).unwrap()
+    );
+    assert_eq!(proxy.corrupted(), 1, "the proxy corrupted no response");
+    let log = sh(&format!("cat '{}'/daemon-*.log", home.display()));
+    assert!(log.contains("is corrupt"), "no corruption reported:\n{log}");
+    let cached = std::fs::read(mnt.join("ten-k")).unwrap();
+    assert_eq!(cached, std::fs::read(src.join("ten-k")).unwrap());
+
+    // An outage: uncached reads fail with EIO within the bound, cached ones keep working,
+    // and once the store is back the same read works without remounting.
+    let victim = sh(&format!(
+        "cd '{}' && find . -type f -size +1k | sort | head -1",
+        other_src.display()
+    ));
+    let victim = victim.trim();
+    proxy.set_down(true);
+    let t = Instant::now();
+    let err = std::fs::read(other_mnt.join(victim)).unwrap_err();
+    let took = t.elapsed();
+    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(20),
+        "EIO after {took:?}"
+    );
+    assert_eq!(std::fs::read(mnt.join("ten-k")).unwrap(), cached);
+    proxy.set_down(false);
+    assert_eq!(
+        std::fs::read(other_mnt.join(victim)).unwrap(),
+        std::fs::read(other_src.join(victim)).unwrap()
+    );
+
+    // Every byte of the tree, through the proxy.
+    assert_same_tree(
+        &src,
+        &mnt,
+        Ignore {
+            root_meta: true,
+            ..Default::default()
+        },
+    );
+    assert!(daemon.stats(&other)["fetch_errors"].as_u64().unwrap() >= 1);
+    for dir in [&mnt, &other_mnt] {
+        assert!(daemon
+            .cli(&["layer", "umount", dir.to_str().unwrap()])
+            .status
+            .success());
+    }
+    drop(daemon);
+    assert!(mounts_under(&home).is_empty(), "{:?}", mounts_under(&home));
 }
