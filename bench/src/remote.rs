@@ -31,6 +31,8 @@ const DEBIAN: &str = "datasets/debian";
 /// One store the suite measures against, with its own home.
 struct Target {
     label: String,
+    /// The added round-trip time; None for the local store.
+    rtt_ms: Option<u64>,
     env: Env,
     store: Store,
     proxy: Option<LatencyProxy>,
@@ -88,6 +90,7 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
 
     let mut targets = vec![Target {
         label: "local store".into(),
+        rtt_ms: None,
         env: local.with(dir.join("home-local"), local.store.clone()),
         store: local_store,
         proxy: None,
@@ -109,6 +112,7 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
         measured_rtt.push((ms, rt.block_on(small_get_ms(&store, &base_id))?));
         targets.push(Target {
             label: format!("S3 +{ms} ms"),
+            rtt_ms: Some(ms),
             env: local.with(dir.join(format!("home-s3-{ms}")), url),
             store,
             proxy: Some(proxy),
@@ -142,38 +146,39 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
     let mut rows = Vec::new();
     let local_m = &results[0];
     for (t, m) in targets.iter().zip(&results).skip(1) {
-        let ms: u64 = t
-            .label
-            .trim_start_matches("S3 +")
-            .trim_end_matches(" ms")
-            .parse()?;
+        let ms = t.rtt_ms.unwrap_or(0);
         let target = match ms {
             2 => " (target ≤ 1.5×)",
             10 => " (target ≤ 3×)",
             _ => "",
         };
-        rows.push(Row::new(
-            &format!("first python work, first run of the layer, {}", t.label),
-            "s",
+        let vs_local = |what: &str, s: f64, local: f64, note: String| {
+            Row::new(
+                &format!("{what}, {}", t.label),
+                "s",
+                s,
+                "the same from the local store",
+                local,
+                "lower",
+                &note,
+            )
+        };
+        rows.push(vs_local(
+            "first python work, first run of the layer",
             m.lazy_s,
-            "the same from the local store",
             local_m.lazy_s,
-            "lower",
-            &format!(
+            format!(
                 "median of {ROUNDS}, fresh home, no prefetch list{target}; fetched {:.1} MB (local {:.1} MB), {:.1} MB on the wire",
                 m.lazy_fetched as f64 / 1e6,
                 local_m.lazy_fetched as f64 / 1e6,
                 m.wire_bytes as f64 / 1e6
             ),
         ));
-        rows.push(Row::new(
-            &format!("first python work, with the prefetch list, {}", t.label),
-            "s",
+        rows.push(vs_local(
+            "first python work, with the prefetch list",
             m.prefetched_s,
-            "the same from the local store",
             local_m.prefetched_s,
-            "lower",
-            &format!(
+            format!(
                 "median of {ROUNDS}, fresh home{target}; fetched {:.1} MB (local {:.1} MB)",
                 m.prefetched_fetched as f64 / 1e6,
                 local_m.prefetched_fetched as f64 / 1e6
@@ -198,25 +203,19 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
         for ((name, s, code), (_, local_s, local_code)) in
             m.workspaces.iter().zip(&local_m.workspaces)
         {
-            rows.push(Row::new(
-                &format!("{name}: cold test suite, {}", t.label),
-                "s",
+            rows.push(vs_local(
+                &format!("{name}: cold test suite"),
                 *s,
-                "the same from the local store",
                 *local_s,
-                "lower",
-                &format!("cold host; tests exit {code} (local {local_code})"),
+                format!("cold host; tests exit {code} (local {local_code})"),
             ));
         }
         let burst_target = if ms == 2 { " (target ≤ 1.5×)" } else { "" };
-        rows.push(Row::new(
-            &format!("burst of {BURST} distinct workspaces, all done, {}", t.label),
-            "s",
+        rows.push(vs_local(
+            &format!("burst of {BURST} distinct workspaces, all done"),
             m.burst_s,
-            "the same from the local store",
             local_m.burst_s,
-            "lower",
-            &format!("cold host; container sandboxes each running Python over its workspace{burst_target}"),
+            format!("cold host; container sandboxes each running Python over its workspace{burst_target}"),
         ));
     }
     let rtts: Vec<String> = measured_rtt

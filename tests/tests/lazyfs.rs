@@ -115,6 +115,19 @@ fn fixture(rt: &tokio::runtime::Runtime, work: &Path) -> (PathBuf, String, Strin
     (src, store_dir.to_str().unwrap().to_string(), r.id.to_hex())
 }
 
+/// Every file of the mounted layer at `mnt` equals the source's (the mount point's own
+/// metadata aside).
+fn assert_served_exactly(src: &Path, mnt: &Path) {
+    assert_same_tree(
+        src,
+        mnt,
+        Ignore {
+            root_meta: true,
+            ..Default::default()
+        },
+    );
+}
+
 /// The fixture layer, a daemon for it, and the layer mounted at `<work>/mnt`.
 fn mounted(
     rt: &tokio::runtime::Runtime,
@@ -149,14 +162,7 @@ fn lazily_mounted_layer_reads_exactly_and_walks_fetch_nothing() {
     assert_eq!(s["requested_bytes"], 0, "{s}");
 
     // Every byte, through the kernel, equals the source.
-    assert_same_tree(
-        &src,
-        &mnt,
-        Ignore {
-            root_meta: true,
-            ..Default::default()
-        },
-    );
+    assert_served_exactly(&src, &mnt);
     let s = daemon.stats(&id);
     assert!(
         s["fetched_bytes"].as_u64().unwrap() > 0 && s["cache_misses"].as_u64().unwrap() > 0,
@@ -233,13 +239,9 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
     let work = tempfile::tempdir_in(scratch_root()).unwrap();
     let (src, id, mut daemon, mnt) = mounted(&rt, work.path(), "3s");
     let home = work.path().join("home");
-    let ignore = || Ignore {
-        root_meta: true,
-        ..Default::default()
-    };
     // Every file read once, so every chunk was served and goes to the disk cache (written
     // in the background: wait until the cache stops growing).
-    assert_same_tree(&src, &mnt, ignore());
+    assert_served_exactly(&src, &mnt);
     let cached = || -> u64 {
         let o = daemon.cli(&["cache", "stats", "--json"]);
         let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
@@ -278,7 +280,7 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
     // A new daemon reaps the dead mounts and restores the layer at the same place, and
     // serves what the dead one cached from its disk (re-verified), fetching nothing.
     daemon.spawn("3s");
-    assert_same_tree(&src, &mnt, ignore());
+    assert_served_exactly(&src, &mnt);
     let s = daemon.stats(&id);
     assert_eq!(
         s["fetched_bytes"].as_u64(),
@@ -630,14 +632,7 @@ fn over_radosgw_with_added_latency_reads_exactly_refetches_corruption_and_bounds
     );
 
     // Every byte of the tree, through the proxy.
-    assert_same_tree(
-        &src,
-        &mnt,
-        Ignore {
-            root_meta: true,
-            ..Default::default()
-        },
-    );
+    assert_served_exactly(&src, &mnt);
     assert!(daemon.stats(&other)["fetch_errors"].as_u64().unwrap() >= 1);
     for dir in [&mnt, &other_mnt] {
         assert!(daemon
