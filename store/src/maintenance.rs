@@ -282,7 +282,9 @@ impl Store {
                 .await
                 .unwrap_or_else(|e| (0, 0, vec![format!("verifying pack {pack} panicked: {e}")]))
             })
-            .buffer_unordered(4)
+            // Whole packs, as many in flight as the store takes (a remote one pays a round
+            // trip each).
+            .buffer_unordered(self.tuning().concurrency)
             .collect()
             .await;
         for (n, bytes, problems) in results {
