@@ -15,7 +15,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use strata_store::{chunk, Digest, LayerManifest, Store, StoreError, StoreTuning};
+use strata_store::{
+    chunk, Digest, LayerManifest, PackedAt, PrefetchList, Store, StoreError, StoreTuning,
+};
 
 use crate::cache::{ChunkAt, ChunkCache, Flight, Span};
 use crate::LazyError;
@@ -27,6 +29,11 @@ const LOCAL_READAHEAD: u64 = 24 << 20;
 const LOCAL_RUN: u64 = 8 << 20;
 /// Background prefetch waits while this many on-demand fetches are in flight.
 const PREFETCH_YIELD: usize = 2;
+/// A read of a layer's packed prefetch copy covers this many fetch units: every byte of
+/// it is wanted, so only the time a reader may wait on a claimed chunk bounds it.
+const PACKED_RANGE_UNITS: u64 = 4;
+/// Reads of the packed copy in flight.
+const PACKED_PARALLEL: usize = 4;
 /// Upper bounds (ms) of the fetch latency histogram buckets; the last bucket is open.
 pub const LATENCY_BUCKETS_MS: [u64; 10] = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000];
 
@@ -84,6 +91,9 @@ pub struct LayerBlob {
     access: Mutex<(Vec<u32>, Vec<bool>)>,
     /// On-demand fetches in flight; background prefetch yields to them.
     pub(crate) foreground: AtomicUsize,
+    /// The chunks a running prefetch will bring (by chunk index): readahead leaves them
+    /// to it rather than fetch them a second way.
+    prefetch_set: std::sync::RwLock<Option<Arc<Vec<bool>>>>,
     /// End of the previous read, to recognize sequential reading.
     last_end: AtomicU64,
     /// Where the readahead already started for a sequential reader ends, from the cache
@@ -119,6 +129,7 @@ impl LayerBlob {
             by_pack,
             access: Mutex::new((Vec::new(), vec![false; n])),
             foreground: AtomicUsize::new(0),
+            prefetch_set: std::sync::RwLock::new(None),
             last_end: AtomicU64::new(u64::MAX),
             ahead_local: AtomicU64::new(0),
             ahead_store: AtomicU64::new(0),
@@ -462,7 +473,7 @@ impl LayerBlob {
             )
             .filter(|&j| {
                 let c = self.at(j);
-                !self.cache.is_hot(&c.digest) && !self.cache.on_disk(&c)
+                !self.cache.is_hot(&c.digest) && !self.cache.on_disk(&c) && !self.prefetching(j)
             })
             .collect();
         if todo.is_empty() {
@@ -508,47 +519,185 @@ impl LayerBlob {
         from..to.max(from)
     }
 
-    /// Fetches `order` (chunk indexes) in the background, the store's concurrency in
-    /// flight, started in list order (the order a first run needed them), holding back
-    /// while several on-demand fetches are in flight so reads a sandbox waits for go first.
-    pub fn prefetch(self: &Arc<Self>, order: Vec<u32>) {
+    /// Fetches a prefetch list in the background: from its packed copy when there is one
+    /// (ranges of a few fetch units, the store's concurrency in flight, in list order),
+    /// then whatever is still missing from the layer's packs (all of it, without a packed
+    /// copy). Both hold back while several on-demand fetches are in flight, so reads a
+    /// sandbox waits for go first.
+    pub fn prefetch(self: &Arc<Self>, list: PrefetchList) {
         let this = self.clone();
-        self.rt.spawn(async move {
-            use futures::StreamExt;
-            let n = this.manifest.chunks.len();
-            let mut listed = vec![false; n];
-            for &i in &order {
-                if let Some(l) = listed.get_mut(i as usize) {
-                    *l = true;
-                }
+        let n = self.manifest.chunks.len();
+        let mut listed = vec![false; n];
+        for &i in &list.order {
+            if let Some(l) = listed.get_mut(i as usize) {
+                *l = true;
             }
-            let along = Arc::new(Along::Listed(listed));
-            futures::stream::iter(
-                order
-                    .into_iter()
-                    .map(|i| i as usize)
-                    .filter(move |&i| i < n),
-            )
-            .map(|i| {
-                let (this, along) = (this.clone(), along.clone());
-                async move {
-                    while this.foreground.load(Ordering::Relaxed) >= PREFETCH_YIELD {
-                        tokio::time::sleep(Duration::from_millis(2)).await;
-                    }
-                    // Cached, or coming with an earlier fetch: nothing to wait for here.
-                    let at = this.at(i);
-                    if this.cache.contains(&at) || this.cache.in_flight(&at.digest) {
-                        return;
-                    }
-                    if this.load_with(i, &along).await.is_ok() {
-                        this.counters.prefetched.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+        }
+        let listed = Arc::new(listed);
+        if let Ok(mut p) = self.prefetch_set.write() {
+            *p = Some(listed.clone());
+        }
+        self.rt.spawn(async move {
+            if !list.packed.is_empty() {
+                this.prefetch_packed(&list.packed).await;
+            }
+            this.prefetch_listed(list.order, listed).await;
+            if let Ok(mut p) = this.prefetch_set.write() {
+                *p = None;
+            }
+        });
+    }
+
+    /// Whether a running prefetch will bring chunk `i`.
+    fn prefetching(&self, i: usize) -> bool {
+        self.prefetch_set
+            .read()
+            .ok()
+            .and_then(|p| p.as_ref().and_then(|l| l.get(i).copied()))
+            .unwrap_or(false)
+    }
+
+    /// Waits while several on-demand fetches are in flight.
+    async fn yield_to_readers(&self) {
+        while self.foreground.load(Ordering::Relaxed) >= PREFETCH_YIELD {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// The packed copy of the prefetch list, in ranges of [`PACKED_RANGE_UNITS`] fetch
+    /// units started in list order.
+    async fn prefetch_packed(self: &Arc<Self>, packed: &[PackedAt]) {
+        use futures::StreamExt;
+        let span = PACKED_RANGE_UNITS * self.tuning.range_bytes;
+        let mut runs: Vec<Vec<PackedAt>> = Vec::new();
+        let mut start = 0;
+        for k in 1..=packed.len() {
+            if k == packed.len()
+                || packed[k].offset + packed[k].stored_length as u64 - packed[start].offset > span
+            {
+                runs.push(packed[start..k].to_vec());
+                start = k;
+            }
+        }
+        // A few at a time, not the store's whole concurrency: the reader needs the first
+        // ranges first, and ranges sharing a saturated store all finish late together.
+        futures::stream::iter(runs)
+            .map(|run| {
+                let this = self.clone();
+                async move { this.fetch_packed_run(&run).await }
             })
-            .buffer_unordered(this.tuning.concurrency)
+            .buffered(self.tuning.concurrency.min(PACKED_PARALLEL))
             .collect::<()>()
             .await;
-        });
+    }
+
+    /// One range of the packed copy: the chunks of `run` nobody has or is fetching, claimed
+    /// while they come, each checked against the manifest (one that does not match is left
+    /// to the layer's packs).
+    async fn fetch_packed_run(self: &Arc<Self>, run: &[PackedAt]) {
+        self.yield_to_readers().await;
+        let n = self.manifest.chunks.len();
+        let mut claims = Claims::new(&self.cache);
+        let wanted: Vec<PackedAt> = run
+            .iter()
+            .filter(|p| (p.index as usize) < n)
+            .filter(|p| {
+                let at = self.at(p.index as usize);
+                !self.cache.contains(&at) && claims.claim(&at.digest)
+            })
+            .copied()
+            .collect();
+        let (Some(first), Some(last)) = (wanted.first(), wanted.last()) else {
+            return;
+        };
+        let start = first.offset;
+        let end = last.offset + last.stored_length as u64;
+        let started = Instant::now();
+        let bytes = match self
+            .store
+            .read_prefetch_pack(&self.id(), start, end.saturating_sub(start))
+            .await
+        {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::debug!(layer = %self.id(), error = %e, "prefetch copy unreadable; fetching from the layer's packs");
+                return;
+            }
+        };
+        self.observe(started.elapsed());
+        self.counters
+            .fetched
+            .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        for p in wanted {
+            let c = &self.manifest.chunks[p.index as usize];
+            let s = (p.offset - start) as usize;
+            let decoded = bytes
+                .get(s..s + p.stored_length as usize)
+                .ok_or_else(|| "outside the range read".to_string())
+                .and_then(|stored| {
+                    chunk::decode(stored, c.length, &c.digest).map_err(|e| e.to_string())
+                });
+            match decoded {
+                Ok(data) => {
+                    self.cache.put_hot(c.digest, Bytes::from(data));
+                    self.counters.prefetched.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    tracing::warn!(layer = %self.id(), chunk = %c.digest, error = %e, "the prefetch copy does not match the layer; fetching from its packs")
+                }
+            }
+        }
+    }
+
+    /// Fetches `order` (chunk indexes) from the layer's packs, the store's concurrency in
+    /// flight, started in list order (the order a first run needed them), listed
+    /// neighbours coalesced.
+    async fn prefetch_listed(self: &Arc<Self>, order: Vec<u32>, listed: Arc<Vec<bool>>) {
+        use futures::StreamExt;
+        let n = self.manifest.chunks.len();
+        let along = Arc::new(Along::Listed(listed));
+        futures::stream::iter(
+            order
+                .into_iter()
+                .map(|i| i as usize)
+                .filter(move |&i| i < n),
+        )
+        .map(|i| {
+            let (this, along) = (self.clone(), along.clone());
+            async move {
+                this.yield_to_readers().await;
+                // Cached, or coming with an earlier fetch: nothing to wait for here.
+                let at = this.at(i);
+                if this.cache.contains(&at) || this.cache.in_flight(&at.digest) {
+                    return;
+                }
+                if this.load_with(i, &along).await.is_ok() {
+                    this.counters.prefetched.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+        .buffer_unordered(self.tuning.concurrency)
+        .collect::<()>()
+        .await;
+    }
+
+    /// The listed chunks' contents, from the cache, in list order; None if one is not
+    /// cached any more (or they exceed what a packed copy holds).
+    pub fn cached_chunks(&self, order: &[u32]) -> Option<Vec<Bytes>> {
+        let mut total = 0u64;
+        let mut out = Vec::with_capacity(order.len());
+        for &i in order {
+            let i = i as usize;
+            if i >= self.manifest.chunks.len() {
+                return None;
+            }
+            total += self.manifest.chunks[i].length as u64;
+            if total > strata_store::prefetch::MAX_PACKED_BYTES {
+                return None;
+            }
+            out.push(self.cache.get(&self.at(i))?);
+        }
+        Some(out)
     }
 
     pub fn stats(&self) -> LayerStats {
@@ -578,7 +727,7 @@ enum Along {
     /// The layer's chunks that follow it in the pack and are near it in the blob.
     Neighbours,
     /// The following chunks marked in this table (by chunk index): a prefetch list's.
-    Listed(Vec<bool>),
+    Listed(Arc<Vec<bool>>),
 }
 
 /// Bytes of unlisted chunks a prefetch fetch may carry between two listed ones rather

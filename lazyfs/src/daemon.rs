@@ -216,7 +216,7 @@ impl Daemon {
         ));
         let blob = self.layers.add(blob);
         match self.store.get_prefetch(&id).await {
-            Ok(Some(order)) => blob.prefetch(order),
+            Ok(Some(list)) => blob.prefetch(list),
             Ok(None) => {
                 if let Ok(mut r) = self.recording.lock() {
                     r.insert(id);
@@ -310,8 +310,19 @@ impl Daemon {
         if order.is_empty() {
             return;
         }
-        match self.store.put_prefetch(id, &order).await {
-            Ok(()) => tracing::info!(layer = %id, chunks = order.len(), "saved prefetch list"),
+        // The chunks themselves too, packed in this order, while the cache has them all.
+        let data = {
+            let (b, order) = (b.clone(), order.clone());
+            tokio::task::spawn_blocking(move || b.cached_chunks(&order))
+                .await
+                .ok()
+                .flatten()
+        };
+        let packed = data.is_some();
+        match self.store.put_prefetch(id, &order, data.as_deref()).await {
+            Ok(()) => {
+                tracing::info!(layer = %id, chunks = order.len(), packed, "saved prefetch list")
+            }
             Err(e) => tracing::warn!(layer = %id, error = %e, "could not save prefetch list"),
         }
     }

@@ -1,6 +1,6 @@
 //! Garbage collection: deletes every chunk pack and metadata image no remaining layer
-//! manifest references, and the records of layers that are gone (provenance and prefetch
-//! lists without a manifest, build-cache records naming a missing layer), once they are
+//! manifest references, and the records of layers that are gone (provenance, prefetch
+//! lists and their packed copies without a manifest, build-cache records naming a missing layer), once they are
 //! older than a grace period.
 //!
 //! A run holds the `gc/running` marker of the build/GC handshake (see
@@ -265,6 +265,7 @@ impl Store {
             let owner = name
                 .strip_suffix(".provenance.json")
                 .or_else(|| name.strip_suffix(".prefetch.json"))
+                .or_else(|| name.strip_suffix(".prefetch.pack"))
                 .and_then(|id| id.parse::<Digest>().ok());
             if owner.is_some_and(|id| !ids.contains(&id)) {
                 consider(Kind::Record, obj, report);
@@ -385,7 +386,8 @@ mod tests {
             .put_layer(&c, &crate::Provenance::default())
             .await
             .unwrap();
-        store.put_prefetch(&b.id, &[0]).await.unwrap();
+        let data = [bytes::Bytes::from(b"second layer ".repeat(300))];
+        store.put_prefetch(&b.id, &[0], Some(&data)).await.unwrap();
         let key = Digest::of(b"a build key");
         store.put_build_record(&key, &b.id).await.unwrap();
         let size = |key: ObjectPath| {
@@ -441,7 +443,14 @@ mod tests {
         let (dir, store) = local_store();
         let m = sample_layer(&store, b"kept").await;
         let ghost = Digest::of(b"a layer that never committed");
-        store.put_prefetch(&ghost, &[1, 2]).await.unwrap();
+        let data = [
+            bytes::Bytes::from_static(b"one"),
+            bytes::Bytes::from_static(b"two"),
+        ];
+        store
+            .put_prefetch(&ghost, &[1, 2], Some(&data))
+            .await
+            .unwrap();
         store
             .put_build_record(&Digest::of(b"key"), &ghost)
             .await
@@ -458,13 +467,17 @@ mod tests {
         let g = store.gc(Duration::from_secs(3600)).await.unwrap();
         assert_eq!(
             (g.deleted_packs, g.deleted_records, g.kept_young),
-            (0, 0, 3)
+            (0, 0, 4)
         );
         assert!(store.read_pack(&orphan.id).await.is_ok());
 
+        // The prefetch list, its packed copy and the build record of the missing layer.
         let g = store.gc(Duration::ZERO).await.unwrap();
-        assert_eq!((g.deleted_packs, g.deleted_records), (1, 2));
+        assert_eq!((g.deleted_packs, g.deleted_records), (1, 3));
         assert!(store.get_prefetch(&ghost).await.unwrap().is_none());
+        assert!(stored_objects(dir.path(), "layers")
+            .iter()
+            .all(|o| !o.contains(&ghost.to_hex())));
         assert_eq!(
             store
                 .get_build_record(&Digest::of(b"live key"))

@@ -6,7 +6,8 @@
 //! - `meta/<aa>/<digest>`: a layer's EROFS metadata image;
 //! - `layers/<id>.json`: the layer manifest, written last: a layer exists once it does;
 //! - `layers/<id>.provenance.json`: where the layer came from;
-//! - `layers/<id>.prefetch.json`, `builds/<key>.json`: a layer's prefetch list and the
+//! - `layers/<id>.prefetch.json`, `layers/<id>.prefetch.pack`, `builds/<key>.json`: a
+//!   layer's prefetch list and its chunks packed in that order (see [`prefetch`]), and the
 //!   step builds that made it (mutable records);
 //! - `leases/<uuid>.json`, `gc/running`: the build/GC handshake (see [`maintenance`]).
 //!
@@ -21,6 +22,7 @@ mod location;
 pub mod maintenance;
 pub mod manifest;
 pub mod pack;
+pub mod prefetch;
 
 use std::sync::Arc;
 
@@ -33,6 +35,7 @@ use serde::Serialize;
 pub use digest::{Digest, ParseDigestError};
 pub use location::StoreUrl;
 pub use manifest::{ChunkEntry, LayerManifest, ManifestError, MetadataRef, Provenance};
+pub use prefetch::{PackedAt, PrefetchList};
 
 /// What can go wrong talking to the store.
 #[derive(Debug, thiserror::Error)]
@@ -586,10 +589,6 @@ impl Store {
         })
     }
 
-    fn prefetch_key(id: &Digest) -> ObjectPath {
-        ObjectPath::from(format!("layers/{id}.prefetch.json"))
-    }
-
     /// Removes layers: each manifest first (the layer stops existing at that instant),
     /// then its provenance and prefetch list, then every build-cache record that names
     /// it. Fails before removing anything if one of `ids` is not in the store. The
@@ -607,7 +606,7 @@ impl Store {
                 removed.layers.push(*id);
             }
             self.delete_if_present(&Self::provenance_key(id)).await?;
-            self.delete_if_present(&Self::prefetch_key(id)).await?;
+            self.remove_prefetch(id).await?;
         }
         for (obj, layer) in self.build_records().await? {
             if layer.is_some_and(|l| ids.contains(&l))
@@ -659,24 +658,6 @@ impl Store {
             Err(object_store::Error::NotFound { .. }) => Ok(None),
             Err(e) => Err(backend_err("get", key)(e)),
         }
-    }
-
-    /// Stores the order in which a first run of the layer read its chunks (chunk indexes),
-    /// for later runs to prefetch. A later list replaces an earlier one.
-    pub async fn put_prefetch(&self, id: &Digest, order: &[u32]) -> Result<()> {
-        self.put_record(&Self::prefetch_key(id), &order).await
-    }
-
-    /// The layer's prefetch list, if one was recorded.
-    pub async fn get_prefetch(&self, id: &Digest) -> Result<Option<Vec<u32>>> {
-        self.get_record(&Self::prefetch_key(id)).await
-    }
-
-    /// Forgets the layer's prefetch list (the next first run records a new one).
-    pub async fn remove_prefetch(&self, id: &Digest) -> Result<()> {
-        self.delete_if_present(&Self::prefetch_key(id))
-            .await
-            .map(|_| ())
     }
 
     fn build_record_key(build_key: &Digest) -> ObjectPath {

@@ -1,7 +1,8 @@
 //! lazyfs end to end: layers mounted through the FUSE blob server and the kernel's EROFS,
 //! read back exactly, metadata-only walks fetch nothing, a store outage fails reads with
 //! EIO within the bound and heals, a SIGKILLed daemon leaves nothing that hangs, the
-//! first run's access order becomes a prefetch list, and the control socket is root's
+//! first run's access order becomes a prefetch list (and its chunks a packed copy a new
+//! host's first mount fetches), and the control socket is root's
 //! alone and only undoes the daemon's own binds; and the same reads, corruption and outage
 //! against radosgw through a proxy adding latency.
 
@@ -186,6 +187,31 @@ fn lazily_mounted_layer_reads_exactly_and_walks_fetch_nothing() {
         "daemon stop left mounts: {:?}",
         mounts_under(&home)
     );
+
+    // The chunks it read were packed in that order too: a new host's first mount fetches
+    // them from the packed copy, and every byte reads back exactly.
+    assert!(
+        Path::new(&store)
+            .join(format!("layers/{id}.prefetch.pack"))
+            .exists(),
+        "no packed prefetch copy saved"
+    );
+    let home = work.path().join("home2");
+    std::fs::create_dir_all(&home).unwrap();
+    let daemon = Daemon::start(&home, &store, "5s");
+    let mnt = work.path().join("mnt2");
+    let o = daemon.cli(&["layer", "mount", &id, mnt.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while daemon.stats(&id)["prefetched_chunks"].as_u64().unwrap_or(0) == 0 {
+        assert!(Instant::now() < deadline, "nothing prefetched");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_served_exactly(&src, &mnt);
+    assert!(daemon
+        .cli(&["layer", "umount", mnt.to_str().unwrap()])
+        .status
+        .success());
 }
 
 #[test]
