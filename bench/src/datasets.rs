@@ -534,19 +534,8 @@ const BURST_COMMAND: &str = "import os, json; print(len(os.listdir('/work')))";
 /// N sandboxes of distinct workspaces started at once from a cold host, each running
 /// Python over its workspace; then the same with every layer extracted first.
 fn burst(env: &Env, tasks: &[(String, String)], work: &Path) -> Result<Vec<Row>> {
-    let n = tasks.len();
-    let store_url = env.store.clone();
     let (strata_s, strata_bytes, entries) = burst_strata(env, tasks)?;
-    eager_burst(
-        env,
-        tasks,
-        work,
-        &store_url,
-        &entries,
-        n,
-        strata_s,
-        strata_bytes,
-    )
+    eager_burst(env, tasks, work, &entries, (strata_s, strata_bytes))
 }
 
 /// The Strata half of a burst: a cold host, N creates at once, Python over each workspace.
@@ -627,17 +616,16 @@ pub(crate) fn burst_strata(
     Ok((strata_s, strata_bytes, entries))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The eager half of a burst, and both halves' rows; `strata` is the Strata half's (wall
+/// time, bytes written).
 fn eager_burst(
     env: &Env,
     tasks: &[(String, String)],
     work: &Path,
-    store_url: &str,
     entries: &BTreeMap<String, std::sync::Arc<strata_catalog::Registered>>,
-    n: usize,
-    strata_s: f64,
-    strata_bytes: u64,
+    (strata_s, strata_bytes): (f64, u64),
 ) -> Result<Vec<Row>> {
+    let (n, store_url) = (tasks.len(), env.store.as_str());
     // Eager: extract base and toolkit once (a content-addressed snapshotter shares them)
     // and each workspace, then overlay and run each with crun, all at once.
     let eager = work.join("eager-burst");

@@ -5,7 +5,6 @@
 //! list, export then run), two real workspaces' cold test suites, a burst of 64 distinct
 //! workspaces, and the bytes each fetched.
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -46,6 +45,7 @@ struct Measured {
     export_s: f64,
     lazy_fetched: u64,
     prefetched_fetched: u64,
+    /// Bytes through the proxy in the first run of the layer.
     wire_bytes: u64,
     workspaces: Vec<(String, f64, i32)>,
     burst_s: f64,
@@ -81,7 +81,6 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
         copied.1 as f64 / 1e6,
         t.elapsed().as_secs_f64()
     );
-    let upstream = endpoint_of(&server.url)?;
     let base = base_layer(&local)?;
     let base_id = rt
         .block_on(local_store.resolve_layer(&base))
@@ -98,16 +97,13 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
     let mut measured_rtt = Vec::new();
     for ms in RTTS_MS {
         let proxy = LatencyProxy::start(
-            upstream,
+            server.endpoint(),
             Link {
                 rtt: Duration::from_millis(ms),
                 bandwidth: None,
             },
         )?;
-        let url = server.url.replace(
-            &format!("endpoint=http://{upstream}"),
-            &format!("endpoint={}", proxy.http_url()),
-        );
+        let url = server.url_through(proxy.addr());
         let store = Store::open(&StoreUrl::parse(&url)?)?;
         measured_rtt.push((ms, rt.block_on(small_get_ms(&store, &base_id))?));
         targets.push(Target {
@@ -252,7 +248,8 @@ fn measure(
 ) -> Result<Measured> {
     let env = &t.env;
     let mut m = Measured::default();
-    let python = |m: &mut Measured| -> Result<(f64, u64)> {
+    // One start from a cold host: (seconds, bytes fetched, bytes through the proxy).
+    let python = || -> Result<(f64, u64, u64)> {
         env.go_cold()?;
         drop_caches();
         let wire = t.proxy.as_ref().map_or(0, |p| p.bytes_down());
@@ -268,26 +265,26 @@ fn measure(
             FIRST_WORK,
         ])?;
         let took = start.elapsed().as_secs_f64();
-        m.wire_bytes = t.proxy.as_ref().map_or(0, |p| p.bytes_down()) - wire;
+        let wire = t.proxy.as_ref().map_or(0, |p| p.bytes_down()) - wire;
         let fetched = env.json(&["layer", "stats", base, "--json"])?["fetched_bytes"]
             .as_u64()
             .unwrap_or(0);
-        Ok((took, fetched))
+        Ok((took, fetched, wire))
     };
     let (mut lazy, mut pre) = (Vec::new(), Vec::new());
     for _ in 0..ROUNDS {
         rt.block_on(t.store.remove_prefetch(base_id))?;
-        let (s, f) = python(&mut m)?;
+        let (s, fetched, wire) = python()?;
         lazy.push(s);
-        m.lazy_fetched = f;
+        (m.lazy_fetched, m.wire_bytes) = (fetched, wire);
         // Stopping the daemon saves the order this run read in.
         env.go_cold()?;
         if rt.block_on(t.store.get_prefetch(base_id))?.is_none() {
             bail!("{}: the first run saved no prefetch list", t.label);
         }
-        let (s, f) = python(&mut m)?;
+        let (s, fetched, _) = python()?;
         pre.push(s);
-        m.prefetched_fetched = f;
+        m.prefetched_fetched = fetched;
     }
     m.lazy_s = median(lazy);
     m.prefetched_s = median(pre);
@@ -331,15 +328,6 @@ fn base_layer(env: &Env) -> Result<String> {
     let shown = env.json(&["catalog", "show", DEBIAN, "--json"])?;
     let entry: Entry = serde_json::from_value(shown["entry"].clone())?;
     Ok(entry.base)
-}
-
-/// The radosgw endpoint of an `s3://...?endpoint=http://HOST:PORT` URL.
-fn endpoint_of(url: &str) -> Result<SocketAddr> {
-    let e = url
-        .split("endpoint=http://")
-        .nth(1)
-        .context("the S3 URL has no http endpoint")?;
-    Ok(e.split(['&', '/']).next().unwrap_or(e).parse()?)
 }
 
 /// Copies every object of `from` to `to`, 16 at a time; returns (objects, bytes).

@@ -5,8 +5,8 @@
 //! Requests are shaped by the store's [`StoreTuning`]: a miss fetches its chunk with the
 //! neighbours that follow it in the pack up to the store's range size, and bulk work
 //! (readahead, the prefetch list) keeps the store's concurrency in flight (8 requests
-//! against a local directory, 32 against S3). A neighbour another fetch already has in flight is not
-//! asked for twice: each fetch claims the chunks it carries.
+//! against a local directory, 32 against S3). A neighbour another fetch already has in
+//! flight is not asked for twice: each fetch claims the chunks it carries.
 
 use std::collections::HashMap;
 use std::ops::Range;

@@ -394,21 +394,35 @@ impl Store {
 
     /// Reads a byte range of a pack (unverified: callers verify per chunk).
     pub async fn read_pack_range(&self, pack: &Digest, offset: u64, len: u64) -> Result<Bytes> {
-        let key = Self::pack_key(pack);
-        match self.backend.get_range(&key, offset..offset + len).await {
+        self.get_range_exact(&Self::pack_key(pack), offset, len, || {
+            format!("pack {pack}")
+        })
+        .await
+    }
+
+    /// Exactly `len` bytes of object `key` at `offset`; fewer is [`StoreError::Corrupt`]
+    /// (a truncated object), none is [`StoreError::Missing`] naming `what`.
+    async fn get_range_exact(
+        &self,
+        key: &ObjectPath,
+        offset: u64,
+        len: u64,
+        what: impl Fn() -> String,
+    ) -> Result<Bytes> {
+        match self.backend.get_range(key, offset..offset + len).await {
             Ok(b) if b.len() as u64 == len => Ok(b),
             Ok(b) => Err(StoreError::Corrupt {
-                what: format!("pack {pack}"),
+                what: what(),
                 reason: format!(
-                    "range {offset}+{len} returned {} bytes (pack truncated?)",
+                    "range {offset}+{len} returned {} bytes (truncated?)",
                     b.len()
                 ),
             }),
             Err(object_store::Error::NotFound { .. }) => Err(StoreError::Missing {
-                what: format!("pack {pack}"),
+                what: what(),
                 key: key.to_string(),
             }),
-            Err(e) => Err(backend_err("get range", &key)(e)),
+            Err(e) => Err(backend_err("get range", key)(e)),
         }
     }
 

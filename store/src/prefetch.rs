@@ -14,7 +14,7 @@ use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStoreExt, PutPayload};
 use serde::{Deserialize, Serialize};
 
-use crate::{backend_err, chunk, pack, Digest, Result, Store, StoreError};
+use crate::{backend_err, chunk, pack, Digest, Result, Store};
 
 /// The most bytes of chunk data packed into one layer's prefetch copy: the packer holds
 /// them in memory, and a list longer than this (a test suite reading gigabytes) is
@@ -74,21 +74,30 @@ impl Store {
         let mut packed = Vec::new();
         let total: u64 = data.map_or(0, |d| d.iter().map(|b| b.len() as u64).sum());
         if let Some(data) = data.filter(|d| d.len() == order.len() && total <= MAX_PACKED_BYTES) {
-            let mut builder = pack::PackBuilder::new();
-            for chunk in data {
-                builder.push(&chunk::encode(chunk));
+            // Compressing up to MAX_PACKED_BYTES takes a while: not on the caller's
+            // executor thread. A packing that fails (it cannot, short of a panic) leaves
+            // the list without its copy, which is only an optimisation.
+            let data = data.to_vec();
+            let built = tokio::task::spawn_blocking(move || {
+                let mut builder = pack::PackBuilder::new();
+                for chunk in &data {
+                    builder.push(&chunk::encode(chunk));
+                }
+                builder.finish()
+            })
+            .await;
+            if let Ok(p) = built {
+                let key = Self::prefetch_pack_key(id);
+                self.backend
+                    .put(&key, PutPayload::from_bytes(p.bytes))
+                    .await
+                    .map_err(backend_err("put", &key))?;
+                packed = order
+                    .iter()
+                    .zip(&p.chunks)
+                    .map(|(&i, c)| (i, c.offset, c.stored_length))
+                    .collect();
             }
-            let p = builder.finish();
-            packed = order
-                .iter()
-                .zip(&p.chunks)
-                .map(|(&i, c)| (i, c.offset, c.stored_length))
-                .collect();
-            let key = Self::prefetch_pack_key(id);
-            self.backend
-                .put(&key, PutPayload::from_bytes(p.bytes))
-                .await
-                .map_err(backend_err("put", &key))?;
         }
         let record = if packed.is_empty() {
             Stored::Order(order.to_vec())
@@ -128,19 +137,10 @@ impl Store {
     /// Reads a byte range of the layer's packed prefetch copy (unverified: callers verify
     /// per chunk against the manifest).
     pub async fn read_prefetch_pack(&self, id: &Digest, offset: u64, len: u64) -> Result<Bytes> {
-        let key = Self::prefetch_pack_key(id);
-        match self.backend.get_range(&key, offset..offset + len).await {
-            Ok(b) if b.len() as u64 == len => Ok(b),
-            Ok(b) => Err(StoreError::Corrupt {
-                what: format!("prefetch copy of layer {id}"),
-                reason: format!("range {offset}+{len} returned {} bytes", b.len()),
-            }),
-            Err(object_store::Error::NotFound { .. }) => Err(StoreError::Missing {
-                what: format!("prefetch copy of layer {id}"),
-                key: key.to_string(),
-            }),
-            Err(e) => Err(backend_err("get range", &key)(e)),
-        }
+        self.get_range_exact(&Self::prefetch_pack_key(id), offset, len, || {
+            format!("prefetch copy of layer {id}")
+        })
+        .await
     }
 
     /// Forgets the layer's prefetch list and its packed copy (the next first run records

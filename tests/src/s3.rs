@@ -69,6 +69,24 @@ impl S3Server {
     }
 }
 
+impl S3Server {
+    /// Where radosgw listens.
+    pub fn endpoint(&self) -> std::net::SocketAddr {
+        self.url
+            .split("endpoint=http://")
+            .nth(1)
+            .and_then(|e| e.split(['&', '/']).next())
+            .and_then(|e| e.parse().ok())
+            .expect("s3-server.sh printed an http endpoint")
+    }
+
+    /// This server's store URL with its endpoint at `addr` instead (a proxy in front).
+    pub fn url_through(&self, addr: std::net::SocketAddr) -> String {
+        self.url
+            .replace(&self.endpoint().to_string(), &addr.to_string())
+    }
+}
+
 impl Drop for S3Server {
     fn drop(&mut self) {
         let _ = Command::new("bash")

@@ -602,16 +602,15 @@ fn over_radosgw_with_added_latency_reads_exactly_refetches_corruption_and_bounds
     .id
     .to_hex();
 
-    let endpoint = server.url.split("endpoint=http://").nth(1).unwrap();
     let proxy = LatencyProxy::start(
-        endpoint.parse().unwrap(),
+        server.endpoint(),
         Link {
             rtt: Duration::from_millis(2),
             bandwidth: None,
         },
     )
     .unwrap();
-    let url = server.url.replace(endpoint, &proxy.addr().to_string());
+    let url = server.url_through(proxy.addr());
     let home = work.path().join("home");
     std::fs::create_dir_all(&home).unwrap();
     let daemon = Daemon::start(&home, &url, "3s");
