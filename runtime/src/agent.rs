@@ -349,6 +349,20 @@ impl AgentClient {
                     let _ = write_frame(&mut w, FrameKind::StdinEof, b"");
                 });
             }
+            Stdin::Feed(feed) => {
+                let mut w = stdin_writer()?;
+                let chunks = feed.take();
+                std::thread::spawn(move || {
+                    for chunk in chunks.into_iter().flatten() {
+                        for part in chunk.chunks(64 * 1024) {
+                            if write_frame(&mut w, FrameKind::Stdin, part).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                    let _ = write_frame(&mut w, FrameKind::StdinEof, b"");
+                });
+            }
         }
         let mut writer = writer;
         drive(rx, env.timeout, req.kept_output(), sink, || {

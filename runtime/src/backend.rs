@@ -108,8 +108,14 @@ pub(crate) trait SandboxBackend: Send + Sync {
         sb.uppers.usage(&sb.record.id)
     }
 
-    fn read_file(&self, sb: &SandboxRef, path: &str) -> Result<Vec<u8>, RuntimeError> {
-        files::read_file(&sb.rootfs(), path)
+    /// Hands the file to `sink` in parts (see [`files::read_file_with`]).
+    fn read_file(
+        &self,
+        sb: &SandboxRef,
+        path: &str,
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        files::read_file_with(&sb.rootfs(), path, sink)
     }
 
     fn write_file(

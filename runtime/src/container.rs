@@ -473,7 +473,7 @@ impl SandboxBackend for ContainerBackend {
             .stderr(Stdio::piped());
         cmd.stdin(match &req.stdin {
             Stdin::Null => Stdio::null(),
-            Stdin::Bytes(_) => Stdio::piped(),
+            Stdin::Bytes(_) | Stdin::Feed(_) => Stdio::piped(),
             Stdin::Inherit => Stdio::inherit(),
         });
         let before: std::collections::HashSet<u32> = cgroup.pids().into_iter().collect();
@@ -505,11 +505,24 @@ impl SandboxBackend for ContainerBackend {
                 readers.push(crate::backend::pump(src, stream, tx.clone()));
             }
         }
-        if let (Stdin::Bytes(data), Some(mut stdin)) = (&req.stdin, child.stdin.take()) {
-            let data = data.clone();
-            std::thread::spawn(move || {
-                let _ = std::io::Write::write_all(&mut stdin, &data);
-            });
+        match (&req.stdin, child.stdin.take()) {
+            (Stdin::Bytes(data), Some(mut stdin)) => {
+                let data = data.clone();
+                std::thread::spawn(move || {
+                    let _ = std::io::Write::write_all(&mut stdin, &data);
+                });
+            }
+            (Stdin::Feed(feed), Some(mut stdin)) => {
+                let chunks = feed.take();
+                std::thread::spawn(move || {
+                    for chunk in chunks.into_iter().flatten() {
+                        if std::io::Write::write_all(&mut stdin, &chunk).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+            _ => {}
         }
         let waiter = std::thread::spawn(move || {
             let status = child.wait();

@@ -25,6 +25,30 @@ pub enum Stdin {
     Bytes(Vec<u8>),
     /// The calling process's own stdin (the CLI).
     Inherit,
+    /// Chunks as a caller sends them (a service's client stream); the command's stdin
+    /// ends when the sender is dropped.
+    Feed(StdinFeed),
+}
+
+/// The receiving end of a stdin stream; taken once, by the exec that runs.
+#[derive(Debug, Clone)]
+pub struct StdinFeed(std::sync::Arc<std::sync::Mutex<Option<std::sync::mpsc::Receiver<Vec<u8>>>>>);
+
+impl StdinFeed {
+    /// A feed and its sender. The channel is bounded: a sender waits (back-pressure) while
+    /// `depth` chunks are queued for a command that does not read them.
+    pub fn channel(depth: usize) -> (std::sync::mpsc::SyncSender<Vec<u8>>, StdinFeed) {
+        let (tx, rx) = std::sync::mpsc::sync_channel(depth);
+        (
+            tx,
+            StdinFeed(std::sync::Arc::new(std::sync::Mutex::new(Some(rx)))),
+        )
+    }
+
+    /// The chunks, once; `None` when an exec already took them.
+    pub(crate) fn take(&self) -> Option<std::sync::mpsc::Receiver<Vec<u8>>> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
 }
 
 #[derive(Debug, Clone, Default)]

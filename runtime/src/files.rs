@@ -40,15 +40,42 @@ fn root_dir(root: &Path) -> Result<File, RuntimeError> {
 }
 
 pub fn read_file(root: &Path, path: &str) -> Result<Vec<u8>, RuntimeError> {
+    let mut data = Vec::new();
+    read_file_with(root, path, &mut |part| {
+        data.extend_from_slice(part);
+        Ok(())
+    })?;
+    Ok(data)
+}
+
+/// How much of a file one call of a reader's sink carries.
+pub const READ_PART: usize = 1 << 20;
+
+/// Reads `path` in parts of at most [`READ_PART`] bytes, each handed to `sink` before the
+/// next is read: memory stays one part whatever the file's size (a sparse file in an upper
+/// can claim terabytes). A sink's error ends the read.
+pub fn read_file_with(
+    root: &Path,
+    path: &str,
+    sink: &mut dyn FnMut(&[u8]) -> Result<(), RuntimeError>,
+) -> Result<(), RuntimeError> {
     let fd = open_in(&root_dir(root)?, path, libc::O_RDONLY, 0)?;
     let mut f = File::from(fd);
-    let mut data = Vec::new();
-    f.read_to_end(&mut data)
-        .map_err(|source| RuntimeError::File {
-            path: path.to_string(),
-            source,
-        })?;
-    Ok(data)
+    let mut buf = vec![0u8; READ_PART];
+    loop {
+        let n = match f.read(&mut buf) {
+            Ok(0) => return Ok(()),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(source) => {
+                return Err(RuntimeError::File {
+                    path: path.to_string(),
+                    source,
+                })
+            }
+        };
+        sink(&buf[..n])?;
+    }
 }
 
 /// Writes `data` to `path` (created or truncated), making missing parent directories.

@@ -42,7 +42,7 @@ pub use audit::AuditLog;
 pub use backend::{process_start, ProcessInfo, SnapshotInfo};
 pub use cgroup::CgroupMode;
 pub use container::{static_agent_for, OciRuntime};
-pub use exec::{Budget, ExecRequest, ExecResult, Stdin, Stream};
+pub use exec::{Budget, ExecRequest, ExecResult, Stdin, StdinFeed, Stream};
 pub use files::FileEntry;
 pub use record::{EndReason, SandboxRecord, RECORD_FORMAT};
 pub use sandbox::Sandbox;
@@ -243,6 +243,10 @@ pub struct RuntimeConfig {
     /// Where networked sandboxes' address slots are claimed, shared by every home on the
     /// host (`/run/strata/net`).
     pub net_slots: PathBuf,
+    /// Reap what an earlier runtime left when opening (the CLI's default). A node service
+    /// opens without it, first ends its own sandboxes that did not survive its restart with
+    /// [`EndReason::NodeRestart`], then reaps.
+    pub reap_at_open: bool,
 }
 
 impl RuntimeConfig {
@@ -260,6 +264,7 @@ impl RuntimeConfig {
             vm: vm::VmConfig::default(),
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             net_slots: PathBuf::from("/run/strata/net"),
+            reap_at_open: true,
         }
     }
 }
@@ -361,7 +366,11 @@ impl Runtime {
                 opened_with: Default::default(),
             }),
         };
-        let report = rt.reap()?;
+        let report = if rt.inner.cfg.reap_at_open {
+            rt.reap()?
+        } else {
+            ReapReport::default()
+        };
         if !report.is_empty() {
             tracing::info!(?report, "reaped what an earlier runtime left");
         }
@@ -370,6 +379,11 @@ impl Runtime {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = report;
         Ok(rt)
+    }
+
+    /// How this runtime reaches the lazyfs daemon (for its statistics).
+    pub fn lazyfs(&self) -> &LazyfsAccess {
+        &self.inner.cfg.lazyfs
     }
 
     pub fn state_dir(&self) -> &Path {

@@ -40,6 +40,12 @@ pub enum EndReason {
     /// The process that owned a one-shot sandbox died.
     OwnerGone,
     Error,
+    /// Its maximum lifetime (set by the node service) passed.
+    Lifetime,
+    /// A budget ended it (the node service's policy on a budget hit).
+    Budget,
+    /// The node service restarted and could not take it back.
+    NodeRestart,
 }
 
 impl EndReason {
@@ -50,6 +56,9 @@ impl EndReason {
             EndReason::Crashed => "crashed",
             EndReason::OwnerGone => "owner-gone",
             EndReason::Error => "error",
+            EndReason::Lifetime => "lifetime",
+            EndReason::Budget => "budget",
+            EndReason::NodeRestart => "node-restart",
         }
     }
 }

@@ -333,8 +333,23 @@ impl Sandbox {
     }
 
     pub fn read_file(&self, path: &str) -> Result<Vec<u8>, RuntimeError> {
+        let mut data = Vec::new();
+        self.read_file_with(path, &mut |part| {
+            data.extend_from_slice(part);
+            Ok(())
+        })?;
+        Ok(data)
+    }
+
+    /// Reads a file in parts of at most 1 MiB, each handed to `sink` before the next is
+    /// read; a sink's error ends the read.
+    pub fn read_file_with(
+        &self,
+        path: &str,
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
         self.rt.touch(&self.record.id);
-        self.with_backend(|b, sb| b.read_file(sb, path))
+        self.with_backend(|b, sb| b.read_file(sb, path, sink))
     }
 
     pub fn write_file(&self, path: &str, data: &[u8], mode: u32) -> Result<(), RuntimeError> {
@@ -361,8 +376,36 @@ impl Sandbox {
     /// Ends the sandbox: kills its processes, unmounts its root, releases its layers,
     /// cgroups and upper. The audit record stays.
     pub fn destroy(self) -> Result<(), RuntimeError> {
+        self.end(EndReason::Destroyed)
+    }
+
+    /// Ends the sandbox as [`Sandbox::destroy`] does, recording `reason` in its audit.
+    pub fn end(self, reason: EndReason) -> Result<(), RuntimeError> {
         self.rt
-            .teardown(&self.record.id, Some(&self.record), EndReason::Destroyed)
+            .teardown(&self.record.id, Some(&self.record), reason)
+    }
+
+    /// Whether the sandbox's init still runs (the same process it started with).
+    pub fn is_alive(&self) -> bool {
+        crate::backend::process_start(self.record.init_pid) == Some(self.record.init_start)
+    }
+
+    /// Counts as activity: restarts the idle TTL (every command already does).
+    pub fn touch(&self) {
+        self.rt.touch(&self.record.id);
+    }
+
+    /// Sets the idle time after which the reaper destroys the sandbox; also restarts it.
+    pub fn set_idle_ttl(&mut self, ttl: std::time::Duration) -> Result<(), RuntimeError> {
+        let dir = self.dir();
+        let _lock = DirLock::take(&dir, false, true)?;
+        let path = dir.join("sandbox.json");
+        let mut record = SandboxRecord::load(&path)?;
+        record.spec.limits.idle_ttl = ttl;
+        record.save(&path)?;
+        self.record = record;
+        self.rt.touch(&self.record.id);
+        Ok(())
     }
 }
 

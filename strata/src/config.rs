@@ -156,6 +156,28 @@ pub struct Settings {
     pub build_ca_bundle: CaBundle,
     /// Who catalog registrations and removals are recorded as.
     pub registrant: String,
+    /// The node service's own settings (`strata serve`).
+    pub serve: ServeSettings,
+    /// A node service to send commands to instead of the local runtime (`--server`,
+    /// STRATA_SERVER), and the token to send (STRATA_TOKEN).
+    pub server: Option<String>,
+    pub token: Option<String>,
+}
+
+/// `strata serve`'s settings; its flags override them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeSettings {
+    pub listen: String,
+    pub metrics_listen: Option<String>,
+    /// The node's name (STRATA_NODE_NAME); default: the host name, made a DNS label.
+    pub node_name: Option<String>,
+    /// The most a unary exec keeps of each output stream.
+    pub exec_output_cap: u64,
+    pub memory_overcommit: f64,
+    pub cpu_overcommit: f64,
+    pub reap_every: Duration,
+    /// The lifetime of a sandbox created without one; `None`: unlimited.
+    pub default_lifetime: Option<Duration>,
 }
 
 /// The settings file. Keys are the environment variables' names without `STRATA_`.
@@ -184,6 +206,15 @@ struct FileSettings {
     registry_password: Option<String>,
     insecure_registries: Option<Vec<String>>,
     build_ca_bundle: Option<PathBuf>,
+    listen: Option<String>,
+    metrics_listen: Option<String>,
+    node_name: Option<String>,
+    exec_output_cap: Option<Size>,
+    memory_overcommit: Option<f64>,
+    cpu_overcommit: Option<f64>,
+    reap_every: Option<String>,
+    default_lifetime: Option<String>,
+    server: Option<String>,
 }
 
 /// A size in the file: bytes, or text such as `10G`.
@@ -533,6 +564,40 @@ impl Settings {
         };
         let registrant = format!("{user} (pid {})", std::process::id());
 
+        let exec_output_cap = match &f.exec_output_cap {
+            Some(Size::Bytes(n)) => Some(*n),
+            Some(Size::Text(t)) => l.file_parse("exec_output_cap", Some(t), parse_size)?,
+            None => None,
+        };
+        let factor = |key: &str, v: Option<f64>| -> Result<Option<f64>> {
+            match v {
+                Some(x) if !(x > 0.0 && x.is_finite()) => {
+                    bail!("{}: {key} = {x}: must be a positive number", l.file_name())
+                }
+                v => Ok(v),
+            }
+        };
+        let serve = ServeSettings {
+            listen: f.listen.clone().unwrap_or_else(|| "127.0.0.1:7600".into()),
+            metrics_listen: f.metrics_listen.clone(),
+            node_name: l
+                .env_str("STRATA_NODE_NAME")?
+                .or_else(|| f.node_name.clone()),
+            exec_output_cap: exec_output_cap.unwrap_or(16 << 20),
+            memory_overcommit: factor("memory_overcommit", f.memory_overcommit)?.unwrap_or(1.0),
+            cpu_overcommit: factor("cpu_overcommit", f.cpu_overcommit)?.unwrap_or(4.0),
+            reap_every: l
+                .file_parse("reap_every", f.reap_every.as_deref(), parse_duration)?
+                .unwrap_or(Duration::from_secs(5)),
+            default_lifetime: l.file_parse(
+                "default_lifetime",
+                f.default_lifetime.as_deref(),
+                parse_duration,
+            )?,
+        };
+        let server = l.env_str("STRATA_SERVER")?.or_else(|| f.server.clone());
+        let token = l.env_str("STRATA_TOKEN")?;
+
         Ok(Settings {
             file: layers.path.clone(),
             log: l.env_str("STRATA_LOG")?.or_else(|| f.log.clone()),
@@ -557,6 +622,9 @@ impl Settings {
             },
             build_ca_bundle,
             registrant,
+            serve,
+            server,
+            token,
         })
     }
 

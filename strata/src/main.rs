@@ -12,6 +12,7 @@ mod layer_rm;
 mod lazy;
 mod output;
 mod sandbox;
+mod serve;
 mod store;
 
 use anyhow::{Context, Result};
@@ -56,6 +57,15 @@ enum Command {
     /// Stateful sandboxes: create, exec, cp, ps, ls, rm.
     #[command(subcommand)]
     Sandbox(sandbox::SandboxCommand),
+    /// The node service: the runtime, catalog and store behind a gRPC API for the CLI
+    /// (`--server`), the Python SDK and other clients.
+    Serve(serve::ServeArgs),
+    /// Projects: who may use this node's sandboxes, backends and catalog namespaces.
+    #[command(subcommand)]
+    Project(serve::ProjectCommand),
+    /// Tokens of projects, which clients of `strata serve` present.
+    #[command(subcommand)]
+    Token(serve::TokenCommand),
     /// Check everything this host needs to run sandboxes, with the fix for each missing
     /// piece; exits 1 if a sandbox cannot run here.
     Doctor {
@@ -135,6 +145,9 @@ fn main() {
             Command::Lazyfs(lazy::LazyfsCommand::Stop) => lazy::stop(s).await,
             Command::Run(a) => sandbox::run(&open_store(s)?, s, a).await,
             Command::Sandbox(c) => sandbox::sandbox(&open_store(s)?, s, c).await,
+            Command::Serve(a) => serve::serve(open_store(s)?, s, a).await,
+            Command::Project(c) => serve::project(&open_store(s)?, c).await,
+            Command::Token(c) => serve::token(&open_store(s)?, c).await,
             Command::Doctor { json } => doctor::run(s, json),
         }
     });

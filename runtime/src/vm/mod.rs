@@ -907,8 +907,15 @@ impl SandboxBackend for VmBackend {
         Ok((s.disk_used, s.disk_size))
     }
 
-    fn read_file(&self, sb: &SandboxRef, path: &str) -> Result<Vec<u8>, RuntimeError> {
-        self.agent(sb)?.read_file(path)
+    /// The guest's agent sends a file in one frame, so it is bounded by the frame limit.
+    fn read_file(
+        &self,
+        sb: &SandboxRef,
+        path: &str,
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), RuntimeError>,
+    ) -> Result<(), RuntimeError> {
+        let data = self.agent(sb)?.read_file(path)?;
+        data.chunks(crate::files::READ_PART).try_for_each(sink)
     }
 
     fn write_file(

@@ -1,0 +1,320 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Done(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SandboxRef(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class Budgets(_message.Message):
+    __slots__ = ("memory", "cpus", "disk", "pids", "timeout")
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    memory: str
+    cpus: float
+    disk: str
+    pids: int
+    timeout: str
+    def __init__(self, memory: _Optional[str] = ..., cpus: _Optional[float] = ..., disk: _Optional[str] = ..., pids: _Optional[int] = ..., timeout: _Optional[str] = ...) -> None: ...
+
+class CreateRequest(_message.Message):
+    __slots__ = ("catalog_id", "backend", "budgets", "env", "network", "network_set", "idle_ttl", "lifetime", "labels")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CATALOG_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BUDGETS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_SET_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TTL_FIELD_NUMBER: _ClassVar[int]
+    LIFETIME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    catalog_id: str
+    backend: str
+    budgets: Budgets
+    env: _containers.ScalarMap[str, str]
+    network: _containers.RepeatedScalarFieldContainer[str]
+    network_set: bool
+    idle_ttl: str
+    lifetime: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, catalog_id: _Optional[str] = ..., backend: _Optional[str] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Iterable[str]] = ..., network_set: _Optional[bool] = ..., idle_ttl: _Optional[str] = ..., lifetime: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SandboxInfo(_message.Message):
+    __slots__ = ("id", "catalog_ref", "backend", "state", "labels", "project", "created_ms", "memory_bytes", "cpus", "disk_bytes", "idle_ttl_ms", "expires_ms", "idle_ms", "node")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_REF_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    catalog_ref: str
+    backend: str
+    state: str
+    labels: _containers.ScalarMap[str, str]
+    project: str
+    created_ms: int
+    memory_bytes: int
+    cpus: float
+    disk_bytes: int
+    idle_ttl_ms: int
+    expires_ms: int
+    idle_ms: int
+    node: str
+    def __init__(self, id: _Optional[str] = ..., catalog_ref: _Optional[str] = ..., backend: _Optional[str] = ..., state: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., project: _Optional[str] = ..., created_ms: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., cpus: _Optional[float] = ..., disk_bytes: _Optional[int] = ..., idle_ttl_ms: _Optional[int] = ..., expires_ms: _Optional[int] = ..., idle_ms: _Optional[int] = ..., node: _Optional[str] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("labels",)
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ListReply(_message.Message):
+    __slots__ = ("sandboxes",)
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[SandboxInfo]
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ...) -> None: ...
+
+class ExecRequest(_message.Message):
+    __slots__ = ("id", "argv", "env", "cwd", "timeout", "stdin", "keep_output")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    KEEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    cwd: str
+    timeout: str
+    stdin: bytes
+    keep_output: int
+    def __init__(self, id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., timeout: _Optional[str] = ..., stdin: _Optional[bytes] = ..., keep_output: _Optional[int] = ...) -> None: ...
+
+class ExecReply(_message.Message):
+    __slots__ = ("exit_code", "signal", "stdout", "stderr", "truncated", "stdout_bytes", "stderr_bytes", "duration_ms", "budget", "budgets_hit", "has_signal")
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STDERR_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    BUDGETS_HIT_FIELD_NUMBER: _ClassVar[int]
+    HAS_SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    exit_code: int
+    signal: int
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    stdout_bytes: int
+    stderr_bytes: int
+    duration_ms: int
+    budget: str
+    budgets_hit: _containers.RepeatedScalarFieldContainer[str]
+    has_signal: bool
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., stdout_bytes: _Optional[int] = ..., stderr_bytes: _Optional[int] = ..., duration_ms: _Optional[int] = ..., budget: _Optional[str] = ..., budgets_hit: _Optional[_Iterable[str]] = ..., has_signal: _Optional[bool] = ...) -> None: ...
+
+class ExecInput(_message.Message):
+    __slots__ = ("request", "stdin", "close_stdin")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_STDIN_FIELD_NUMBER: _ClassVar[int]
+    request: ExecRequest
+    stdin: bytes
+    close_stdin: bool
+    def __init__(self, request: _Optional[_Union[ExecRequest, _Mapping]] = ..., stdin: _Optional[bytes] = ..., close_stdin: _Optional[bool] = ...) -> None: ...
+
+class ExecEvent(_message.Message):
+    __slots__ = ("stdout", "stderr", "exit")
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    stdout: bytes
+    stderr: bytes
+    exit: ExecReply
+    def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExecReply, _Mapping]] = ...) -> None: ...
+
+class FileRef(_message.Message):
+    __slots__ = ("id", "path")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class WriteChunk(_message.Message):
+    __slots__ = ("id", "path", "mode", "data")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    mode: int
+    data: bytes
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., mode: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WriteReply(_message.Message):
+    __slots__ = ("bytes",)
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    def __init__(self, bytes: _Optional[int] = ...) -> None: ...
+
+class FileEntry(_message.Message):
+    __slots__ = ("name", "size", "is_dir", "mode", "kind")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    IS_DIR_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    is_dir: bool
+    mode: int
+    kind: str
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., is_dir: _Optional[bool] = ..., mode: _Optional[int] = ..., kind: _Optional[str] = ...) -> None: ...
+
+class ListDirReply(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[FileEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[FileEntry, _Mapping]]] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("id", "path", "recursive")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECURSIVE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    recursive: bool
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., recursive: _Optional[bool] = ...) -> None: ...
+
+class MakeDirRequest(_message.Message):
+    __slots__ = ("id", "path", "parents")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    parents: bool
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., parents: _Optional[bool] = ...) -> None: ...
+
+class ProcessInfo(_message.Message):
+    __slots__ = ("pid", "state", "rss_bytes", "cmdline")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CMDLINE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    state: str
+    rss_bytes: int
+    cmdline: str
+    def __init__(self, pid: _Optional[int] = ..., state: _Optional[str] = ..., rss_bytes: _Optional[int] = ..., cmdline: _Optional[str] = ...) -> None: ...
+
+class ProcessList(_message.Message):
+    __slots__ = ("processes",)
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessInfo]
+    def __init__(self, processes: _Optional[_Iterable[_Union[ProcessInfo, _Mapping]]] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("id", "dir")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    dir: str
+    def __init__(self, id: _Optional[str] = ..., dir: _Optional[str] = ...) -> None: ...
+
+class SnapshotReply(_message.Message):
+    __slots__ = ("state_bytes", "disk_bytes", "millis")
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MILLIS_FIELD_NUMBER: _ClassVar[int]
+    state_bytes: int
+    disk_bytes: int
+    millis: float
+    def __init__(self, state_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., millis: _Optional[float] = ...) -> None: ...
+
+class ExtendRequest(_message.Message):
+    __slots__ = ("id", "idle_ttl", "lifetime")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TTL_FIELD_NUMBER: _ClassVar[int]
+    LIFETIME_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    idle_ttl: str
+    lifetime: str
+    def __init__(self, id: _Optional[str] = ..., idle_ttl: _Optional[str] = ..., lifetime: _Optional[str] = ...) -> None: ...
+
+class AuditReply(_message.Message):
+    __slots__ = ("jsonl",)
+    JSONL_FIELD_NUMBER: _ClassVar[int]
+    jsonl: str
+    def __init__(self, jsonl: _Optional[str] = ...) -> None: ...

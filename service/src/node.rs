@@ -1,0 +1,498 @@
+//! The node: the runtime, catalog, store and projects one service owns, the sandboxes it
+//! made (by project), admission, and the reaper. The gRPC layers (`*_api.rs`,
+//! `sandboxes.rs`) translate requests into calls here; nothing here knows about gRPC.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use strata_catalog::{Backend, Budgets, Catalog};
+use strata_runtime::{EndReason, Overrides, Runtime, Sandbox, SandboxSpec};
+use strata_store::Store;
+
+use crate::admission::{self, Ask, Capacity};
+use crate::error::ServiceError;
+use crate::metrics::Metrics;
+use crate::projects::{Caller, Projects};
+use crate::state::{Meta, MetaDir};
+use crate::ServiceConfig;
+
+/// A node's size, from which admission's capacity follows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NodeSize {
+    pub memory_bytes: u64,
+    pub cores: u32,
+}
+
+impl NodeSize {
+    /// This host's memory (`MemTotal`) and online cores.
+    pub fn probe() -> NodeSize {
+        let memory_bytes = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|t| {
+                t.lines()
+                    .find_map(|l| l.strip_prefix("MemTotal:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+            .map(|kb| kb << 10)
+            .unwrap_or(0);
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get() as u32)
+            .unwrap_or(1);
+        NodeSize {
+            memory_bytes,
+            cores,
+        }
+    }
+}
+
+/// What a create asks for, beyond the catalog ID.
+#[derive(Debug, Clone, Default)]
+pub struct CreateArgs {
+    pub catalog_id: String,
+    pub backend: Option<Backend>,
+    pub budgets: Budgets,
+    pub env: BTreeMap<String, String>,
+    pub network: Option<Vec<String>>,
+    pub lifetime: Option<Duration>,
+    pub labels: BTreeMap<String, String>,
+}
+
+/// A VM's memory is its budget plus the machine's own (see the runtime's VM shapes).
+const VM_OVERHEAD: u64 = 128 << 20;
+
+pub struct Node {
+    cfg: ServiceConfig,
+    pub(crate) rt: Runtime,
+    pub(crate) store: Store,
+    pub(crate) catalog: Catalog,
+    pub(crate) projects: Projects,
+    metas: MetaDir,
+    sandboxes: Mutex<HashMap<String, Meta>>,
+    size: NodeSize,
+    pub(crate) metrics: Metrics,
+    registrant: String,
+}
+
+pub(crate) fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl Node {
+    /// Takes the runtime (opened without its reap at open), takes back the sandboxes an
+    /// earlier service left that still live, ends those that did not survive with
+    /// `node-restart`, then reaps the rest of the host once.
+    pub async fn start(
+        cfg: ServiceConfig,
+        rt: Runtime,
+        store: Store,
+        registrant: String,
+    ) -> Result<Arc<Node>, ServiceError> {
+        crate::check_node_name(&cfg.node)?;
+        let catalog = Catalog::open(&store).await?;
+        let metas = MetaDir::open(&rt.state_dir().join("service").join("sandboxes"))?;
+        let size = cfg.node_size.unwrap_or_else(NodeSize::probe);
+        let node = Arc::new(Node {
+            projects: Projects::new(&store),
+            metrics: Metrics::new(),
+            cfg,
+            rt,
+            store,
+            catalog,
+            metas,
+            sandboxes: Mutex::new(HashMap::new()),
+            size,
+            registrant,
+        });
+        let n = node.clone();
+        tokio::task::spawn_blocking(move || n.recover())
+            .await
+            .map_err(|e| ServiceError::Internal(e.to_string()))??;
+        Ok(node)
+    }
+
+    fn recover(&self) -> Result<(), ServiceError> {
+        let (mut kept, mut ended) = (0, 0);
+        for meta in self.metas.load_all() {
+            match self.rt.get(&meta.local) {
+                Ok(sb) if sb.id() == meta.local && sb.is_alive() => {
+                    kept += 1;
+                    self.lock().insert(meta.local.clone(), meta);
+                }
+                Ok(sb) if sb.id() == meta.local => {
+                    ended += 1;
+                    if let Err(e) = sb.end(EndReason::NodeRestart) {
+                        tracing::warn!("ending {} after the restart: {e}", meta.id);
+                    }
+                    self.metas.remove(&meta.local);
+                }
+                _ => {
+                    // Gone meanwhile (destroyed by hand, or reaped): nothing to end.
+                    self.metas.remove(&meta.local);
+                }
+            }
+        }
+        let report = self.rt.reap_report()?;
+        tracing::info!(kept, ended, reaped = ?report, "took back the node's sandboxes");
+        Ok(())
+    }
+
+    pub fn config(&self) -> &ServiceConfig {
+        &self.cfg
+    }
+
+    pub fn size(&self) -> NodeSize {
+        self.size
+    }
+
+    /// What admission allows on this node.
+    pub fn capacity(&self) -> Capacity {
+        Capacity {
+            memory_bytes: (self.size.memory_bytes as f64 * self.cfg.memory_overcommit) as u64,
+            cpus: f64::from(self.size.cores) * self.cfg.cpu_overcommit,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Meta>> {
+        self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Every sandbox the service holds (pending creates included).
+    pub fn metas(&self) -> Vec<Meta> {
+        self.lock().values().cloned().collect()
+    }
+
+    /// The client-facing ID of a runtime sandbox.
+    fn external_id(&self, local: &str) -> String {
+        format!("{}-{local}", self.cfg.node)
+    }
+
+    /// The caller's sandbox `id`: refused as not found when it is another project's, so a
+    /// token cannot even learn which IDs exist.
+    pub fn meta_for(&self, caller: &Caller, id: &str) -> Result<Meta, ServiceError> {
+        let not_found = || {
+            ServiceError::NotFound(format!(
+                "no sandbox `{id}` in project `{}` on node `{}`",
+                caller.project.name, self.cfg.node
+            ))
+        };
+        let local = id
+            .strip_prefix(&self.cfg.node)
+            .and_then(|r| r.strip_prefix('-'))
+            .ok_or_else(|| {
+                if id.contains('-') {
+                    ServiceError::NotFound(format!(
+                        "sandbox `{id}` is not on this node (`{}`): its ID names the node that holds it",
+                        self.cfg.node
+                    ))
+                } else {
+                    not_found()
+                }
+            })?;
+        let meta = self.lock().get(local).cloned().ok_or_else(not_found)?;
+        if meta.project != caller.project.name || meta.pending {
+            return Err(not_found());
+        }
+        Ok(meta)
+    }
+
+    /// The runtime's sandbox behind `meta`; touching it restarts its idle TTL.
+    pub fn sandbox(&self, meta: &Meta) -> Result<Sandbox, ServiceError> {
+        let sb = self.rt.get(&meta.local).map_err(|e| match e {
+            strata_runtime::RuntimeError::NotFound(_) => {
+                self.forget(&meta.local);
+                ServiceError::NotFound(format!("sandbox `{}` has ended (see its audit)", meta.id))
+            }
+            e => e.into(),
+        })?;
+        if sb.id() != meta.local {
+            return Err(ServiceError::NotFound(format!(
+                "sandbox `{}` has ended",
+                meta.id
+            )));
+        }
+        sb.touch();
+        Ok(sb)
+    }
+
+    fn forget(&self, local: &str) {
+        self.lock().remove(local);
+        self.metas.remove(local);
+    }
+
+    pub fn set_paused(&self, local: &str, paused: bool) -> Result<Meta, ServiceError> {
+        let mut map = self.lock();
+        let meta = map
+            .get_mut(local)
+            .ok_or_else(|| ServiceError::NotFound(format!("sandbox {local} has ended")))?;
+        meta.paused = paused;
+        let m = meta.clone();
+        drop(map);
+        self.metas.save(&m)?;
+        Ok(m)
+    }
+
+    /// Moves the end of the lifetime and/or records a new idle TTL.
+    pub fn set_times(
+        &self,
+        local: &str,
+        expires_ms: Option<Option<u64>>,
+        idle_ttl_ms: Option<u64>,
+    ) -> Result<Meta, ServiceError> {
+        let mut map = self.lock();
+        let meta = map
+            .get_mut(local)
+            .ok_or_else(|| ServiceError::NotFound(format!("sandbox {local} has ended")))?;
+        if let Some(e) = expires_ms {
+            meta.expires_ms = e;
+        }
+        if let Some(t) = idle_ttl_ms {
+            meta.idle_ttl_ms = t;
+        }
+        let m = meta.clone();
+        drop(map);
+        self.metas.save(&m)?;
+        Ok(m)
+    }
+
+    /// Resolves, admits and creates a sandbox for `caller`.
+    pub async fn create(
+        self: &Arc<Self>,
+        caller: &Caller,
+        args: CreateArgs,
+    ) -> Result<Meta, ServiceError> {
+        let started = Instant::now();
+        let reg = self
+            .catalog
+            .get(&args.catalog_id)
+            .await
+            .map_err(|e| match e {
+                strata_catalog::CatalogError::Invalid(m) => ServiceError::invalid("catalog_id", m),
+                e => e.into(),
+            })?;
+        let over = Overrides {
+            backend: args.backend,
+            budgets: args.budgets.clone(),
+            env: args.env.clone(),
+            network: args.network.clone(),
+            identity: Some(caller.identity()),
+            display: false,
+            privileged: false,
+        };
+        let spec = SandboxSpec::resolve(&reg, &over).map_err(|e| match e {
+            strata_runtime::RuntimeError::Invalid(m) => ServiceError::invalid("budgets", m),
+            e => e.into(),
+        })?;
+        if !caller.project.allows_backend(spec.backend) {
+            self.metrics.refused("backend");
+            return Err(ServiceError::PermissionDenied(format!(
+                "project `{}` may not use the {} backend (it may use: {})",
+                caller.project.name,
+                spec.backend.as_str(),
+                caller
+                    .project
+                    .backends
+                    .iter()
+                    .map(|b| b.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        let memory_bytes = spec.limits.memory_bytes
+            + if matches!(spec.backend, Backend::Microvm | Backend::Vm) {
+                VM_OVERHEAD
+            } else {
+                0
+            };
+        // An unthrottled sandbox counts as one CPU.
+        let cpus = spec.limits.cpus.unwrap_or(1.0);
+        let local = format!("pending-{}", uuid::Uuid::new_v4().simple());
+        let lifetime = args.lifetime.or(self.cfg.default_lifetime);
+        let mut meta = Meta {
+            id: String::new(),
+            local: local.clone(),
+            project: caller.project.name.clone(),
+            token: caller.token.clone(),
+            catalog_ref: spec.catalog_ref.clone(),
+            backend: spec.backend,
+            labels: args.labels,
+            created_ms: now_ms(),
+            expires_ms: lifetime.map(|l| now_ms() + l.as_millis() as u64),
+            memory_bytes,
+            cpus,
+            disk_bytes: spec.limits.disk_bytes,
+            idle_ttl_ms: spec.limits.idle_ttl.as_millis() as u64,
+            paused: false,
+            pending: true,
+        };
+        {
+            let mut map = self.lock();
+            if let Err(e) = admission::admit(
+                map.values(),
+                &caller.project,
+                Ask { memory_bytes, cpus },
+                self.capacity(),
+                self.cfg.retry_after,
+            ) {
+                if let ServiceError::Exhausted { reason, .. } = &e {
+                    self.metrics.refused(reason);
+                }
+                return Err(e);
+            }
+            map.insert(local.clone(), meta.clone());
+        }
+        let node = self.clone();
+        let made = tokio::task::spawn_blocking(move || -> Result<Sandbox, ServiceError> {
+            let sb = node.rt.create(spec)?;
+            Ok(sb)
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(e.to_string()))
+        .and_then(|r| r);
+        self.lock().remove(&local);
+        let sb = made?;
+        meta.local = sb.id().to_string();
+        meta.id = self.external_id(sb.id());
+        meta.pending = false;
+        if let Err(e) = self.metas.save(&meta) {
+            let _ = sb.destroy();
+            return Err(e);
+        }
+        let _ = self.rt.audit(sb.id()).record(
+            "service",
+            serde_json::json!({"id": meta.id, "project": meta.project, "token": meta.token,
+                               "labels": meta.labels, "expires_ms": meta.expires_ms}),
+        );
+        self.lock().insert(meta.local.clone(), meta.clone());
+        self.metrics
+            .observe_create(meta.backend.as_str(), started.elapsed());
+        if self.cfg.pool > 0 {
+            let node = self.clone();
+            let (backend, disk) = (meta.backend, meta.disk_bytes);
+            tokio::task::spawn_blocking(move || node.top_up(backend, disk));
+        }
+        Ok(meta)
+    }
+
+    fn top_up(&self, backend: Backend, disk: u64) {
+        if matches!(backend, Backend::Fncall | Backend::Container) {
+            if let Err(e) = self.rt.fill_uppers(disk, self.cfg.pool) {
+                tracing::warn!("filling the upper pool: {e}");
+            }
+        }
+        if backend == Backend::Fncall {
+            if let Err(e) = self.rt.fill_pool(self.cfg.pool) {
+                tracing::warn!("filling the fncall pool: {e}");
+            }
+        }
+    }
+
+    /// Ends a sandbox, recording `reason`.
+    pub fn end(&self, meta: &Meta, reason: EndReason) -> Result<(), ServiceError> {
+        let result = match self.rt.get(&meta.local) {
+            Ok(sb) if sb.id() == meta.local => sb.end(reason).map_err(ServiceError::from),
+            Ok(_) | Err(strata_runtime::RuntimeError::NotFound(_)) => Ok(()),
+            Err(e) => Err(e.into()),
+        };
+        self.forget(&meta.local);
+        self.metrics.ended(reason.as_str());
+        result
+    }
+
+    /// One reaper pass: lifetimes, then the runtime's own reap (idle TTLs, crashed
+    /// sandboxes, leftovers), then forgetting what the runtime no longer has.
+    pub fn reap_once(&self) -> Result<(), ServiceError> {
+        let now = now_ms();
+        let expired: Vec<Meta> = self
+            .lock()
+            .values()
+            .filter(|m| !m.pending && m.expires_ms.is_some_and(|e| e <= now))
+            .cloned()
+            .collect();
+        for m in expired {
+            tracing::info!(sandbox = %m.id, "lifetime over");
+            if let Err(e) = self.end(&m, EndReason::Lifetime) {
+                tracing::warn!("ending {} at the end of its lifetime: {e}", m.id);
+            }
+        }
+        let report = self.rt.reap_report()?;
+        for _ in &report.expired {
+            self.metrics.ended(EndReason::IdleTtl.as_str());
+        }
+        for _ in &report.crashed {
+            self.metrics.ended(EndReason::Crashed.as_str());
+        }
+        let live: std::collections::HashSet<String> =
+            self.rt.list().into_iter().map(|r| r.id).collect();
+        let gone: Vec<String> = self
+            .lock()
+            .values()
+            .filter(|m| !m.pending && !live.contains(&m.local))
+            .map(|m| m.local.clone())
+            .collect();
+        for local in gone {
+            self.forget(&local);
+        }
+        Ok(())
+    }
+}
+
+/// Runs [`Node::reap_once`] every `reap_every`.
+pub(crate) async fn reaper(node: Arc<Node>) {
+    let mut tick = tokio::time::interval(node.cfg.reap_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let n = node.clone();
+        match tokio::task::spawn_blocking(move || n.reap_once()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("reaper: {e}"),
+            Err(e) => tracing::warn!("reaper: {e}"),
+        }
+    }
+}
+
+impl Node {
+    pub fn registrant(&self, caller: &Caller) -> String {
+        format!("{} via {}", caller.identity(), self.registrant)
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+}
+
+impl Node {
+    /// The audit record of the caller's sandbox `id`, also after it ended: the record's
+    /// own `service` line names the project it belongs to.
+    pub fn audit_of(&self, caller: &Caller, id: &str) -> Result<String, ServiceError> {
+        let not_found = || {
+            ServiceError::NotFound(format!(
+                "no audit of sandbox `{id}` in project `{}` on node `{}`",
+                caller.project.name, self.cfg.node
+            ))
+        };
+        let local = id
+            .strip_prefix(&self.cfg.node)
+            .and_then(|r| r.strip_prefix('-'))
+            .filter(|l| !l.is_empty() && l.len() <= 32 && l.bytes().all(|b| b.is_ascii_hexdigit()))
+            .ok_or_else(not_found)?;
+        let log = self.rt.audit(local);
+        let records = log.read().map_err(|_| not_found())?;
+        let owner = records
+            .iter()
+            .find(|r| r.get("event").and_then(|e| e.as_str()) == Some("service"))
+            .and_then(|r| r.get("project"))
+            .and_then(|p| p.as_str());
+        if owner != Some(caller.project.name.as_str()) {
+            return Err(not_found());
+        }
+        std::fs::read_to_string(log.path()).map_err(|source| ServiceError::Io {
+            what: format!("reading the audit of {id}"),
+            source,
+        })
+    }
+}

@@ -1,0 +1,671 @@
+//! `strata.v1.Sandboxes`: every call authenticated, every sandbox looked up within the
+//! caller's project. Runtime calls block, so they run on the blocking pool; output and
+//! file data cross to the client through bounded channels, so a slow client slows the
+//! command (its pipe fills) instead of growing the service's memory.
+
+use std::collections::BTreeMap;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::Stream as FutStream;
+use strata_catalog::{Backend, Budgets};
+use strata_runtime::{ExecRequest, ExecResult, Sandbox, Stdin, StdinFeed, Stream};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::error::ServiceError;
+use crate::node::{now_ms, CreateArgs, Node};
+use crate::node_api::caller;
+use crate::proto;
+use crate::proto::sandboxes_server;
+use crate::state::Meta;
+
+pub struct SandboxesApi(pub Arc<Node>);
+
+/// Output events queued towards one client before the command waits for it.
+const EVENT_QUEUE: usize = 16;
+
+type EventStream = Pin<Box<dyn FutStream<Item = Result<proto::ExecEvent, Status>> + Send>>;
+type ChunkStream = Pin<Box<dyn FutStream<Item = Result<proto::FileChunk, Status>> + Send>>;
+
+fn duration(field: &str, text: &str) -> Result<Option<Duration>, ServiceError> {
+    if text.is_empty() {
+        return Ok(None);
+    }
+    humantime::parse_duration(text).map(Some).map_err(|e| {
+        ServiceError::invalid(field, format!("`{text}` is not a duration (60s, 5m): {e}"))
+    })
+}
+
+fn text(s: String) -> Option<String> {
+    (!s.is_empty()).then_some(s)
+}
+
+/// Runs blocking runtime work off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ServiceError> + Send + 'static,
+) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+        .map_err(Status::from)
+}
+
+fn info(node: &Node, m: &Meta) -> proto::SandboxInfo {
+    proto::SandboxInfo {
+        id: m.id.clone(),
+        catalog_ref: m.catalog_ref.clone(),
+        backend: m.backend.as_str().to_string(),
+        state: m.state().to_string(),
+        labels: m.labels.clone().into_iter().collect(),
+        project: m.project.clone(),
+        created_ms: m.created_ms,
+        memory_bytes: m.memory_bytes,
+        cpus: m.cpus,
+        disk_bytes: m.disk_bytes,
+        idle_ttl_ms: m.idle_ttl_ms,
+        expires_ms: m.expires_ms.unwrap_or(0),
+        idle_ms: node.rt.idle_for(&m.local).as_millis() as u64,
+        node: node.config().node.clone(),
+    }
+}
+
+fn exec_reply(r: &ExecResult, stdout: Vec<u8>, stderr: Vec<u8>) -> proto::ExecReply {
+    proto::ExecReply {
+        exit_code: r.status_code(),
+        signal: r.signal.unwrap_or(0),
+        has_signal: r.signal.is_some(),
+        stdout,
+        stderr,
+        truncated: r.truncated,
+        stdout_bytes: r.stdout_bytes,
+        stderr_bytes: r.stderr_bytes,
+        duration_ms: r.duration_ms,
+        budget: r.budget.map(|b| b.to_string()).unwrap_or_default(),
+        budgets_hit: r.budgets.iter().map(|b| b.to_string()).collect(),
+    }
+}
+
+impl SandboxesApi {
+    /// The caller's sandbox and its runtime handle.
+    async fn open<T>(&self, req: &Request<T>, id: &str) -> Result<(Meta, Sandbox), Status> {
+        let who = caller(&self.0, req).await?;
+        let meta = self.0.meta_for(&who, id)?;
+        let node = self.0.clone();
+        let m = meta.clone();
+        let sb = blocking(move || node.sandbox(&m)).await?;
+        Ok((meta, sb))
+    }
+
+    fn exec_request(&self, r: proto::ExecRequest, keep: usize) -> Result<ExecRequest, Status> {
+        if r.argv.is_empty() {
+            return Err(ServiceError::invalid(
+                "argv",
+                "empty command: give the program and its arguments",
+            )
+            .into());
+        }
+        Ok(ExecRequest {
+            argv: r.argv,
+            stdin: if r.stdin.is_empty() {
+                Stdin::Null
+            } else {
+                Stdin::Bytes(r.stdin)
+            },
+            env: r.env.into_iter().collect(),
+            cwd: text(r.cwd),
+            timeout: duration("timeout", &r.timeout)?,
+            keep_output: Some(keep),
+        })
+    }
+
+    /// Runs the sandbox's own tool (`rm`, `mkdir`) for a file operation the agent
+    /// protocol has no message for; its exit and stderr are the answer.
+    async fn tool(&self, sb: Sandbox, argv: Vec<String>, what: String) -> Result<(), Status> {
+        blocking(move || {
+            let req = ExecRequest {
+                argv,
+                keep_output: Some(4096),
+                timeout: Some(Duration::from_secs(60)),
+                ..Default::default()
+            };
+            let r = sb.exec(&req)?;
+            if r.status_code() == 0 {
+                return Ok(());
+            }
+            let err = String::from_utf8_lossy(&r.stderr).trim().to_string();
+            if err.contains("No such file") {
+                return Err(ServiceError::NotFound(format!("{what}: {err}")));
+            }
+            Err(ServiceError::invalid("path", format!("{what}: {err}")))
+        })
+        .await
+    }
+}
+
+#[tonic::async_trait]
+impl sandboxes_server::Sandboxes for SandboxesApi {
+    async fn create(
+        &self,
+        req: Request<proto::CreateRequest>,
+    ) -> Result<Response<proto::SandboxInfo>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let r = req.into_inner();
+        if r.catalog_id.is_empty() {
+            return Err(ServiceError::invalid(
+                "catalog_id",
+                "give a catalog ID (namespace/name[@version])",
+            )
+            .into());
+        }
+        let backend = match r.backend.as_str() {
+            "" => None,
+            b => Some(b.parse::<Backend>().map_err(|e| {
+                ServiceError::invalid("backend", format!("{e} (fncall, container, microvm or vm)"))
+            })?),
+        };
+        let b = r.budgets.unwrap_or_default();
+        for (field, v) in [("budgets.memory", &b.memory), ("budgets.disk", &b.disk)] {
+            if !v.is_empty() {
+                strata_catalog::parse_size(v)
+                    .map_err(|e| ServiceError::invalid(field, e.to_string()))?;
+            }
+        }
+        duration("budgets.timeout", &b.timeout)?;
+        duration("idle_ttl", &r.idle_ttl)?;
+        if b.cpus < 0.0 || !b.cpus.is_finite() {
+            return Err(ServiceError::invalid("budgets.cpus", "must be a positive number").into());
+        }
+        let args = CreateArgs {
+            catalog_id: r.catalog_id,
+            backend,
+            budgets: Budgets {
+                memory: text(b.memory),
+                cpus: (b.cpus > 0.0).then_some(b.cpus),
+                disk: text(b.disk),
+                pids: (b.pids > 0).then_some(b.pids),
+                timeout: text(b.timeout),
+                idle_ttl: text(r.idle_ttl),
+            },
+            env: r.env.into_iter().collect(),
+            network: (r.network_set || !r.network.is_empty()).then_some(r.network),
+            lifetime: duration("lifetime", &r.lifetime)?,
+            labels: r.labels.into_iter().collect(),
+        };
+        let meta = self.0.create(&who, args).await.map_err(|e| {
+            if e.is_store() {
+                self.0.metrics.store_error();
+            }
+            Status::from(e)
+        })?;
+        Ok(Response::new(info(&self.0, &meta)))
+    }
+
+    async fn get(
+        &self,
+        req: Request<proto::SandboxRef>,
+    ) -> Result<Response<proto::SandboxInfo>, Status> {
+        let id = req.get_ref().id.clone();
+        let (meta, _) = self.open(&req, &id).await?;
+        Ok(Response::new(info(&self.0, &meta)))
+    }
+
+    async fn list(
+        &self,
+        req: Request<proto::ListRequest>,
+    ) -> Result<Response<proto::ListReply>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let want: BTreeMap<String, String> = req.into_inner().labels.into_iter().collect();
+        let mut metas: Vec<Meta> = self
+            .0
+            .metas()
+            .into_iter()
+            .filter(|m| {
+                !m.pending
+                    && m.project == who.project.name
+                    && want.iter().all(|(k, v)| m.labels.get(k) == Some(v))
+            })
+            .collect();
+        metas.sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
+        Ok(Response::new(proto::ListReply {
+            sandboxes: metas.iter().map(|m| info(&self.0, m)).collect(),
+        }))
+    }
+
+    async fn exec(
+        &self,
+        req: Request<proto::ExecRequest>,
+    ) -> Result<Response<proto::ExecReply>, Status> {
+        let id = req.get_ref().id.clone();
+        let (meta, sb) = self.open(&req, &id).await?;
+        let r = req.into_inner();
+        let cap = self.0.config().output_cap;
+        let keep = match r.keep_output {
+            0 => cap,
+            n => (n as usize).min(cap),
+        };
+        let exec = self.exec_request(r, keep)?;
+        let started = Instant::now();
+        let mut result = blocking(move || Ok(sb.exec(&exec)?)).await?;
+        self.0
+            .metrics
+            .observe_exec(meta.backend.as_str(), started.elapsed());
+        let (out, err) = (
+            std::mem::take(&mut result.stdout),
+            std::mem::take(&mut result.stderr),
+        );
+        Ok(Response::new(exec_reply(&result, out, err)))
+    }
+
+    type ExecStreamStream = EventStream;
+
+    async fn exec_stream(
+        &self,
+        req: Request<Streaming<proto::ExecInput>>,
+    ) -> Result<Response<Self::ExecStreamStream>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let mut input = req.into_inner();
+        let opening = input.message().await?.unwrap_or_default();
+        let (first, opening_stdin, opening_close) =
+            match (opening.request, opening.stdin, opening.close_stdin) {
+                (Some(r), stdin, close) => (r, stdin, close),
+                (None, ..) => {
+                    return Err(ServiceError::invalid(
+                        "request",
+                        "the first message of ExecStream must carry the request",
+                    )
+                    .into())
+                }
+            };
+        let meta = self.0.meta_for(&who, &first.id)?;
+        let node = self.0.clone();
+        let m = meta.clone();
+        let sb = blocking(move || node.sandbox(&m)).await?;
+        let mut initial = first.stdin.clone();
+        initial.extend_from_slice(&opening_stdin);
+        let mut exec = self.exec_request(
+            proto::ExecRequest {
+                stdin: Vec::new(),
+                ..first
+            },
+            0,
+        )?;
+        // Stdin: what the first message carried, then the client's later messages, until
+        // it closes stdin or its stream.
+        let (stdin_tx, feed) = StdinFeed::channel(EVENT_QUEUE);
+        exec.stdin = Stdin::Feed(feed);
+        let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            // The feed is a blocking channel (the runtime is synchronous): each chunk is
+            // handed over on the blocking pool, and waits there while the command is not
+            // reading (back-pressure on the client's stream).
+            let send = |chunk: Vec<u8>| {
+                let tx = stdin_tx.clone();
+                async move {
+                    tokio::task::spawn_blocking(move || tx.send(chunk).is_ok())
+                        .await
+                        .unwrap_or(false)
+                }
+            };
+            if (!initial.is_empty() && !send(initial).await) || opening_close {
+                return;
+            }
+            loop {
+                tokio::select! {
+                    _ = &mut done_rx => return,
+                    msg = input.message() => match msg {
+                        Ok(Some(msg)) => {
+                            if !msg.stdin.is_empty() && !send(msg.stdin).await {
+                                return;
+                            }
+                            if msg.close_stdin {
+                                return;
+                            }
+                        }
+                        _ => return,
+                    },
+                }
+            }
+        });
+        let (tx, rx) = mpsc::channel::<Result<proto::ExecEvent, Status>>(EVENT_QUEUE);
+        let node = self.0.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let mut gone = false;
+            let mut sink = |s: Stream, data: &[u8]| {
+                if gone {
+                    return;
+                }
+                let event = match s {
+                    Stream::Stdout => proto::exec_event::Event::Stdout(data.to_vec()),
+                    Stream::Stderr => proto::exec_event::Event::Stderr(data.to_vec()),
+                };
+                // Waits while the client is behind: the command's pipe fills and it waits.
+                if tx
+                    .blocking_send(Ok(proto::ExecEvent { event: Some(event) }))
+                    .is_err()
+                {
+                    gone = true;
+                }
+            };
+            let result = sb.exec_streaming(&exec, &mut sink);
+            node.metrics
+                .observe_exec(meta.backend.as_str(), started.elapsed());
+            let last = match result {
+                Ok(r) => Ok(proto::ExecEvent {
+                    event: Some(proto::exec_event::Event::Exit(exec_reply(
+                        &r,
+                        Vec::new(),
+                        Vec::new(),
+                    ))),
+                }),
+                Err(e) => Err(Status::from(ServiceError::from(e))),
+            };
+            let _ = tx.blocking_send(last);
+            let _ = done_tx.send(());
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    type ReadFileStream = ChunkStream;
+
+    async fn read_file(
+        &self,
+        req: Request<proto::FileRef>,
+    ) -> Result<Response<Self::ReadFileStream>, Status> {
+        let id = req.get_ref().id.clone();
+        let (_, sb) = self.open(&req, &id).await?;
+        let path = req.into_inner().path;
+        let (tx, mut rx) = mpsc::channel::<Result<proto::FileChunk, Status>>(4);
+        tokio::task::spawn_blocking(move || {
+            let mut sink = |part: &[u8]| {
+                tx.blocking_send(Ok(proto::FileChunk {
+                    data: part.to_vec(),
+                }))
+                .map_err(|_| strata_runtime::RuntimeError::Invalid("the client went away".into()))
+            };
+            if let Err(e) = sb.read_file_with(&path, &mut sink) {
+                let _ = tx.blocking_send(Err(Status::from(ServiceError::from(e))));
+            }
+        });
+        // An error before any data answers the call itself (so a missing file is
+        // NOT_FOUND to a unary-minded client), later ones end the stream.
+        let first = rx.recv().await;
+        let head: Vec<Result<proto::FileChunk, Status>> = match first {
+            Some(Err(e)) => return Err(e),
+            Some(ok) => vec![ok],
+            None => vec![],
+        };
+        let rest = ReceiverStream::new(rx);
+        Ok(Response::new(Box::pin(
+            tokio_stream::iter(head).chain(rest),
+        )))
+    }
+
+    async fn write_file(
+        &self,
+        req: Request<Streaming<proto::WriteChunk>>,
+    ) -> Result<Response<proto::WriteReply>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let mut input = req.into_inner();
+        let first = input.message().await?.ok_or_else(|| {
+            Status::from(ServiceError::invalid(
+                "id",
+                "WriteFile needs a first message naming the sandbox and path",
+            ))
+        })?;
+        if first.path.is_empty() {
+            return Err(
+                ServiceError::invalid("path", "give an absolute path inside the sandbox").into(),
+            );
+        }
+        let meta = self.0.meta_for(&who, &first.id)?;
+        let max = self.0.config().max_write_bytes;
+        let mut data = first.data;
+        while let Some(m) = input.message().await? {
+            if data.len() + m.data.len() > max {
+                return Err(ServiceError::invalid(
+                    "data",
+                    format!("{} is larger than this node's limit of {} MiB for one write (max_write_bytes)", first.path, max >> 20),
+                )
+                .into());
+            }
+            data.extend_from_slice(&m.data);
+        }
+        if data.len() > max {
+            return Err(
+                ServiceError::invalid("data", format!("larger than {} MiB", max >> 20)).into(),
+            );
+        }
+        let node = self.0.clone();
+        let (path, mode) = (
+            first.path,
+            if first.mode == 0 {
+                0o644
+            } else {
+                first.mode & 0o7777
+            },
+        );
+        let n = data.len() as u64;
+        blocking(move || {
+            let sb = node.sandbox(&meta)?;
+            Ok(sb.write_file(&path, &data, mode)?)
+        })
+        .await?;
+        Ok(Response::new(proto::WriteReply { bytes: n }))
+    }
+
+    async fn list_dir(
+        &self,
+        req: Request<proto::FileRef>,
+    ) -> Result<Response<proto::ListDirReply>, Status> {
+        let id = req.get_ref().id.clone();
+        let (_, sb) = self.open(&req, &id).await?;
+        let path = req.into_inner().path;
+        let entries = blocking(move || Ok(sb.list_dir(&path)?)).await?;
+        Ok(Response::new(proto::ListDirReply {
+            entries: entries.into_iter().map(entry).collect(),
+        }))
+    }
+
+    async fn stat(
+        &self,
+        req: Request<proto::FileRef>,
+    ) -> Result<Response<proto::FileEntry>, Status> {
+        let id = req.get_ref().id.clone();
+        let (_, sb) = self.open(&req, &id).await?;
+        let path = req.into_inner().path;
+        let trimmed = path.trim_end_matches('/');
+        let (parent, name) = match trimmed.rsplit_once('/') {
+            Some(("", name)) => ("/".to_string(), name.to_string()),
+            Some((p, name)) => (p.to_string(), name.to_string()),
+            None => return Err(ServiceError::invalid("path", "give an absolute path").into()),
+        };
+        if name.is_empty() {
+            return Ok(Response::new(proto::FileEntry {
+                name: "/".into(),
+                size: 0,
+                is_dir: true,
+                mode: 0o755,
+                kind: "dir".into(),
+            }));
+        }
+        let entries = blocking(move || Ok(sb.list_dir(&parent)?)).await?;
+        let found = entries
+            .into_iter()
+            .find(|e| e.name == name)
+            .ok_or_else(|| {
+                Status::from(ServiceError::NotFound(format!(
+                    "{path}: no such file or directory in the sandbox"
+                )))
+            })?;
+        Ok(Response::new(entry(found)))
+    }
+
+    async fn remove(
+        &self,
+        req: Request<proto::RemoveRequest>,
+    ) -> Result<Response<proto::Done>, Status> {
+        let id = req.get_ref().id.clone();
+        let (_, sb) = self.open(&req, &id).await?;
+        let r = req.into_inner();
+        if !r.path.starts_with('/') {
+            return Err(ServiceError::invalid("path", "give an absolute path").into());
+        }
+        let flag = if r.recursive { "-rf" } else { "-f" };
+        // `rm -f` succeeds on a missing file; a remove of nothing is an error here.
+        let argv = vec!["/bin/sh".into(), "-c".into(),
+            "test -e \"$1\" -o -L \"$1\" || { echo \"$1: No such file or directory\" >&2; exit 1; }; exec rm \"$2\" -- \"$1\"".into(),
+            "rm".into(), r.path.clone(), flag.into()];
+        self.tool(sb, argv, format!("removing {}", r.path)).await?;
+        Ok(Response::new(proto::Done {}))
+    }
+
+    async fn make_dir(
+        &self,
+        req: Request<proto::MakeDirRequest>,
+    ) -> Result<Response<proto::Done>, Status> {
+        let id = req.get_ref().id.clone();
+        let (_, sb) = self.open(&req, &id).await?;
+        let r = req.into_inner();
+        if !r.path.starts_with('/') {
+            return Err(ServiceError::invalid("path", "give an absolute path").into());
+        }
+        let mut argv = vec!["mkdir".to_string()];
+        if r.parents {
+            argv.push("-p".into());
+        }
+        argv.extend(["--".to_string(), r.path.clone()]);
+        self.tool(sb, argv, format!("making {}", r.path)).await?;
+        Ok(Response::new(proto::Done {}))
+    }
+
+    async fn processes(
+        &self,
+        req: Request<proto::SandboxRef>,
+    ) -> Result<Response<proto::ProcessList>, Status> {
+        let id = req.get_ref().id.clone();
+        let (_, sb) = self.open(&req, &id).await?;
+        let ps = blocking(move || Ok(sb.processes())).await?;
+        Ok(Response::new(proto::ProcessList {
+            processes: ps
+                .into_iter()
+                .map(|p| proto::ProcessInfo {
+                    pid: p.pid,
+                    state: p.state,
+                    rss_bytes: p.rss_bytes,
+                    cmdline: p.cmdline,
+                })
+                .collect(),
+        }))
+    }
+
+    async fn pause(
+        &self,
+        req: Request<proto::SandboxRef>,
+    ) -> Result<Response<proto::SandboxInfo>, Status> {
+        let id = req.get_ref().id.clone();
+        let (meta, sb) = self.open(&req, &id).await?;
+        let node = self.0.clone();
+        let m = blocking(move || {
+            sb.pause()?;
+            node.set_paused(&meta.local, true)
+        })
+        .await?;
+        Ok(Response::new(info(&self.0, &m)))
+    }
+
+    async fn resume(
+        &self,
+        req: Request<proto::SandboxRef>,
+    ) -> Result<Response<proto::SandboxInfo>, Status> {
+        let id = req.get_ref().id.clone();
+        let (meta, sb) = self.open(&req, &id).await?;
+        let node = self.0.clone();
+        let m = blocking(move || {
+            sb.resume()?;
+            node.set_paused(&meta.local, false)
+        })
+        .await?;
+        Ok(Response::new(info(&self.0, &m)))
+    }
+
+    async fn snapshot(
+        &self,
+        req: Request<proto::SnapshotRequest>,
+    ) -> Result<Response<proto::SnapshotReply>, Status> {
+        let id = req.get_ref().id.clone();
+        let (_, sb) = self.open(&req, &id).await?;
+        let dir = req.into_inner().dir;
+        if !dir.starts_with('/') {
+            return Err(
+                ServiceError::invalid("dir", "give an absolute directory on the node").into(),
+            );
+        }
+        let s = blocking(move || Ok(sb.snapshot(std::path::Path::new(&dir))?)).await?;
+        Ok(Response::new(proto::SnapshotReply {
+            state_bytes: s.state_bytes,
+            disk_bytes: s.disk_bytes,
+            millis: s.millis,
+        }))
+    }
+
+    async fn extend(
+        &self,
+        req: Request<proto::ExtendRequest>,
+    ) -> Result<Response<proto::SandboxInfo>, Status> {
+        let id = req.get_ref().id.clone();
+        let (meta, mut sb) = self.open(&req, &id).await?;
+        let r = req.into_inner();
+        let idle = duration("idle_ttl", &r.idle_ttl)?;
+        let lifetime = duration("lifetime", &r.lifetime)?;
+        let node = self.0.clone();
+        let m = blocking(move || {
+            if let Some(t) = idle {
+                sb.set_idle_ttl(t)?;
+            }
+            node.set_times(
+                &meta.local,
+                lifetime.map(|l| Some(now_ms() + l.as_millis() as u64)),
+                idle.map(|t| t.as_millis() as u64),
+            )
+        })
+        .await?;
+        Ok(Response::new(info(&self.0, &m)))
+    }
+
+    async fn destroy(
+        &self,
+        req: Request<proto::SandboxRef>,
+    ) -> Result<Response<proto::Done>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let meta = self.0.meta_for(&who, &req.get_ref().id)?;
+        let node = self.0.clone();
+        blocking(move || node.end(&meta, strata_runtime::EndReason::Destroyed)).await?;
+        Ok(Response::new(proto::Done {}))
+    }
+
+    async fn audit(
+        &self,
+        req: Request<proto::SandboxRef>,
+    ) -> Result<Response<proto::AuditReply>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let id = req.into_inner().id;
+        let node = self.0.clone();
+        let jsonl = blocking(move || node.audit_of(&who, &id)).await?;
+        Ok(Response::new(proto::AuditReply { jsonl }))
+    }
+}
+
+fn entry(e: strata_runtime::FileEntry) -> proto::FileEntry {
+    proto::FileEntry {
+        is_dir: e.kind == "dir",
+        name: e.name,
+        size: e.size,
+        mode: e.mode,
+        kind: e.kind,
+    }
+}

@@ -1,0 +1,283 @@
+//! `strata serve` (the node service), `strata project ...` and `strata token ...`: wiring
+//! of `strata-service` to this host's settings, runtime and store.
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use strata_catalog::Backend;
+use strata_service::{Node, Project, Projects, ServiceConfig};
+use strata_store::Store;
+
+use crate::config::Settings;
+use crate::output::print_json;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Address of the gRPC API (default 127.0.0.1:7600; `listen` in strata.toml).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Address of the Prometheus `/metrics` endpoint (`metrics_listen`); default: none.
+    #[arg(long)]
+    metrics_listen: Option<String>,
+    /// The node's name, the first part of every sandbox ID (STRATA_NODE_NAME,
+    /// `node_name`); default: the host name.
+    #[arg(long)]
+    node_name: Option<String>,
+}
+
+/// The host name as a DNS label (what a node is called unless told).
+fn host_label() -> String {
+    let raw = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let mut label: String = raw
+        .trim()
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect();
+    label.truncate(40);
+    let label = label.trim_matches('-').to_string();
+    if label.is_empty() {
+        "node".into()
+    } else {
+        label
+    }
+}
+
+fn addr(what: &str, text: &str) -> Result<std::net::SocketAddr> {
+    text.parse().with_context(|| {
+        format!("{what} `{text}` is not an address: give IP:PORT, e.g. 127.0.0.1:7600")
+    })
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    tracing::info!("stopping; sandboxes stay for the next start");
+}
+
+pub async fn serve(store: Store, settings: &Settings, args: ServeArgs) -> Result<i32> {
+    let s = &settings.serve;
+    let listen = addr("--listen", args.listen.as_deref().unwrap_or(&s.listen))?;
+    let metrics = args
+        .metrics_listen
+        .as_deref()
+        .or(s.metrics_listen.as_deref())
+        .map(|m| addr("--metrics-listen", m))
+        .transpose()?;
+    let node_name = args
+        .node_name
+        .or_else(|| s.node_name.clone())
+        .unwrap_or_else(host_label);
+    let mut rcfg = crate::sandbox::runtime_config(settings)?;
+    rcfg.reap_at_open = false;
+    let rt = tokio::task::spawn_blocking(move || strata_runtime::Runtime::open(rcfg)).await??;
+    let mut cfg = ServiceConfig::new(listen, node_name);
+    cfg.metrics_listen = metrics;
+    cfg.output_cap = s.exec_output_cap as usize;
+    cfg.memory_overcommit = s.memory_overcommit;
+    cfg.cpu_overcommit = s.cpu_overcommit;
+    cfg.reap_every = s.reap_every;
+    cfg.default_lifetime = s.default_lifetime;
+    cfg.pool = settings.pool;
+    let node = Node::start(cfg, rt, store, settings.registrant.clone()).await?;
+    eprintln!(
+        "strata: node `{}` serving on {listen}{}",
+        node.config().node,
+        metrics
+            .map(|m| format!(", metrics on http://{m}/metrics"))
+            .unwrap_or_default()
+    );
+    strata_service::serve(node, shutdown_signal()).await?;
+    Ok(0)
+}
+
+#[derive(Subcommand)]
+pub enum ProjectCommand {
+    /// Make a project: who may use which backends and catalog namespaces, and how much.
+    Create {
+        name: String,
+        /// Live sandboxes at once.
+        #[arg(long)]
+        max_sandboxes: Option<u32>,
+        /// Memory budgets of its live sandboxes together (64G).
+        #[arg(long)]
+        max_memory: Option<String>,
+        /// CPU budgets of its live sandboxes together.
+        #[arg(long)]
+        max_cpus: Option<f64>,
+        /// Catalog namespaces it may register in, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        namespaces: Vec<String>,
+        /// Backends it may use, comma-separated (default: all).
+        #[arg(long, value_delimiter = ',')]
+        backends: Vec<Backend>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Every project.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+pub enum TokenCommand {
+    /// Make a token for a project; it is printed once, as the last line.
+    Create {
+        #[arg(long)]
+        project: String,
+    },
+    /// Revoke a token, given as the token or its ID (see `token ls`).
+    Revoke { token: String },
+    /// Tokens (their IDs; the tokens themselves are not kept).
+    Ls {
+        #[arg(long)]
+        project: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn since(ms: u64) -> String {
+    crate::output::human_time(ms / 1000)
+}
+
+pub async fn project(store: &Store, cmd: ProjectCommand) -> Result<i32> {
+    let projects = Projects::new(store);
+    match cmd {
+        ProjectCommand::Create {
+            name,
+            max_sandboxes,
+            max_memory,
+            max_cpus,
+            namespaces,
+            backends,
+            json,
+        } => {
+            for ns in &namespaces {
+                strata_catalog::entry::validate_id(&format!("{ns}/x"))
+                    .with_context(|| format!("--namespaces: `{ns}` is not a catalog namespace"))?;
+            }
+            if let Some(c) = max_cpus {
+                anyhow::ensure!(
+                    c > 0.0 && c.is_finite(),
+                    "--max-cpus must be a positive number"
+                );
+            }
+            let p = Project {
+                name,
+                max_sandboxes,
+                max_memory: max_memory
+                    .as_deref()
+                    .map(strata_catalog::parse_size)
+                    .transpose()
+                    .context("--max-memory")?,
+                max_cpus,
+                namespaces,
+                backends,
+                created_ms: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_millis() as u64)
+                    .unwrap_or(0),
+            };
+            projects.create(&p).await?;
+            if json {
+                print_json(&p)?;
+            } else {
+                println!("{}", p.name);
+            }
+        }
+        ProjectCommand::Ls { json } => {
+            let all = projects.list().await?;
+            if json {
+                print_json(&all)?;
+            } else {
+                println!(
+                    "{:<20} {:>9} {:>10} {:>6}  {:<24} BACKENDS",
+                    "PROJECT", "SANDBOXES", "MEMORY", "CPUS", "NAMESPACES"
+                );
+                for p in all {
+                    let or_any = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+                    println!(
+                        "{:<20} {:>9} {:>10} {:>6}  {:<24} {}",
+                        p.name,
+                        or_any(p.max_sandboxes.map(|n| n.to_string())),
+                        or_any(p.max_memory.map(crate::output::human_bytes)),
+                        or_any(p.max_cpus.map(|c| c.to_string())),
+                        if p.namespaces.is_empty() {
+                            "-".into()
+                        } else {
+                            p.namespaces.join(",")
+                        },
+                        if p.backends.is_empty() {
+                            "all".into()
+                        } else {
+                            p.backends
+                                .iter()
+                                .map(|b| b.as_str())
+                                .collect::<Vec<_>>()
+                                .join(",")
+                        }
+                    );
+                }
+            }
+        }
+    }
+    Ok(0)
+}
+
+pub async fn token(store: &Store, cmd: TokenCommand) -> Result<i32> {
+    let projects = Projects::new(store);
+    match cmd {
+        TokenCommand::Create { project } => {
+            let (token, rec) = projects.create_token(&project).await?;
+            eprintln!(
+                "token {} for project {} (shown once: keep it)",
+                rec.id, rec.project
+            );
+            println!("{token}");
+        }
+        TokenCommand::Revoke { token } => {
+            let rec = projects.revoke(&token).await?;
+            println!("{}", rec.id);
+            eprintln!(
+                "revoked; nodes refuse it within {}",
+                humantime::format_duration(strata_service::projects::AUTH_CACHE)
+            );
+        }
+        TokenCommand::Ls { project, json } => {
+            let all = projects.tokens(project.as_deref()).await?;
+            if json {
+                print_json(&all)?;
+            } else {
+                println!(
+                    "{:<14} {:<20} {:<22} STATE",
+                    "TOKEN ID", "PROJECT", "CREATED"
+                );
+                for t in all {
+                    println!(
+                        "{:<14} {:<20} {:<22} {}",
+                        t.id,
+                        t.project,
+                        since(t.created_ms),
+                        match t.revoked_ms {
+                            Some(r) => format!("revoked {}", since(r)),
+                            None => "live".into(),
+                        }
+                    );
+                }
+            }
+        }
+    }
+    Ok(0)
+}
