@@ -193,7 +193,7 @@ impl ContainerBackend {
     ) -> Result<(), RuntimeError> {
         let tmp = self
             .state_root
-            .join(format!("{what}-{}.log", std::process::id()));
+            .join(format!("{what}-{}.log", crate::unique_suffix()));
         let log = log.unwrap_or(&tmp);
         let file = std::fs::File::create(log).map_err(RuntimeError::io(log))?;
         let status = self

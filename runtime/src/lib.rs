@@ -282,6 +282,14 @@ struct Inner {
     opened_with: std::sync::Mutex<ReapReport>,
 }
 
+/// A suffix for a temporary file no other process or thread uses at once (the PID and a
+/// counter: a node service creates many sandboxes at once in one process).
+pub(crate) fn unique_suffix() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{}-{n}", std::process::id())
+}
+
 /// The runtime on this host. Cheap to clone; any number of processes may open it at once.
 #[derive(Clone)]
 pub struct Runtime {

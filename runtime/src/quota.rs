@@ -194,7 +194,9 @@ impl Uppers {
                 }
             }
         }
-        let partial = self.images.join(format!("{prefix}{}", std::process::id()));
+        let partial = self
+            .images
+            .join(format!("{prefix}{}", crate::unique_suffix()));
         let f = std::fs::File::create(&partial).map_err(RuntimeError::io(&partial))?;
         f.set_len(bytes).map_err(RuntimeError::io(&partial))?;
         drop(f);

@@ -225,7 +225,7 @@ fn whiteout_dirs(facts: &Path, id: &str, root: &Path) -> Result<Vec<PathBuf>, Ru
         bytes.extend_from_slice(d.as_os_str().as_bytes());
         bytes.push(0);
     }
-    let tmp = facts.join(format!("{id}.whiteout-dirs.{}", std::process::id()));
+    let tmp = facts.join(format!("{id}.whiteout-dirs.{}", crate::unique_suffix()));
     std::fs::write(&tmp, &bytes).map_err(RuntimeError::io(&tmp))?;
     std::fs::rename(&tmp, &cached).map_err(RuntimeError::io(&cached))?;
     Ok(dirs.into_iter().collect())

@@ -72,6 +72,9 @@ pub struct Node {
     size: NodeSize,
     pub(crate) metrics: Metrics,
     registrant: String,
+    /// A pool top-up is running: creates finishing meanwhile leave it to that one (each
+    /// filling to the target at once would overshoot it).
+    topping_up: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -106,6 +109,7 @@ impl Node {
             sandboxes: Mutex::new(HashMap::new()),
             size,
             registrant,
+            topping_up: Default::default(),
         });
         let n = node.clone();
         tokio::task::spawn_blocking(move || n.recover())
@@ -378,6 +382,15 @@ impl Node {
     }
 
     fn top_up(&self, backend: Backend, disk: u64) {
+        use std::sync::atomic::Ordering;
+        if self.topping_up.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.fill_pools(backend, disk);
+        self.topping_up.store(false, Ordering::Release);
+    }
+
+    fn fill_pools(&self, backend: Backend, disk: u64) {
         if matches!(backend, Backend::Fncall | Backend::Container) {
             if let Err(e) = self.rt.fill_uppers(disk, self.cfg.pool) {
                 tracing::warn!("filling the upper pool: {e}");

@@ -6,6 +6,7 @@ pub mod fixtures;
 pub mod home;
 pub mod proxy;
 pub mod s3;
+pub mod service;
 pub mod treecmp;
 
 use std::path::{Path, PathBuf};

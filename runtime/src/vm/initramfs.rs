@@ -160,7 +160,7 @@ pub fn build(
 /// snapshot. `None` when binutils' `strip` is not there.
 fn stripped(agent: &Path, cache: &Path) -> Option<Vec<u8>> {
     std::fs::create_dir_all(cache).ok()?;
-    let out = cache.join(format!("agent.{}.stripped", std::process::id()));
+    let out = cache.join(format!("agent.{}.stripped", crate::unique_suffix()));
     let ok = std::process::Command::new("strip")
         .arg("--strip-all")
         .arg("-o")

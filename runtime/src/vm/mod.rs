@@ -331,7 +331,9 @@ impl VmBackend {
         let path = self.dir.join("empty.img");
         if !path.exists() {
             std::fs::create_dir_all(&self.dir).map_err(RuntimeError::io(&self.dir))?;
-            let tmp = self.dir.join(format!("empty.img.{}", std::process::id()));
+            let tmp = self
+                .dir
+                .join(format!("empty.img.{}", crate::unique_suffix()));
             std::fs::File::create(&tmp)
                 .and_then(|f| f.set_len(1 << 20))
                 .map_err(RuntimeError::io(&tmp))?;
@@ -506,7 +508,7 @@ impl VmBackend {
             }
         }
         let t = Instant::now();
-        let work = root.join(format!("{key}.{}", std::process::id()));
+        let work = root.join(format!("{key}.{}", crate::unique_suffix()));
         let _ = std::fs::remove_dir_all(&work);
         std::fs::create_dir_all(&work).map_err(RuntimeError::io(&work))?;
         let made = self.make_template(shape, &work, &state);

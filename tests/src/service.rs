@@ -1,0 +1,241 @@
+//! A `strata serve` of a test home on free loopback ports (killed with its home's test
+//! process), and the Python SDK installed from this checkout in a virtual environment
+//! under the scratch root, for tests that drive the service as its users do.
+
+use std::io::Read;
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use crate::home::CliHome;
+use crate::{scratch_root, strata_bin};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// A running node service of one home.
+pub struct Service {
+    pub home: PathBuf,
+    pub store: PathBuf,
+    pub addr: String,
+    pub metrics: String,
+    pub log: PathBuf,
+    child: Option<Child>,
+}
+
+impl Service {
+    /// Starts `strata serve` for `home`, with `settings` (strata.toml lines) added to its
+    /// own: free ports, the reaper every second.
+    pub fn start(home: &CliHome, settings: &str) -> Service {
+        let addr = format!("127.0.0.1:{}", free_port());
+        let metrics = format!("127.0.0.1:{}", free_port());
+        std::fs::write(
+            home.home.join("strata.toml"),
+            format!("listen = \"{addr}\"\nmetrics_listen = \"{metrics}\"\nreap_every = \"1s\"\n{settings}"),
+        )
+        .expect("writing the service's strata.toml");
+        let mut s = Service {
+            home: home.home.clone(),
+            store: home.store.clone(),
+            log: home.home.join("serve.log"),
+            addr,
+            metrics,
+            child: None,
+        };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("service log");
+        let child = Command::new(strata_bin())
+            .args(["serve", "--node-name", "test"])
+            .env("STRATA_HOME", &self.home)
+            .env("STRATA_STORE", &self.store)
+            .env("STRATA_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("starting strata serve");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while TcpStream::connect(&self.addr).is_err() {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    panic!("strata serve exited ({status}): {}", self.log_text());
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "strata serve did not listen in 2 minutes: {}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The service's peak resident memory so far (VmHWM), bytes.
+    pub fn peak_rss(&self) -> u64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kb| kb << 10)
+            .unwrap_or(0)
+    }
+
+    /// SIGKILL, as a crash or an OOM kill would.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same ports.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// `GET /metrics`.
+    pub fn scrape(&self) -> String {
+        use std::io::Write;
+        let mut s = TcpStream::connect(&self.metrics).expect("metrics listener");
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").expect("metrics request");
+        let mut text = String::new();
+        s.read_to_string(&mut text).expect("metrics reply");
+        text
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: signalling a child this struct started and has not reaped.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The Python of a virtual environment holding this checkout's SDK (`sdk/python`, with
+/// its dependencies from PyPI), made once per test process.
+pub fn python_sdk() -> PathBuf {
+    static PY: OnceLock<PathBuf> = OnceLock::new();
+    PY.get_or_init(|| {
+        let venv = scratch_root().join("sdk-venv");
+        let lock = std::fs::File::create(scratch_root().join("sdk-venv.lock")).expect("venv lock");
+        strata_host::fs::flock(&lock, strata_host::fs::Lock::Exclusive, true)
+            .expect("locking the venv");
+        let py = venv.join("bin/python");
+        if !py.exists() {
+            let o = Command::new("python3")
+                .args(["-m", "venv"])
+                .arg(&venv)
+                .output()
+                .expect("python3 -m venv");
+            assert!(
+                o.status.success(),
+                "python3 -m venv: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        let sdk = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sdk/python");
+        let o = Command::new(&py)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .arg(&sdk)
+            .output()
+            .expect("pip install sdk/python");
+        assert!(
+            o.status.success(),
+            "pip install sdk/python: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        // Reinstalled from the checkout every time: the SDK under test is this one.
+        let o = Command::new(&py)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--force-reinstall",
+            ])
+            .arg(&sdk)
+            .output()
+            .expect("pip install sdk/python");
+        assert!(
+            o.status.success(),
+            "pip reinstall: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        py
+    })
+    .clone()
+}
+
+/// Runs a Python `script` against `service` with `token` (STRATA_SERVER, STRATA_TOKEN).
+pub fn python(service: &Service, token: &str, script: &str) -> Output {
+    Command::new(python_sdk())
+        .args(["-c", script])
+        .env("STRATA_SERVER", service.url())
+        .env("STRATA_TOKEN", token)
+        .env("PYTHONUNBUFFERED", "1")
+        .output()
+        .expect("running python")
+}
+
+/// [`python`], asserting it succeeds; its stdout.
+pub fn python_ok(service: &Service, token: &str, script: &str) -> String {
+    let o = python(service, token, script);
+    assert!(
+        o.status.success(),
+        "python failed:\n{}\n{}\nservice log:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        service.log_text()
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}

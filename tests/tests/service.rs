@@ -1,0 +1,418 @@
+//! The node service end to end, driven as its users drive it: `strata serve` on a test
+//! home, projects and tokens made with the CLI, the Python SDK (`sdk/python`, installed
+//! from this checkout) as the client. Each test runs its own service on its own home; the
+//! homes share one store, where the sample environment is registered once.
+
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use strata_tests::home::{can_run_sandboxes, CliHome, SampleEnv};
+use strata_tests::service::{python, python_ok, Service};
+
+static ENV: OnceLock<Option<SampleEnv>> = OnceLock::new();
+
+fn env(test: &str) -> Option<&'static SampleEnv> {
+    if !can_run_sandboxes(test) {
+        return None;
+    }
+    ENV.get_or_init(|| Some(SampleEnv::new("service-")))
+        .as_ref()
+}
+
+/// A fresh home on the shared store, with projects made by the CLI; returns the home and
+/// a token per project.
+fn home_with_projects(
+    env: &SampleEnv,
+    prefix: &str,
+    projects: &[(&str, &[&str])],
+) -> (CliHome, Vec<String>) {
+    let home = env.cli.sharing_store(prefix);
+    let mut tokens = Vec::new();
+    for (name, flags) in projects {
+        // Project names are unique in the store the tests share.
+        let mut args = vec!["project", "create", name];
+        args.extend_from_slice(flags);
+        home.ok(&args);
+        let out = home.ok(&["token", "create", "--project", name]);
+        let token = out.lines().last().unwrap_or_default().trim().to_string();
+        assert!(token.starts_with("strata_"), "token create printed {out}");
+        tokens.push(token);
+    }
+    (home, tokens)
+}
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}{}", std::process::id())
+}
+
+#[test]
+fn projects_see_only_their_own_and_quotas_capacity_and_idle_ttl_are_enforced() {
+    // Threat model: "clients with a token" (SECURITY.md): a token reaches only its project.
+    let Some(env) = env("service_projects") else {
+        return;
+    };
+    let (alpha, beta, gamma) = (unique("alpha"), unique("beta"), unique("gamma"));
+    let (home, tokens) = home_with_projects(
+        env,
+        "service-projects-",
+        &[
+            (&alpha, &["--max-sandboxes", "2", "--namespaces", &alpha]),
+            (
+                &beta,
+                &["--namespaces", &beta, "--backends", "container,fncall"],
+            ),
+            (&gamma, &[]),
+        ],
+    );
+    let svc = Service::start(&home, "");
+    let sample = &env.reference;
+
+    // Alpha makes a sandbox with a file in it.
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        sb = await c.create("{sample}", backend="container", memory="256M", labels={{"job": "a"}})
+        await sb.files.write("/work/secret.txt", b"alpha only")
+        r = await sb.exec(["cat", "/work/secret.txt"])
+        assert r.exit_code == 0 and r.stdout == "alpha only", r
+        print(sb.id)
+asyncio.run(main())
+"#
+        ),
+    );
+    let alpha_id = out.trim().to_string();
+    assert!(alpha_id.starts_with("test-"), "{alpha_id}");
+
+    // Beta can neither see, read, exec in, audit nor destroy it, and registers only in
+    // its own namespace; a missing or unknown token is refused.
+    python_ok(
+        &svc,
+        &tokens[1],
+        &format!(
+            r#"
+import asyncio, json, strata
+ID = "{alpha_id}"
+async def refused(what, coro, cls):
+    try:
+        await coro
+    except cls as e:
+        return e
+    raise AssertionError(f"{{what}} was not refused with {{cls.__name__}}")
+async def main():
+    async with strata.AsyncClient() as c:
+        assert await c.list() == []
+        sb = strata.AsyncSandbox(c, strata.v1.sandboxes_pb2.SandboxInfo(id=ID))
+        await refused("get", c.get(ID), strata.NotFound)
+        await refused("exec", sb.exec("true"), strata.NotFound)
+        await refused("read", sb.files.read("/work/secret.txt"), strata.NotFound)
+        await refused("audit", sb.audit(), strata.NotFound)
+        await refused("destroy", c._call(c._sandboxes.Destroy, strata.v1.sandboxes_pb2.SandboxRef(id=ID)), strata.NotFound)
+        entry = json.loads((await c.resolve("{sample}")).json)
+        toml = lambda ns: "\n".join([
+            f'id = "{{ns}}/mine"', f'base = "{{entry["base"]}}"',
+            f'toolkits = {{json.dumps(entry["toolkits"])}}', f'workspace = "{{entry["workspace"]}}"',
+        ])
+        e = await refused("register elsewhere", c.register(toml("{alpha}")), strata.PermissionDenied)
+        assert "{alpha}" in str(e), e
+        ref = await c.register(toml("{beta}"))
+        assert ref.startswith("{beta}/mine@"), ref
+        e = await refused("a vm", c.create("{sample}", backend="vm"), strata.PermissionDenied)
+        assert "vm" in str(e), e
+    for token in ["", "strata_" + "0" * 64, "not-a-token"]:
+        async with strata.AsyncClient(token=token) as c:
+            await refused(f"token {{token!r}}", c.list(), strata.Unauthenticated)
+asyncio.run(main())
+"#
+        ),
+    );
+
+    // A revoked token is refused (within the auth cache's 2 s).
+    home.ok(&["token", "revoke", &tokens[2]]);
+    std::thread::sleep(Duration::from_millis(2500));
+    let o = python(
+        &svc,
+        &tokens[2],
+        "import asyncio, strata\nasync def m():\n    async with strata.AsyncClient() as c:\n        await c.list()\nasyncio.run(m())",
+    );
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("Unauthenticated"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    // Alpha at its quota of 2 is refused at once, retryably, while what it has keeps
+    // working; a create bigger than the node is refused before anything is made; an idle
+    // TTL of 2 s ends a sandbox within the reaper's period, recorded as such.
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, json, time, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        first = await c.get("{alpha_id}")
+        second = await c.create("{sample}", backend="fncall", memory="256M")
+        t = time.monotonic()
+        try:
+            await c.create("{sample}", backend="fncall", memory="256M")
+            raise AssertionError("a third sandbox was admitted")
+        except strata.QuotaExceeded as e:
+            took = time.monotonic() - t
+            assert e.reason == "quota-sandboxes" and e.retry_after > 0, (e.reason, e.retry_after)
+            assert took < 2, took
+        r = await first.exec("cat /work/secret.txt")
+        assert r.stdout == "alpha only"
+        await second.destroy()
+        before = len(await c.list())
+        try:
+            await c.create("{sample}", backend="container", memory="100G")
+            raise AssertionError("100G was admitted")
+        except strata.QuotaExceeded as e:
+            assert e.reason == "node-memory", e.reason
+            assert "100G" not in str(e) and "MiB" in str(e), str(e)
+        assert len(await c.list()) == before
+        short = await c.create("{sample}", backend="fncall", memory="128M", idle_ttl="2s")
+        t = time.monotonic()
+        # Listing does not count as a call on it (a get would restart its idle time).
+        while time.monotonic() - t < 15:
+            if short.id not in [s.id for s in await c.list()]:
+                break
+            await asyncio.sleep(0.25)
+        gone_after = time.monotonic() - t
+        assert gone_after < 2 + 1 + 2, gone_after
+        events = [json.loads(l) for l in (await short.audit()).splitlines()]
+        assert events[-1]["event"] == "ended" and events[-1]["reason"] == "idle-ttl", events[-1]
+        created = [e for e in events if e["event"] == "created"][0]
+        assert created["identity"].startswith("project:{alpha} token:"), created
+        await first.destroy()
+        print(json.dumps([second.id, short.id, first.id]))
+asyncio.run(main())
+"#
+        ),
+    );
+    let ids: Vec<String> = serde_json::from_str(out.trim()).expect("ids");
+    for id in ids {
+        home.assert_sandbox_gone(id.trim_start_matches("test-"), &[]);
+    }
+    let metrics = svc.scrape();
+    assert!(
+        metrics.contains("strata_admissions_refused_total{reason=\"quota-sandboxes\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("strata_admissions_refused_total{reason=\"node-memory\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn endless_output_is_capped_in_a_unary_exec_and_flows_in_a_streaming_one() {
+    let Some(env) = env("service_endless_output") else {
+        return;
+    };
+    let p = unique("flood");
+    let (home, tokens) = home_with_projects(env, "service-flood-", &[(&p, &[])]);
+    let svc = Service::start(&home, "exec_output_cap = \"4M\"\n");
+    let before = svc.peak_rss();
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, json, time, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        async with await c.create("{sample}", backend="container") as sb:
+            r = await sb.exec("timeout 20 yes", timeout="60s")
+            assert r.truncated, r.truncated
+            assert len(r.stdout_raw) == 4 << 20, len(r.stdout_raw)
+            assert r.stdout_bytes > 100 << 20, r.stdout_bytes
+            # Streaming: output arrives as it is printed, all of it, in many events.
+            t0 = time.monotonic()
+            seen, first, last, events = 0, None, None, 0
+            async for ev in sb.exec_stream(["sh", "-c", "for i in $(seq 1 25); do echo tick $i; sleep 0.2; done; timeout 3 yes | head -c 50000000"]):
+                if ev.data:
+                    now = time.monotonic() - t0
+                    first = now if first is None else first
+                    last, seen, events = now, seen + len(ev.data), events + 1
+                if ev.exit_code is not None:
+                    code = ev.exit_code
+            assert code == 0, code
+            assert first < 1.5 and last - first > 4, (first, last)
+            assert seen == 50000000 + sum(len(f"tick {{i}}\n") for i in range(1, 26)), seen
+            print(json.dumps({{"unary_bytes": r.stdout_bytes, "events": events}}))
+asyncio.run(main())
+"#,
+            sample = env.reference
+        ),
+    );
+    let peak = svc.peak_rss();
+    // The service kept 4 MiB of a stream that printed gigabytes: its peak grew by far
+    // less than what the command printed (bound: 128 MiB over its start).
+    assert!(
+        peak < before + (128 << 20),
+        "service peak RSS {} MiB (was {} MiB at start): {out}",
+        peak >> 20,
+        before >> 20
+    );
+}
+
+#[test]
+fn a_killed_service_takes_its_sandboxes_back_and_clients_see_unavailable_meanwhile() {
+    let Some(env) = env("service_restart") else {
+        return;
+    };
+    let p = unique("restart");
+    let (home, tokens) = home_with_projects(env, "service-restart-", &[(&p, &[])]);
+    let mut svc = Service::start(&home, "");
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, json, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        ids = []
+        for backend in ["container", "fncall", "container"]:
+            sb = await c.create("{sample}", backend=backend)
+            await sb.files.write("/work/kept.txt", b"kept")
+            r = await sb.exec("nohup sh -c 'while true; do echo t >> /tmp/ticks; sleep 0.2; done' >/dev/null 2>&1 &")
+            assert r.exit_code == 0
+            ids.append(sb.id)
+        print(json.dumps(ids))
+asyncio.run(main())
+"#,
+            sample = env.reference
+        ),
+    );
+    let ids: Vec<String> = serde_json::from_str(out.trim()).expect("ids");
+    svc.kill();
+    // The third sandbox dies while no service watches it.
+    let local = ids[2].trim_start_matches("test-");
+    let record: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(
+            home.runtime_dir()
+                .join("sandboxes")
+                .join(local)
+                .join("sandbox.json"),
+        )
+        .expect("the third sandbox's record"),
+    )
+    .expect("record");
+    let init = record["init_pid"].as_i64().expect("init pid") as i32;
+    // SAFETY: killing the init of a sandbox this test made.
+    unsafe { libc::kill(init, libc::SIGKILL) };
+    // Meanwhile a client's call fails as Unavailable, and succeeds once it is back.
+    let o = python(
+        &svc,
+        &tokens[0],
+        "import asyncio, strata\nasync def m():\n    async with strata.AsyncClient(timeout=5) as c:\n        try:\n            await c.list()\n        except strata.Unavailable:\n            print('unavailable')\nasyncio.run(m())",
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&o.stdout).trim(),
+        "unavailable",
+        "{o:?}"
+    );
+    svc.restart();
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, json, strata
+IDS = {ids:?}
+async def main():
+    async with strata.AsyncClient() as c:
+        for i in IDS[:2]:
+            sb = await c.get(i)
+            r = await sb.exec("cat /work/kept.txt; echo; a=$(wc -l < /tmp/ticks); sleep 1; b=$(wc -l < /tmp/ticks); echo $a $b")
+            kept, ticks = r.stdout.splitlines()
+            a, b = map(int, ticks.split())
+            assert kept == "kept" and b > a, r.stdout
+            await sb.destroy()
+        try:
+            await c.get(IDS[2])
+            raise AssertionError("a dead sandbox came back")
+        except strata.NotFound:
+            pass
+        events = [json.loads(l) for l in (await strata.AsyncSandbox(c, strata.v1.sandboxes_pb2.SandboxInfo(id=IDS[2])).audit()).splitlines()]
+        print(events[-1]["reason"])
+asyncio.run(main())
+"#
+        ),
+    );
+    assert_eq!(out.trim(), "node-restart");
+    for id in &ids {
+        home.assert_sandbox_gone(id.trim_start_matches("test-"), &[init as u32]);
+    }
+}
+
+#[test]
+fn sixty_four_concurrent_sandboxes_from_python_run_the_suite_and_leave_nothing() {
+    let Some(env) = env("service_sixty_four") else {
+        return;
+    };
+    let p = unique("burst");
+    let (home, tokens) = home_with_projects(env, "service-burst-", &[(&p, &[])]);
+    // 64 sandboxes of half a CPU on two cores: CPU is overcommitted on purpose here.
+    let svc = Service::start(&home, "cpu_overcommit = 32.0\n");
+    let started = Instant::now();
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, json, strata
+async def one(c, i):
+    backend = "container" if i % 2 else "fncall"
+    async with await c.create("{sample}", backend=backend, memory="256M", cpus=0.5, labels={{"burst": str(i)}}) as sb:
+        r = await sb.exec("python3 -m pytest -q -p no:cacheprovider tests", timeout="600s")
+        assert r.exit_code == 0 and "4 passed" in r.stdout, (backend, r.exit_code, r.stdout, r.stderr)
+        return sb.id
+async def main():
+    async with strata.AsyncClient() as c:
+        ids = await asyncio.gather(*(one(c, i) for i in range(64)))
+        assert await c.list() == []
+        print(json.dumps(ids))
+asyncio.run(main())
+"#,
+            sample = env.reference
+        ),
+    );
+    let ids: Vec<String> = serde_json::from_str(out.trim()).expect("ids");
+    assert_eq!(ids.len(), 64);
+    for id in &ids {
+        home.assert_sandbox_gone(id.trim_start_matches("test-"), &[]);
+    }
+    // Nothing of any sandbox is left: no sandbox directories, uppers or service records;
+    // only the pool of ready uppers the service keeps (`pool`, 2 by default).
+    let rt = home.runtime_dir();
+    for dir in ["sandboxes", "uppers", "service/sandboxes"] {
+        let left: Vec<String> = std::fs::read_dir(rt.join(dir))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let (pooled, left): (Vec<String>, Vec<String>) =
+            left.into_iter().partition(|n| n.starts_with("pool-"));
+        assert!(left.is_empty(), "{dir} left: {left:?}");
+        assert!(
+            pooled.len() <= 2,
+            "{dir}: the pool overshot its target of 2: {pooled:?}"
+        );
+    }
+    eprintln!(
+        "64 sandboxes through the service in {:?}",
+        started.elapsed()
+    );
+}
