@@ -13,7 +13,7 @@ PKGS=(
   python3 python3-venv
   mmdebstrap docker-registry skopeo
   crun runc catatonit e2fsprogs util-linux python3-pip nftables iproute2 podman
-  qemu-system-x86
+  qemu-system-x86 prometheus
 )
 
 missing=()

@@ -239,3 +239,103 @@ pub fn python_ok(service: &Service, token: &str, script: &str) -> String {
     );
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
+
+/// A real Prometheus (Debian's `prometheus`) scraping one target every second, with its
+/// data in a temporary directory; stopped on drop.
+pub struct Prometheus {
+    child: Child,
+    pub addr: String,
+    _dir: tempfile::TempDir,
+}
+
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    use std::io::Write;
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    text.split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+}
+
+impl Prometheus {
+    pub fn start(target: &str) -> Prometheus {
+        let dir = tempfile::tempdir_in(scratch_root()).expect("prometheus dir");
+        let config = dir.path().join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: strata\n    static_configs:\n      - targets: ['{target}']\n"
+            ),
+        )
+        .expect("prometheus.yml");
+        let addr = format!("127.0.0.1:{}", free_port());
+        let log = std::fs::File::create(dir.path().join("prometheus.log")).expect("log");
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address={addr}"))
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("starting prometheus (apt-get install prometheus; scripts/setup.sh does)");
+        let p = Prometheus {
+            child,
+            addr,
+            _dir: dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while http_get(&p.addr, "/-/ready").is_none_or(|b| !b.contains("Ready")) {
+            assert!(Instant::now() < deadline, "prometheus did not become ready");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        p
+    }
+
+    /// The value of an instant query that has exactly one series, once it has one.
+    pub fn query(&self, promql: &str) -> Option<f64> {
+        let mut q = String::new();
+        for b in promql.bytes() {
+            if b.is_ascii_alphanumeric() || b"_-.".contains(&b) {
+                q.push(b as char);
+            } else {
+                q.push_str(&format!("%{b:02X}"));
+            }
+        }
+        let body = http_get(&self.addr, &format!("/api/v1/query?query={q}"))?;
+        let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+        let result = v["data"]["result"].as_array()?;
+        match result.as_slice() {
+            [one] => one["value"][1].as_str()?.parse().ok(),
+            _ => None,
+        }
+    }
+
+    /// Waits (up to a minute) until `promql` reads `want`.
+    pub fn wait_for(&self, promql: &str, want: f64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let got = self.query(promql);
+            if got == Some(want) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "prometheus: {promql} = {got:?}, want {want}"
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use strata_tests::home::{can_run_sandboxes, CliHome, SampleEnv};
-use strata_tests::service::{python, python_ok, Service};
+use strata_tests::service::{python, python_ok, Prometheus, Service};
 
 static ENV: OnceLock<Option<SampleEnv>> = OnceLock::new();
 
@@ -415,4 +415,67 @@ asyncio.run(main())
         "64 sandboxes through the service in {:?}",
         started.elapsed()
     );
+}
+
+#[test]
+fn a_real_prometheus_scrapes_the_node_metrics() {
+    let Some(env) = env("service_metrics") else {
+        return;
+    };
+    if !strata_tests::have_tool("service_metrics", "prometheus") {
+        return;
+    }
+    let p = unique("metrics");
+    let (home, tokens) =
+        home_with_projects(env, "service-metrics-", &[(&p, &["--max-sandboxes", "1"])]);
+    let svc = Service::start(&home, "");
+    let prom = Prometheus::start(&svc.metrics);
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        sb = await c.create("{sample}", backend="container")
+        r = await sb.exec("cat /work/src/wordfreq/*.py > /dev/null; echo ok")
+        assert r.stdout == "ok\n", r
+        try:
+            await c.create("{sample}", backend="container")
+        except strata.QuotaExceeded:
+            pass
+        print(sb.id)
+asyncio.run(main())
+"#,
+            sample = env.reference
+        ),
+    );
+    prom.wait_for(
+        "strata_sandboxes{backend=\"container\",state=\"running\"}",
+        1.0,
+    );
+    prom.wait_for(
+        "strata_admissions_refused_total{reason=\"quota-sandboxes\"}",
+        1.0,
+    );
+    prom.wait_for(
+        "strata_sandbox_create_seconds_count{backend=\"container\"}",
+        1.0,
+    );
+    prom.wait_for("strata_exec_seconds_count{backend=\"container\"}", 1.0);
+    let requested = prom
+        .query("strata_lazyfs_requested_bytes")
+        .expect("lazyfs bytes scraped");
+    assert!(requested > 0.0, "lazyfs requested bytes {requested}");
+    python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            "import strata\nwith strata.Client() as c:\n    c.get('{}').destroy()",
+            out.trim()
+        ),
+    );
+    prom.wait_for("strata_sandboxes_ended_total{reason=\"destroyed\"}", 1.0);
+    prom.wait_for("count(strata_sandboxes) or vector(0)", 0.0);
 }
