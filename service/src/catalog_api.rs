@@ -29,8 +29,7 @@ fn fail(node: &Node, e: impl Into<ServiceError>) -> Status {
 fn entry_reply(reg: &strata_catalog::Registered) -> Result<proto::CatalogEntry, ServiceError> {
     Ok(proto::CatalogEntry {
         reference: reg.reference(),
-        json: serde_json::to_string(&reg.entry)
-            .map_err(|e| ServiceError::Internal(e.to_string()))?,
+        json: serde_json::to_string(reg).map_err(|e| ServiceError::Internal(e.to_string()))?,
         layers: reg.entry.layers().into_iter().map(String::from).collect(),
         backend: reg.entry.backend.as_str().to_string(),
         registered_ms: reg.registered_at.saturating_mul(1000),

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use strata_catalog::{Action, Catalog, Entry};
+use strata_catalog::{Action, Catalog, Entry, LogRecord, Registered};
 use strata_store::Store;
 
 use crate::output::print_json;
@@ -59,42 +59,7 @@ pub async fn run(store: &Store, registrant: &str, cmd: CatalogCommand) -> Result
             }
         }
         CatalogCommand::Show { id, json } => {
-            let r = catalog.get(&id).await?;
-            if json {
-                print_json(&*r)?;
-            } else {
-                let e = &r.entry;
-                println!("id          {}", r.reference());
-                println!(
-                    "registered  {} by {}",
-                    crate::output::human_time(r.registered_at),
-                    r.registered_by
-                );
-                println!("backend     {:?}", e.backend);
-                println!("base        {}", e.base);
-                if let Some(image) = &e.disk_image {
-                    match image.partition {
-                        Some(n) => println!("disk image  {} (partition {n})", image.path),
-                        None => println!("disk image  {}", image.path),
-                    }
-                }
-                for t in &e.toolkits {
-                    println!("toolkit     {t}");
-                }
-                if let Some(w) = &e.workspace {
-                    println!("workspace   {w}");
-                }
-                if let Some(w) = &e.workdir {
-                    println!("workdir     {w}");
-                }
-                println!("budgets     {}", serde_json::to_string(&e.budgets)?);
-                for (k, v) in &e.env {
-                    println!("env         {k}={v}");
-                }
-                for (k, v) in &e.commands {
-                    println!("command     {k}: {v}");
-                }
-            }
+            print_entry(&*catalog.get(&id).await?, json)?;
         }
         CatalogCommand::Ls { prefix } => {
             for id in catalog.list(&prefix).await? {
@@ -102,25 +67,7 @@ pub async fn run(store: &Store, registrant: &str, cmd: CatalogCommand) -> Result
             }
         }
         CatalogCommand::History { id, json } => {
-            let h = catalog.history(&id).await?;
-            if json {
-                print_json(&h)?;
-            } else {
-                for r in h {
-                    let action = match r.action {
-                        Action::Register => "register",
-                        Action::Remove => "remove",
-                    };
-                    println!(
-                        "{:>6}  {:<8}  {:<12} {}  {}",
-                        r.seq,
-                        action,
-                        r.version,
-                        crate::output::human_time(r.at),
-                        r.by
-                    );
-                }
-            }
+            print_history(&catalog.history(&id).await?, json)?;
         }
         CatalogCommand::Rm { ids } => {
             for id in ids {
@@ -131,4 +78,65 @@ pub async fn run(store: &Store, registrant: &str, cmd: CatalogCommand) -> Result
         }
     }
     Ok(0)
+}
+
+/// `catalog show`'s output (embedded or through a node service).
+pub fn print_entry(r: &Registered, json: bool) -> Result<()> {
+    if json {
+        return print_json(r);
+    }
+    let e = &r.entry;
+    println!("id          {}", r.reference());
+    println!(
+        "registered  {} by {}",
+        crate::output::human_time(r.registered_at),
+        r.registered_by
+    );
+    println!("backend     {:?}", e.backend);
+    println!("base        {}", e.base);
+    if let Some(image) = &e.disk_image {
+        match image.partition {
+            Some(n) => println!("disk image  {} (partition {n})", image.path),
+            None => println!("disk image  {}", image.path),
+        }
+    }
+    for t in &e.toolkits {
+        println!("toolkit     {t}");
+    }
+    if let Some(w) = &e.workspace {
+        println!("workspace   {w}");
+    }
+    if let Some(w) = &e.workdir {
+        println!("workdir     {w}");
+    }
+    println!("budgets     {}", serde_json::to_string(&e.budgets)?);
+    for (k, v) in &e.env {
+        println!("env         {k}={v}");
+    }
+    for (k, v) in &e.commands {
+        println!("command     {k}: {v}");
+    }
+    Ok(())
+}
+
+/// `catalog history`'s output.
+pub fn print_history(h: &[LogRecord], json: bool) -> Result<()> {
+    if json {
+        return print_json(&h);
+    }
+    for r in h {
+        let action = match r.action {
+            Action::Register => "register",
+            Action::Remove => "remove",
+        };
+        println!(
+            "{:>6}  {:<8}  {:<12} {}  {}",
+            r.seq,
+            action,
+            r.version,
+            crate::output::human_time(r.at),
+            r.by
+        );
+    }
+    Ok(())
 }

@@ -34,6 +34,10 @@ pub struct GlobalFlags {
     /// (env STRATA_STORE). Default: a local store under STRATA_HOME.
     #[arg(long, global = true, value_name = "URL")]
     pub store: Option<String>,
+    /// A node service (`strata serve`) to send `layer`, `catalog`, `run` and `sandbox`
+    /// commands to, http://HOST:PORT (env STRATA_SERVER), with STRATA_TOKEN.
+    #[arg(long, global = true, value_name = "URL")]
+    pub server: Option<String>,
 }
 
 /// The flags of `strata lazyfs serve`, which override the daemon's settings.
@@ -595,7 +599,10 @@ impl Settings {
                 parse_duration,
             )?,
         };
-        let server = l.env_str("STRATA_SERVER")?.or_else(|| f.server.clone());
+        let server = match &flags.server {
+            Some(s) => Some(s.clone()),
+            None => l.env_str("STRATA_SERVER")?.or_else(|| f.server.clone()),
+        };
         let token = l.env_str("STRATA_TOKEN")?;
 
         Ok(Settings {
@@ -674,6 +681,7 @@ mod tests {
         let flag = GlobalFlags {
             config: None,
             store: Some("/from/flag".into()),
+            server: None,
         };
         let daemon = DaemonFlags {
             cache_max: Some(7),
@@ -762,6 +770,7 @@ store_timeout = "1m"
         let flags = GlobalFlags {
             config: Some(Path::new(&home).join("strata.toml")),
             store: None,
+            server: None,
         };
         let s = load(&flags, &DaemonFlags::default(), &[]).unwrap();
         assert_eq!(s.home, d.join("state"));
@@ -848,6 +857,7 @@ store_timeout = "1m"
         let missing = GlobalFlags {
             config: Some("/no/such/strata.toml".into()),
             store: None,
+            server: None,
         };
         let msg = format!(
             "{:#}",
@@ -877,6 +887,7 @@ store_timeout = "1m"
         let given = GlobalFlags {
             config: Some(file.clone()),
             store: None,
+            server: None,
         };
         let s = load(&given, &DaemonFlags::default(), &[("STRATA_HOME", &home)]).unwrap();
         assert_eq!(s.file, Some(file.clone()));
@@ -1002,5 +1013,68 @@ store_timeout = "1m"
         assert_eq!(b.host_bundle(), Some(real));
         assert_eq!(CaBundle::Keep.host_bundle(), None);
         assert_eq!(CaBundle::FirstOf(vec![]).host_bundle(), None);
+    }
+
+    #[test]
+    fn the_service_settings_come_from_the_file_the_environment_and_the_flag() {
+        let (_dir, home) = home_with(
+            "listen = \"0.0.0.0:7000\"\nmetrics_listen = \"127.0.0.1:7001\"\nnode_name = \"file-node\"\nexec_output_cap = \"1M\"\nmemory_overcommit = 1.5\ncpu_overcommit = 8.0\nreap_every = \"2s\"\ndefault_lifetime = \"1h\"\nserver = \"http://file:7600\"\n",
+        );
+        let none = GlobalFlags::default();
+        let s = load(&none, &DaemonFlags::default(), &[("STRATA_HOME", &home)]).unwrap();
+        assert_eq!(
+            s.serve,
+            ServeSettings {
+                listen: "0.0.0.0:7000".into(),
+                metrics_listen: Some("127.0.0.1:7001".into()),
+                node_name: Some("file-node".into()),
+                exec_output_cap: 1 << 20,
+                memory_overcommit: 1.5,
+                cpu_overcommit: 8.0,
+                reap_every: Duration::from_secs(2),
+                default_lifetime: Some(Duration::from_secs(3600)),
+            }
+        );
+        assert_eq!(s.server.as_deref(), Some("http://file:7600"));
+        assert_eq!(s.token, None);
+        let env = [
+            ("STRATA_HOME", home.as_str()),
+            ("STRATA_SERVER", "http://env:7600"),
+            ("STRATA_TOKEN", "strata_x"),
+            ("STRATA_NODE_NAME", "env-node"),
+        ];
+        let s = load(&none, &DaemonFlags::default(), &env).unwrap();
+        assert_eq!(s.server.as_deref(), Some("http://env:7600"));
+        assert_eq!(s.token.as_deref(), Some("strata_x"));
+        assert_eq!(s.serve.node_name.as_deref(), Some("env-node"));
+        let flag = GlobalFlags {
+            server: Some("http://flag:7600".into()),
+            ..Default::default()
+        };
+        let s = load(&flag, &DaemonFlags::default(), &env).unwrap();
+        assert_eq!(s.server.as_deref(), Some("http://flag:7600"));
+        // The defaults, and a refused factor.
+        let empty = tempfile::tempdir().unwrap();
+        let s = load(
+            &none,
+            &DaemonFlags::default(),
+            &[("STRATA_HOME", &empty.path().display().to_string())],
+        )
+        .unwrap();
+        assert_eq!(s.serve.listen, "127.0.0.1:7600");
+        assert_eq!(s.serve.exec_output_cap, 16 << 20);
+        assert_eq!(
+            (s.serve.memory_overcommit, s.serve.cpu_overcommit),
+            (1.0, 4.0)
+        );
+        assert_eq!(s.server, None);
+        let (_bad, bad_home) = home_with("cpu_overcommit = -1.0\n");
+        let e = load(
+            &none,
+            &DaemonFlags::default(),
+            &[("STRATA_HOME", &bad_home)],
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").contains("cpu_overcommit"), "{e:#}");
     }
 }

@@ -152,44 +152,7 @@ async fn run_stored(store: &Store, settings: &Settings, cmd: StoredLayerCommand)
             let id = store.resolve_layer(&id).await?;
             let m = store.get_layer(&id).await?;
             let p = store.get_provenance(&id).await.ok();
-            if json {
-                print_json(&serde_json::json!({
-                    "id": m.id,
-                    "format": m.format,
-                    "files": m.files,
-                    "logical_bytes": m.logical_bytes,
-                    "blob_bytes": m.blob_size,
-                    "metadata": m.metadata,
-                    "chunks": m.chunks.len(),
-                    "packs": m.packs.len(),
-                    "provenance": p,
-                }))?;
-            } else {
-                println!("id             {}", m.id);
-                if let Some(p) = &p {
-                    println!("kind           {}", p.kind);
-                    println!("name           {}", p.name.as_deref().unwrap_or("-"));
-                    println!("version        {}", p.version.as_deref().unwrap_or("-"));
-                    println!("source         {}", p.source);
-                    println!("writer         {}", p.writer_version);
-                }
-                println!("files          {}", m.files);
-                println!(
-                    "logical bytes  {} ({})",
-                    m.logical_bytes,
-                    human_bytes(m.logical_bytes)
-                );
-                println!("blob bytes     {}", m.blob_size);
-                println!(
-                    "metadata       {} ({} bytes)",
-                    m.metadata.digest, m.metadata.size
-                );
-                println!(
-                    "chunks         {} in {} packs",
-                    m.chunks.len(),
-                    m.packs.len()
-                );
-            }
+            print_inspect(&m, p.as_ref(), json)?;
             Ok(0)
         }
         StoredLayerCommand::Ls { json } => {
@@ -198,35 +161,7 @@ async fn run_stored(store: &Store, settings: &Settings, cmd: StoredLayerCommand)
                 let p = store.get_provenance(&m.id).await.unwrap_or_default();
                 rows.push((m, p));
             }
-            rows.sort_by_key(|(m, _)| m.id);
-            if json {
-                let v: Vec<_> = rows
-                    .iter()
-                    .map(|(m, p)| {
-                        serde_json::json!({
-                            "id": m.id, "kind": p.kind, "name": p.name, "version": p.version,
-                            "files": m.files, "logical_bytes": m.logical_bytes,
-                        })
-                    })
-                    .collect();
-                print_json(&v)?;
-            } else {
-                println!(
-                    "{:<16} {:<10} {:<24} {:<12} {:>8} {:>10}",
-                    "ID", "KIND", "NAME", "VERSION", "FILES", "SIZE"
-                );
-                for (m, p) in rows {
-                    println!(
-                        "{:<16} {:<10} {:<24} {:<12} {:>8} {:>10}",
-                        &m.id.to_hex()[..16],
-                        p.kind,
-                        p.name.as_deref().unwrap_or("-"),
-                        p.version.as_deref().unwrap_or("-"),
-                        m.files,
-                        human_bytes(m.logical_bytes)
-                    );
-                }
-            }
+            print_ls(rows, json)?;
             Ok(0)
         }
         StoredLayerCommand::Rm { ids, force } => {
@@ -303,4 +238,88 @@ async fn build_steps(
         progress: None,
     };
     Ok(strata_builder::steps::build_steps(store, def, inputs, runner, opts).await?)
+}
+
+/// `layer inspect`'s output (embedded or through a node service).
+pub fn print_inspect(
+    m: &strata_store::LayerManifest,
+    p: Option<&strata_store::Provenance>,
+    json: bool,
+) -> Result<()> {
+    if json {
+        print_json(&serde_json::json!({
+            "id": m.id,
+            "format": m.format,
+            "files": m.files,
+            "logical_bytes": m.logical_bytes,
+            "blob_bytes": m.blob_size,
+            "metadata": m.metadata,
+            "chunks": m.chunks.len(),
+            "packs": m.packs.len(),
+            "provenance": p,
+        }))?;
+    } else {
+        println!("id             {}", m.id);
+        if let Some(p) = &p {
+            println!("kind           {}", p.kind);
+            println!("name           {}", p.name.as_deref().unwrap_or("-"));
+            println!("version        {}", p.version.as_deref().unwrap_or("-"));
+            println!("source         {}", p.source);
+            println!("writer         {}", p.writer_version);
+        }
+        println!("files          {}", m.files);
+        println!(
+            "logical bytes  {} ({})",
+            m.logical_bytes,
+            human_bytes(m.logical_bytes)
+        );
+        println!("blob bytes     {}", m.blob_size);
+        println!(
+            "metadata       {} ({} bytes)",
+            m.metadata.digest, m.metadata.size
+        );
+        println!(
+            "chunks         {} in {} packs",
+            m.chunks.len(),
+            m.packs.len()
+        );
+    }
+    Ok(())
+}
+
+/// `layer ls`'s output.
+pub fn print_ls(
+    mut rows: Vec<(strata_store::LayerManifest, strata_store::Provenance)>,
+    json: bool,
+) -> Result<()> {
+    rows.sort_by_key(|(m, _)| m.id);
+    if json {
+        let v: Vec<_> = rows
+            .iter()
+            .map(|(m, p)| {
+                serde_json::json!({
+                    "id": m.id, "kind": p.kind, "name": p.name, "version": p.version,
+                    "files": m.files, "logical_bytes": m.logical_bytes,
+                })
+            })
+            .collect();
+        print_json(&v)?;
+    } else {
+        println!(
+            "{:<16} {:<10} {:<24} {:<12} {:>8} {:>10}",
+            "ID", "KIND", "NAME", "VERSION", "FILES", "SIZE"
+        );
+        for (m, p) in rows {
+            println!(
+                "{:<16} {:<10} {:<24} {:<12} {:>8} {:>10}",
+                &m.id.to_hex()[..16],
+                p.kind,
+                p.name.as_deref().unwrap_or("-"),
+                p.version.as_deref().unwrap_or("-"),
+                m.files,
+                human_bytes(m.logical_bytes)
+            );
+        }
+    }
+    Ok(())
 }

@@ -11,6 +11,7 @@ mod layer;
 mod layer_rm;
 mod lazy;
 mod output;
+mod remote;
 mod sandbox;
 mod serve;
 mod store;
@@ -134,6 +135,36 @@ fn main() {
     };
     let result = runtime.block_on(async {
         let s = &settings;
+        if let Some(url) = &s.server {
+            match cli.command {
+                Command::Layer(c) => {
+                    return remote::layer(
+                        &remote::Remote::connect(url, s.token.as_deref()).await?,
+                        c,
+                    )
+                    .await
+                }
+                Command::Catalog(c) => {
+                    return remote::catalog(
+                        &remote::Remote::connect(url, s.token.as_deref()).await?,
+                        c,
+                    )
+                    .await
+                }
+                Command::Run(a) => {
+                    return remote::run(&remote::Remote::connect(url, s.token.as_deref()).await?, a)
+                        .await
+                }
+                Command::Sandbox(c) => {
+                    return remote::sandbox(
+                        &remote::Remote::connect(url, s.token.as_deref()).await?,
+                        c,
+                    )
+                    .await
+                }
+                _ => {}
+            }
+        }
         match cli.command {
             Command::Layer(c) => layer::run(s, c).await,
             Command::Store(c) => store::run(&open_store(s)?, c).await,

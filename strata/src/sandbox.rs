@@ -23,44 +23,44 @@ use crate::output::{human_bytes, print_json};
 pub struct SandboxOptions {
     /// fncall | container | microvm | vm (default: the entry's backend).
     #[arg(long)]
-    backend: Option<Backend>,
+    pub(crate) backend: Option<Backend>,
     /// Memory budget (512M, 2G).
     #[arg(long)]
-    memory: Option<String>,
+    pub(crate) memory: Option<String>,
     /// CPUs (may be fractional).
     #[arg(long)]
-    cpus: Option<f64>,
+    pub(crate) cpus: Option<f64>,
     /// Disk budget of the writable layer.
     #[arg(long)]
-    disk: Option<String>,
+    pub(crate) disk: Option<String>,
     /// Process budget.
     #[arg(long)]
-    pids: Option<u32>,
+    pub(crate) pids: Option<u32>,
     /// Wall-clock limit per command (60s, 5m).
     #[arg(long)]
-    timeout: Option<String>,
+    pub(crate) timeout: Option<String>,
     /// Idle time after which a sandbox is destroyed.
     #[arg(long)]
-    idle_ttl: Option<String>,
+    pub(crate) idle_ttl: Option<String>,
     /// Allowed network destinations, HOST:PORT, comma-separated (default: none).
     #[arg(long, value_delimiter = ',')]
-    net: Option<Vec<String>>,
+    pub(crate) net: Option<Vec<String>>,
     /// Extra environment, KEY=VALUE (repeatable).
     #[arg(long = "env", short = 'e')]
-    env: Vec<String>,
+    pub(crate) env: Vec<String>,
     /// Give a full VM (`--backend vm`) a graphics card; its screen is served over VNC on
     /// the Unix socket `vnc.sock` in the sandbox's directory.
     #[arg(long)]
-    display: bool,
+    pub(crate) display: bool,
     /// A microvm or vm whose commands keep the guest's full privileges (every capability,
     /// the guest's devices, writable cgroups): for nesting a container engine or Strata
     /// itself. The guest kernel stays the boundary to the host, but a command can then
     /// take over the guest's agent: never for untrusted agents (see SECURITY.md).
     #[arg(long)]
-    privileged: bool,
+    pub(crate) privileged: bool,
 }
 
-fn parse_env(pairs: &[String]) -> Result<BTreeMap<String, String>> {
+pub(crate) fn parse_env(pairs: &[String]) -> Result<BTreeMap<String, String>> {
     pairs
         .iter()
         .map(|p| {
@@ -95,15 +95,15 @@ impl SandboxOptions {
 #[derive(Args)]
 pub struct RunArgs {
     #[command(flatten)]
-    options: SandboxOptions,
+    pub(crate) options: SandboxOptions,
     /// Run one of the entry's named commands (e.g. `test`) instead of CMD.
     #[arg(long = "command", short = 'c')]
-    named: Option<String>,
+    pub(crate) named: Option<String>,
     /// Catalog ID: namespace/name or namespace/name@version.
-    catalog_id: String,
+    pub(crate) catalog_id: String,
     /// The command and its arguments.
     #[arg(last = true)]
-    cmd: Vec<String>,
+    pub(crate) cmd: Vec<String>,
 }
 
 #[derive(Subcommand)]
@@ -258,7 +258,7 @@ fn top_up_pool(rt: &Runtime, spec: &SandboxSpec, target: usize) {
     }
 }
 
-fn report_budget(r: &ExecResult) {
+pub(crate) fn report_budget(r: &ExecResult) {
     if !r.budgets.is_empty() {
         let hit: Vec<String> = r.budgets.iter().map(|b| b.to_string()).collect();
         eprintln!(
@@ -269,7 +269,7 @@ fn report_budget(r: &ExecResult) {
     }
 }
 
-fn duration(text: &Option<String>) -> Result<Option<Duration>> {
+pub(crate) fn duration(text: &Option<String>) -> Result<Option<Duration>> {
     text.as_deref()
         .map(|t| {
             humantime::parse_duration(t)
@@ -318,7 +318,7 @@ pub async fn run(store: &Store, settings: &Settings, args: RunArgs) -> Result<i3
     .await?
 }
 
-fn split_remote(arg: &str) -> Option<(&str, &str)> {
+pub(crate) fn split_remote(arg: &str) -> Option<(&str, &str)> {
     let (id, path) = arg.split_once(':')?;
     (path.starts_with('/') && !id.is_empty() && !id.contains('/')).then_some((id, path))
 }

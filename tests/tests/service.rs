@@ -112,7 +112,7 @@ async def main():
         await refused("read", sb.files.read("/work/secret.txt"), strata.NotFound)
         await refused("audit", sb.audit(), strata.NotFound)
         await refused("destroy", c._call(c._sandboxes.Destroy, strata.v1.sandboxes_pb2.SandboxRef(id=ID)), strata.NotFound)
-        entry = json.loads((await c.resolve("{sample}")).json)
+        entry = json.loads((await c.resolve("{sample}")).json)["entry"]
         toml = lambda ns: "\n".join([
             f'id = "{{ns}}/mine"', f'base = "{{entry["base"]}}"',
             f'toolkits = {{json.dumps(entry["toolkits"])}}', f'workspace = "{{entry["workspace"]}}"',
@@ -478,4 +478,170 @@ asyncio.run(main())
     );
     prom.wait_for("strata_sandboxes_ended_total{reason=\"destroyed\"}", 1.0);
     prom.wait_for("count(strata_sandboxes) or vector(0)", 0.0);
+}
+
+/// Runs `strata ARGS` with optional stdin.
+type Cli = dyn Fn(&[&str], Option<&[u8]>) -> std::process::Output;
+
+/// The CLI commands a user runs most, run in `strata` through `cli`: the sample's test
+/// suite in both backends, exit statuses, stdin, budgets, stateful sandboxes (exec, cp
+/// both ways, ls, ps, rm, audit), the catalog (ls, show, history) and a missing sandbox.
+fn cli_subset(
+    how: &str,
+    sample: &str,
+    cli: &dyn Fn(&[&str], Option<&[u8]>) -> std::process::Output,
+) {
+    let text = |o: &std::process::Output| {
+        (
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    for backend in ["fncall", "container"] {
+        let o = cli(
+            &["run", "--backend", backend, sample, "--command", "test"],
+            None,
+        );
+        let (out, err) = text(&o);
+        assert!(
+            o.status.success() && out.contains("4 passed"),
+            "{how} {backend}: {out}{err}"
+        );
+    }
+    let o = cli(
+        &[
+            "run",
+            sample,
+            "--",
+            "sh",
+            "-c",
+            "echo out; echo err >&2; exit 7",
+        ],
+        None,
+    );
+    let (out, err) = text(&o);
+    assert_eq!(
+        (o.status.code(), out.as_str(), err.as_str()),
+        (Some(7), "out\n", "err\n"),
+        "{how}"
+    );
+    let o = cli(
+        &[
+            "run",
+            "--memory",
+            "64M",
+            sample,
+            "--",
+            "python3",
+            "-c",
+            "x = bytearray(300 << 20); x[::4096] = b'1' * len(x[::4096])",
+        ],
+        None,
+    );
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(137), "{how}: {err}");
+    assert!(err.contains("budget exceeded: memory"), "{how}: {err}");
+
+    let o = cli(&["sandbox", "create", "--backend", "fncall", sample], None);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{how}: {err}");
+    let id = out.lines().last().unwrap_or_default().trim().to_string();
+    let o = cli(
+        &[
+            "sandbox",
+            "exec",
+            "-i",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "cat > /work/in.txt; wc -c < /work/in.txt",
+        ],
+        Some(b"twelve bytes"),
+    );
+    assert_eq!(text(&o).0.trim(), "12", "{how}: {:?}", text(&o));
+    let local = scratch_file(&format!("cp-{how}"), b"copied in");
+    let dest = format!("{id}:/work/copied.txt");
+    assert!(
+        cli(
+            &["sandbox", "cp", local.to_str().unwrap_or_default(), &dest],
+            None
+        )
+        .status
+        .success(),
+        "{how}"
+    );
+    let o = cli(&["sandbox", "cp", &dest, "-"], None);
+    assert_eq!(text(&o).0, "copied in", "{how}");
+    let o = cli(&["sandbox", "ls"], None);
+    assert!(text(&o).0.contains(&id), "{how}: {:?}", text(&o));
+    let o = cli(&["sandbox", "ps", &id], None);
+    assert!(text(&o).0.contains("PID"), "{how}");
+    assert!(cli(&["sandbox", "rm", &id], None).status.success(), "{how}");
+    let o = cli(&["sandbox", "audit", &id], None);
+    let last = text(&o).0.lines().last().unwrap_or_default().to_string();
+    assert!(last.contains("\"reason\":\"destroyed\""), "{how}: {last}");
+    let o = cli(&["sandbox", "exec", &id, "--", "true"], None);
+    assert_eq!(o.status.code(), Some(1), "{how}");
+    assert!(text(&o).1.contains(&id), "{how}: {:?}", text(&o));
+
+    let o = cli(&["catalog", "ls"], None);
+    assert!(text(&o).0.lines().any(|l| l == "datasets/sample"), "{how}");
+    let o = cli(&["catalog", "show", sample], None);
+    let (out, _) = text(&o);
+    assert!(
+        out.starts_with(&format!("id          {sample}")),
+        "{how}: {out}"
+    );
+    assert!(
+        out.contains(" UTC ("),
+        "{how}: times are shown to people readably: {out}"
+    );
+    let o = cli(&["catalog", "history", "datasets/sample"], None);
+    assert!(text(&o).0.contains("register"), "{how}");
+}
+
+fn scratch_file(name: &str, data: &[u8]) -> std::path::PathBuf {
+    let p = strata_tests::scratch_root().join(format!("{name}-{}", std::process::id()));
+    std::fs::write(&p, data).expect("scratch file");
+    p
+}
+
+#[test]
+fn the_cli_through_a_service_behaves_as_it_does_embedded() {
+    let Some(env) = env("service_cli") else {
+        return;
+    };
+    let run = |cmd: &mut std::process::Command, stdin: Option<&[u8]>| {
+        use std::io::Write;
+        let mut child = cmd
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("strata");
+        let mut input = child.stdin.take().expect("stdin");
+        if let Some(data) = stdin {
+            input.write_all(data).expect("stdin");
+        }
+        drop(input);
+        child.wait_with_output().expect("strata")
+    };
+    cli_subset("embedded", &env.reference, &|args, stdin| {
+        run(&mut env.cmd(args), stdin)
+    });
+    let p = unique("cli");
+    let (home, tokens) = home_with_projects(env, "service-cli-", &[(&p, &[])]);
+    let svc = Service::start(&home, "");
+    cli_subset("through the service", &env.reference, &|args, stdin| {
+        // A client has no home of its own on the node: only the URL and the token.
+        let client = strata_tests::scratch_root().join(format!("client-{}", std::process::id()));
+        let mut c = std::process::Command::new(strata_tests::strata_bin());
+        c.args(args)
+            .env("STRATA_HOME", &client)
+            .env("STRATA_STORE", client.join("no-store"))
+            .env("STRATA_SERVER", svc.url())
+            .env("STRATA_TOKEN", &tokens[0]);
+        run(&mut c, stdin)
+    });
 }

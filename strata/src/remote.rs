@@ -1,0 +1,541 @@
+//! The CLI as a client of a node service (`--server URL` / STRATA_SERVER, with
+//! STRATA_TOKEN): `run`, `sandbox`, `catalog` and `layer inspect|ls` send their work to
+//! the service's gRPC API instead of the local runtime and store, with the same flags,
+//! output and exit codes. What only the node itself can do (building layers, snapshots to
+//! its disk, its pools and reaper, lazyfs) is refused with where to run it.
+
+use std::io::Write;
+
+use anyhow::{bail, Context, Result};
+use strata_catalog::{LogRecord, Registered};
+use strata_service::proto;
+use strata_service::proto::catalog_client::CatalogClient;
+use strata_service::proto::layers_client::LayersClient;
+use strata_service::proto::sandboxes_client::SandboxesClient;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+
+use crate::catalog::CatalogCommand;
+use crate::output::{human_bytes, print_json};
+use crate::sandbox::{parse_env, split_remote, RunArgs, SandboxCommand, SandboxOptions};
+
+pub struct Remote {
+    channel: Channel,
+    token: String,
+    url: String,
+}
+
+/// A failed call as the CLI reports it: the service's message (which names the thing and
+/// the fix), and for an unreachable service, which one.
+fn status(url: &str) -> impl Fn(tonic::Status) -> anyhow::Error + '_ {
+    move |s| match s.code() {
+        tonic::Code::Unavailable => {
+            anyhow::anyhow!("the node service at {url} is unavailable: {}", s.message())
+        }
+        _ => anyhow::anyhow!("{}", s.message()),
+    }
+}
+
+impl Remote {
+    pub async fn connect(url: &str, token: Option<&str>) -> Result<Remote> {
+        let token = token
+            .filter(|t| !t.is_empty())
+            .context("--server needs a token: set STRATA_TOKEN (make one on the node with `strata token create --project NAME`)")?;
+        let channel = Channel::from_shared(url.to_string())
+            .with_context(|| format!("--server {url}: not a URL (http://HOST:PORT)"))?
+            .connect()
+            .await
+            .with_context(|| format!("cannot reach the node service at {url}"))?;
+        Ok(Remote {
+            channel,
+            token: token.to_string(),
+            url: url.to_string(),
+        })
+    }
+
+    fn req<T>(&self, msg: T) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(msg);
+        if let Ok(v) = format!("Bearer {}", self.token).parse() {
+            r.metadata_mut().insert("authorization", v);
+        }
+        r
+    }
+
+    fn sandboxes(&self) -> SandboxesClient<Channel> {
+        SandboxesClient::new(self.channel.clone())
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20)
+    }
+
+    fn catalog(&self) -> CatalogClient<Channel> {
+        CatalogClient::new(self.channel.clone())
+    }
+
+    fn layers(&self) -> LayersClient<Channel> {
+        LayersClient::new(self.channel.clone())
+    }
+
+    fn err(&self) -> impl Fn(tonic::Status) -> anyhow::Error + '_ {
+        status(&self.url)
+    }
+
+    async fn resolve(&self, id: &str) -> Result<Registered> {
+        let e = self
+            .catalog()
+            .resolve(self.req(proto::CatalogRef {
+                catalog_id: id.to_string(),
+            }))
+            .await
+            .map_err(self.err())?
+            .into_inner();
+        serde_json::from_str(&e.json).context("the service's catalog entry")
+    }
+
+    async fn create(&self, catalog_id: &str, o: &SandboxOptions) -> Result<proto::SandboxInfo> {
+        if o.display || o.privileged {
+            bail!("--display and --privileged are not offered through --server: run `strata sandbox create` on the node");
+        }
+        let req = proto::CreateRequest {
+            catalog_id: catalog_id.to_string(),
+            backend: o
+                .backend
+                .map(|b| b.as_str().to_string())
+                .unwrap_or_default(),
+            budgets: Some(proto::Budgets {
+                memory: o.memory.clone().unwrap_or_default(),
+                cpus: o.cpus.unwrap_or(0.0),
+                disk: o.disk.clone().unwrap_or_default(),
+                pids: o.pids.unwrap_or(0),
+                timeout: o.timeout.clone().unwrap_or_default(),
+            }),
+            env: parse_env(&o.env)?.into_iter().collect(),
+            network_set: o.net.is_some(),
+            network: o.net.clone().unwrap_or_default(),
+            idle_ttl: o.idle_ttl.clone().unwrap_or_default(),
+            lifetime: String::new(),
+            labels: Default::default(),
+        };
+        Ok(self
+            .sandboxes()
+            .create(self.req(req))
+            .await
+            .map_err(self.err())?
+            .into_inner())
+    }
+
+    /// Runs a command, printing its output as it comes; its exit status.
+    async fn exec(&self, req: proto::ExecRequest, stdin: bool) -> Result<i32> {
+        let (tx, rx) = mpsc::channel::<proto::ExecInput>(4);
+        tx.send(proto::ExecInput {
+            request: Some(req),
+            stdin: Vec::new(),
+            close_stdin: !stdin,
+        })
+        .await
+        .ok();
+        if stdin {
+            std::thread::spawn(move || {
+                let mut input = std::io::stdin().lock();
+                let mut buf = vec![0u8; 64 << 10];
+                loop {
+                    match std::io::Read::read(&mut input, &mut buf) {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => {
+                            let m = proto::ExecInput {
+                                stdin: buf[..n].to_vec(),
+                                ..Default::default()
+                            };
+                            if tx.blocking_send(m).is_err() {
+                                return;
+                            }
+                        }
+                    }
+                }
+                let _ = tx.blocking_send(proto::ExecInput {
+                    close_stdin: true,
+                    ..Default::default()
+                });
+            });
+        } else {
+            drop(tx);
+        }
+        let mut events = self
+            .sandboxes()
+            .exec_stream(self.req(ReceiverStream::new(rx)))
+            .await
+            .map_err(self.err())?
+            .into_inner();
+        while let Some(ev) = events.message().await.map_err(self.err())? {
+            use proto::exec_event::Event;
+            match ev.event {
+                Some(Event::Stdout(d)) => {
+                    let mut o = std::io::stdout().lock();
+                    let _ = o.write_all(&d).and_then(|_| o.flush());
+                }
+                Some(Event::Stderr(d)) => {
+                    let mut e = std::io::stderr().lock();
+                    let _ = e.write_all(&d).and_then(|_| e.flush());
+                }
+                Some(Event::Exit(r)) => {
+                    if !r.budgets_hit.is_empty() {
+                        eprintln!(
+                            "strata: budget exceeded: {} (exit status {})",
+                            r.budgets_hit.join(", "),
+                            r.exit_code
+                        );
+                    }
+                    return Ok(r.exit_code);
+                }
+                None => {}
+            }
+        }
+        bail!("the node service ended the command's stream without its exit")
+    }
+
+    async fn destroy(&self, id: &str) -> Result<()> {
+        self.sandboxes()
+            .destroy(self.req(proto::SandboxRef { id: id.to_string() }))
+            .await
+            .map_err(self.err())?;
+        Ok(())
+    }
+}
+
+pub async fn run(remote: &Remote, args: RunArgs) -> Result<i32> {
+    let argv = match (&args.named, args.cmd.is_empty()) {
+        (Some(name), true) => {
+            let reg = remote.resolve(&args.catalog_id).await?;
+            let line = reg.entry.commands.get(name).with_context(|| {
+                format!(
+                    "{} has no command `{name}` (it has: {})",
+                    reg.reference(),
+                    reg.entry
+                        .commands
+                        .keys()
+                        .cloned()
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })?;
+            vec!["/bin/sh".to_string(), "-c".to_string(), line.clone()]
+        }
+        (None, false) => args.cmd.clone(),
+        (Some(_), false) => bail!("give either --command NAME or a command after --, not both"),
+        (None, true) => bail!("nothing to run: add `-- CMD...` or `--command NAME`"),
+    };
+    let sb = remote.create(&args.catalog_id, &args.options).await?;
+    let code = remote
+        .exec(
+            proto::ExecRequest {
+                id: sb.id.clone(),
+                argv,
+                ..Default::default()
+            },
+            false,
+        )
+        .await;
+    let destroyed = remote.destroy(&sb.id).await;
+    let code = code?;
+    destroyed?;
+    Ok(code)
+}
+
+pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
+    let mut sbs = remote.sandboxes();
+    let err = remote.err();
+    match cmd {
+        SandboxCommand::Create {
+            options,
+            catalog_id,
+            json,
+        } => {
+            let sb = remote.create(&catalog_id, &options).await?;
+            if json {
+                print_json(&info_json(&sb))?;
+            }
+            println!("{}", sb.id);
+        }
+        SandboxCommand::Exec {
+            id,
+            timeout,
+            cwd,
+            env,
+            interactive,
+            cmd,
+        } => {
+            let req = proto::ExecRequest {
+                id,
+                argv: cmd,
+                env: parse_env(&env)?.into_iter().collect(),
+                cwd: cwd.unwrap_or_default(),
+                timeout: timeout.unwrap_or_default(),
+                ..Default::default()
+            };
+            return remote.exec(req, interactive).await;
+        }
+        SandboxCommand::Cp { src, dst } => match (split_remote(&src), split_remote(&dst)) {
+            (None, Some((id, path))) => {
+                let data = if src == "-" {
+                    let mut d = Vec::new();
+                    std::io::Read::read_to_end(&mut std::io::stdin(), &mut d)?;
+                    d
+                } else {
+                    std::fs::read(&src).with_context(|| format!("reading {src}"))?
+                };
+                let mode = std::fs::metadata(&src)
+                    .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777)
+                    .unwrap_or(0o644);
+                let mut parts: Vec<proto::WriteChunk> = data
+                    .chunks(1 << 20)
+                    .map(|c| proto::WriteChunk {
+                        data: c.to_vec(),
+                        ..Default::default()
+                    })
+                    .collect();
+                if parts.is_empty() {
+                    parts.push(proto::WriteChunk::default());
+                }
+                parts[0].id = id.to_string();
+                parts[0].path = path.to_string();
+                parts[0].mode = mode;
+                sbs.write_file(remote.req(tokio_stream::iter(parts)))
+                    .await
+                    .map_err(&err)?;
+            }
+            (Some((id, path)), None) => {
+                let mut s = sbs
+                    .read_file(remote.req(proto::FileRef {
+                        id: id.to_string(),
+                        path: path.to_string(),
+                    }))
+                    .await
+                    .map_err(&err)?
+                    .into_inner();
+                let mut out: Box<dyn Write> = if dst == "-" {
+                    Box::new(std::io::stdout().lock())
+                } else {
+                    Box::new(std::fs::File::create(&dst).with_context(|| format!("writing {dst}"))?)
+                };
+                while let Some(c) = s.message().await.map_err(&err)? {
+                    out.write_all(&c.data)
+                        .with_context(|| format!("writing {dst}"))?;
+                }
+                out.flush()?;
+            }
+            _ => bail!("one side of cp must be ID:/absolute/path and the other a local path or -"),
+        },
+        SandboxCommand::Ps { id, json } => {
+            let ps = sbs
+                .processes(remote.req(proto::SandboxRef { id }))
+                .await
+                .map_err(&err)?
+                .into_inner()
+                .processes;
+            if json {
+                let v: Vec<_> = ps
+                    .iter()
+                    .map(|p| serde_json::json!({"pid": p.pid, "state": p.state, "rss_bytes": p.rss_bytes, "cmdline": p.cmdline}))
+                    .collect();
+                print_json(&v)?;
+            } else {
+                println!("{:>7} {:>8} {:>10}  COMMAND", "PID", "STATE", "RSS");
+                for p in ps {
+                    println!(
+                        "{:>7} {:>8} {:>10}  {}",
+                        p.pid,
+                        p.state.split_whitespace().next().unwrap_or(""),
+                        human_bytes(p.rss_bytes),
+                        p.cmdline
+                    );
+                }
+            }
+        }
+        SandboxCommand::Ls { json } => {
+            let list = sbs
+                .list(remote.req(proto::ListRequest::default()))
+                .await
+                .map_err(&err)?
+                .into_inner()
+                .sandboxes;
+            if json {
+                print_json(&list.iter().map(info_json).collect::<Vec<_>>())?;
+            } else {
+                // IDs through a service name their node, so the column is wider.
+                println!("{:<24} {:<10} {:>8}  CATALOG", "ID", "BACKEND", "IDLE");
+                for s in list {
+                    println!(
+                        "{:<24} {:<10} {:>8}  {}",
+                        s.id,
+                        s.backend,
+                        crate::output::rough_duration(std::time::Duration::from_millis(s.idle_ms)),
+                        s.catalog_ref
+                    );
+                }
+            }
+        }
+        SandboxCommand::Rm { ids } => {
+            let mut failed = 0;
+            for id in ids {
+                match remote.destroy(&id).await {
+                    Ok(()) => println!("{id}"),
+                    Err(e) => {
+                        eprintln!("error: {id}: {e}");
+                        failed += 1;
+                    }
+                }
+            }
+            return Ok(if failed > 0 { 1 } else { 0 });
+        }
+        SandboxCommand::Pause { id } => {
+            sbs.pause(remote.req(proto::SandboxRef { id }))
+                .await
+                .map_err(&err)?;
+        }
+        SandboxCommand::Resume { id } => {
+            sbs.resume(remote.req(proto::SandboxRef { id }))
+                .await
+                .map_err(&err)?;
+        }
+        SandboxCommand::Audit { id } => {
+            let a = sbs
+                .audit(remote.req(proto::SandboxRef { id }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            print!("{}", a.jsonl);
+        }
+        SandboxCommand::Snapshot { .. }
+        | SandboxCommand::Restore { .. }
+        | SandboxCommand::Pool { .. }
+        | SandboxCommand::Reap { .. } => {
+            bail!("this sandbox command works on the node's own disk and pools; run it on the node, without --server")
+        }
+    }
+    Ok(0)
+}
+
+/// A sandbox as `--json` prints it through a service.
+fn info_json(s: &proto::SandboxInfo) -> serde_json::Value {
+    serde_json::json!({
+        "id": s.id, "node": s.node, "project": s.project, "catalog_ref": s.catalog_ref,
+        "backend": s.backend, "state": s.state, "labels": s.labels, "created_ms": s.created_ms,
+        "memory_bytes": s.memory_bytes, "cpus": s.cpus, "disk_bytes": s.disk_bytes,
+        "idle_ttl_ms": s.idle_ttl_ms, "expires_ms": s.expires_ms, "idle_ms": s.idle_ms,
+    })
+}
+
+pub async fn catalog(remote: &Remote, cmd: CatalogCommand) -> Result<i32> {
+    let mut cat = remote.catalog();
+    let err = remote.err();
+    match cmd {
+        CatalogCommand::Register { entry, json } => {
+            let toml = std::fs::read_to_string(&entry)
+                .with_context(|| format!("reading {}", entry.display()))?;
+            let e = cat
+                .register(remote.req(proto::RegisterRequest {
+                    catalog_id: String::new(),
+                    toml,
+                }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            if json {
+                let r: Registered = serde_json::from_str(&e.json)?;
+                print_json(&r)?;
+            } else {
+                println!("{}", e.reference);
+            }
+        }
+        CatalogCommand::Show { id, json } => {
+            crate::catalog::print_entry(&remote.resolve(&id).await?, json)?;
+        }
+        CatalogCommand::Ls { prefix } => {
+            for id in cat
+                .list(remote.req(proto::CatalogListRequest { prefix }))
+                .await
+                .map_err(&err)?
+                .into_inner()
+                .ids
+            {
+                println!("{id}");
+            }
+        }
+        CatalogCommand::History { id, json } => {
+            let h = cat
+                .history(remote.req(proto::CatalogRef { catalog_id: id }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            let records = h
+                .records
+                .iter()
+                .map(|r| serde_json::from_str::<LogRecord>(r))
+                .collect::<Result<Vec<_>, _>>()
+                .context("the service's catalog history")?;
+            crate::catalog::print_history(&records, json)?;
+        }
+        CatalogCommand::Rm { ids } => {
+            for id in ids {
+                for reference in cat
+                    .remove(remote.req(proto::CatalogRef { catalog_id: id }))
+                    .await
+                    .map_err(&err)?
+                    .into_inner()
+                    .removed
+                {
+                    println!("removed {reference}");
+                }
+            }
+        }
+    }
+    Ok(0)
+}
+
+pub async fn layer(remote: &Remote, cmd: crate::layer::LayerCommand) -> Result<i32> {
+    use crate::layer::{LayerCommand, StoredLayerCommand};
+    let mut layers = remote.layers();
+    let err = remote.err();
+    match cmd {
+        LayerCommand::Stored(StoredLayerCommand::Inspect { id, json }) => {
+            let l = layers
+                .inspect(remote.req(proto::LayerRef { layer: id }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            let m: strata_store::LayerManifest = serde_json::from_str(&l.manifest_json)?;
+            let p = if l.provenance_json.is_empty() {
+                None
+            } else {
+                Some(serde_json::from_str(&l.provenance_json)?)
+            };
+            crate::layer::print_inspect(&m, p.as_ref(), json)?;
+        }
+        LayerCommand::Stored(StoredLayerCommand::Ls { json }) => {
+            let ids = layers
+                .list(remote.req(proto::LayerListRequest {}))
+                .await
+                .map_err(&err)?
+                .into_inner()
+                .ids;
+            let mut rows = Vec::new();
+            for id in ids {
+                let l = layers
+                    .inspect(remote.req(proto::LayerRef { layer: id }))
+                    .await
+                    .map_err(&err)?
+                    .into_inner();
+                let m: strata_store::LayerManifest = serde_json::from_str(&l.manifest_json)?;
+                let p = if l.provenance_json.is_empty() {
+                    Default::default()
+                } else {
+                    serde_json::from_str(&l.provenance_json)?
+                };
+                rows.push((m, p));
+            }
+            crate::layer::print_ls(rows, json)?;
+        }
+        _ => bail!("this layer command needs the node's store and lazyfs daemon: run it on the node, without --server"),
+    }
+    Ok(0)
+}
