@@ -486,11 +486,7 @@ type Cli = dyn Fn(&[&str], Option<&[u8]>) -> std::process::Output;
 /// The CLI commands a user runs most, run in `strata` through `cli`: the sample's test
 /// suite in both backends, exit statuses, stdin, budgets, stateful sandboxes (exec, cp
 /// both ways, ls, ps, rm, audit), the catalog (ls, show, history) and a missing sandbox.
-fn cli_subset(
-    how: &str,
-    sample: &str,
-    cli: &dyn Fn(&[&str], Option<&[u8]>) -> std::process::Output,
-) {
+fn cli_subset(how: &str, sample: &str, cli: &Cli) {
     let text = |o: &std::process::Output| {
         (
             String::from_utf8_lossy(&o.stdout).into_owned(),
