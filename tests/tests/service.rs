@@ -481,7 +481,7 @@ asyncio.run(main())
 }
 
 /// Runs `strata ARGS` with optional stdin.
-type Cli = dyn Fn(&[&str], Option<&[u8]>) -> std::process::Output;
+type Cli<'a> = dyn Fn(&[&str], Option<&[u8]>) -> std::process::Output + 'a;
 
 /// The CLI commands a user runs most, run in `strata` through `cli`: the sample's test
 /// suite in both backends, exit statuses, stdin, budgets, stateful sandboxes (exec, cp
