@@ -137,7 +137,7 @@ impl BuildRequest {
 }
 
 /// The outcome of a build. Field names are part of `strata layer build --json`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BuildReport {
     pub id: Digest,
     pub files: u64,

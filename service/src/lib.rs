@@ -30,7 +30,7 @@ pub use projects::{Caller, Project, Projects, TokenRecord};
 
 /// Everything the service is configured with (the binary resolves it from flags,
 /// `strata.toml` and the environment).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ServiceConfig {
     pub listen: SocketAddr,
     /// Where `/metrics` is served; `None`: nowhere.
@@ -57,6 +57,10 @@ pub struct ServiceConfig {
     pub pool: usize,
     /// Version string reported by `Node.Version`.
     pub version: String,
+    /// The largest tar a `Layers.Build` takes.
+    pub max_upload_bytes: u64,
+    /// How registry images are pulled for `Layers.Build`.
+    pub registry: strata_builder::RegistrySettings,
 }
 
 impl ServiceConfig {
@@ -75,6 +79,8 @@ impl ServiceConfig {
             retry_after: Duration::from_secs(5),
             pool: 0,
             version: env!("CARGO_PKG_VERSION").to_string(),
+            max_upload_bytes: 16 << 30,
+            registry: Default::default(),
         }
     }
 }

@@ -37,6 +37,8 @@ pub struct Metrics {
     lazyfs_hit_ratio: Gauge<f64, AtomicU64>,
     committed_memory: Gauge<u64, AtomicU64>,
     committed_cpus: Gauge<f64, AtomicU64>,
+    builds: Family<Labels, Counter>,
+    build_seconds: Histogram,
 }
 
 impl Default for Metrics {
@@ -60,6 +62,8 @@ impl Metrics {
             lazyfs_hit_ratio: Gauge::default(),
             committed_memory: Gauge::default(),
             committed_cpus: Gauge::default(),
+            builds: Family::default(),
+            build_seconds: latency(),
         };
         {
             let mut r = m.registry.lock().unwrap_or_else(|p| p.into_inner());
@@ -114,6 +118,16 @@ impl Metrics {
                 m.committed_memory.clone(),
             );
             r.register(
+                "builds",
+                "Layer builds through the API, by result (ok, failed)",
+                m.builds.clone(),
+            );
+            r.register(
+                "build_seconds",
+                "Time of layer builds through the API",
+                m.build_seconds.clone(),
+            );
+            r.register(
                 "committed_cpus",
                 "CPU budgets committed on this node",
                 m.committed_cpus.clone(),
@@ -144,6 +158,14 @@ impl Metrics {
         self.ended
             .get_or_create(&vec![("reason".into(), reason.into())])
             .inc();
+    }
+
+    pub fn observe_build(&self, ok: bool, took: Duration) {
+        let result = if ok { "ok" } else { "failed" };
+        self.builds
+            .get_or_create(&vec![("result".into(), result.into())])
+            .inc();
+        self.build_seconds.observe(took.as_secs_f64());
     }
 
     pub fn store_error(&self) {

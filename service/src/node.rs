@@ -118,7 +118,14 @@ impl Node {
         Ok(node)
     }
 
+    /// Where `Layers.Build` receives tars.
+    pub fn uploads_dir(&self) -> std::path::PathBuf {
+        self.rt.state_dir().join("service").join("uploads")
+    }
+
     fn recover(&self) -> Result<(), ServiceError> {
+        // Tars of builds an earlier service did not finish.
+        let _ = std::fs::remove_dir_all(self.uploads_dir());
         let (mut kept, mut ended) = (0, 0);
         for meta in self.metas.load_all() {
             match self.rt.get(&meta.local) {

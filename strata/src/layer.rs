@@ -183,7 +183,7 @@ async fn run_stored(store: &Store, settings: &Settings, cmd: StoredLayerCommand)
     }
 }
 
-fn print_report(report: &BuildReport, json: bool) -> Result<()> {
+pub fn print_report(report: &BuildReport, json: bool) -> Result<()> {
     if json {
         return print_json(report);
     }

@@ -535,7 +535,147 @@ pub async fn layer(remote: &Remote, cmd: crate::layer::LayerCommand) -> Result<i
             }
             crate::layer::print_ls(rows, json)?;
         }
+        LayerCommand::Stored(StoredLayerCommand::Build {
+            kind,
+            name,
+            version,
+            exclude,
+            prefix,
+            no_cache: _,
+            json,
+            source,
+        }) => return build(remote, kind, name, version, exclude, prefix, json, source).await,
         _ => bail!("this layer command needs the node's store and lazyfs daemon: run it on the node, without --server"),
     }
     Ok(0)
+}
+
+/// `layer build` through a node service: a directory is sent as a tar made on the fly, a
+/// tar file (or `-`) as it is, `docker://` names an image the node pulls. Build steps
+/// (definition files) run in the node's runtime: build them on the node.
+#[allow(clippy::too_many_arguments)]
+async fn build(
+    remote: &Remote,
+    kind: String,
+    name: Option<String>,
+    version: Option<String>,
+    exclude: Vec<String>,
+    prefix: Option<String>,
+    json: bool,
+    source: String,
+) -> Result<i32> {
+    if source.ends_with(".toml") && std::path::Path::new(&source).is_file() {
+        bail!("{source}: definition files build on the node (their steps run in its runtime); run `strata layer build` there, without --server");
+    }
+    let image = if source.starts_with("docker://") {
+        source.clone()
+    } else {
+        String::new()
+    };
+    let spec = proto::BuildSpec {
+        kind,
+        name: name.unwrap_or_default(),
+        version: version.unwrap_or_default(),
+        exclude,
+        prefix: prefix.unwrap_or_default(),
+        image: image.clone(),
+    };
+    let (tx, rx) = mpsc::channel::<proto::BuildInput>(8);
+    tx.send(proto::BuildInput {
+        spec: Some(spec),
+        tar: Vec::new(),
+    })
+    .await
+    .ok();
+    if image.is_empty() {
+        let path = std::path::PathBuf::from(&source);
+        let is_dir = path.is_dir();
+        if !is_dir && source != "-" && !path.is_file() {
+            bail!("{source}: no such directory or tar file");
+        }
+        let from = source.clone();
+        std::thread::spawn(move || {
+            // Tar headers are small writes: gather them into 1 MiB messages.
+            let mut sink = std::io::BufWriter::with_capacity(1 << 20, ChannelWriter { tx });
+            let done = if is_dir {
+                let mut b = tar::Builder::new(&mut sink);
+                b.follow_symlinks(false);
+                b.append_dir_all(".", &path).and_then(|()| b.finish())
+            } else if from == "-" {
+                std::io::copy(&mut std::io::stdin().lock(), &mut sink).map(|_| ())
+            } else {
+                std::fs::File::open(&path)
+                    .and_then(|mut f| std::io::copy(&mut f, &mut sink))
+                    .map(|_| ())
+            };
+            if let Err(e) = done.and_then(|()| sink.flush()) {
+                // Ending the process drops the stream unfinished, so the node never builds
+                // what it received of it.
+                eprintln!("error: reading {}: {e}", path.display());
+                std::process::exit(1);
+            }
+        });
+    } else {
+        drop(tx);
+    }
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {msg} {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    bar.set_message(format!("building {source} on {}", remote.url));
+    let mut events = remote
+        .layers()
+        .build(remote.req(ReceiverStream::new(rx)))
+        .await
+        .map_err(remote.err())?
+        .into_inner();
+    while let Some(ev) = events.message().await.map_err(remote.err())? {
+        use proto::build_event::Event;
+        match ev.event {
+            Some(Event::ReceivedBytes(n)) => {
+                bar.set_message(format!("sending {source}: {} sent", human_bytes(n)))
+            }
+            Some(Event::BuiltBytes(n)) => {
+                bar.set_message(format!("building {source}: {} read", human_bytes(n)))
+            }
+            Some(Event::Done(r)) => {
+                bar.finish_and_clear();
+                let report: strata_builder::BuildReport =
+                    serde_json::from_str(&r.report_json).context("the service's build report")?;
+                crate::layer::print_report(&report, json)?;
+                return Ok(0);
+            }
+            None => {}
+        }
+    }
+    bar.finish_and_clear();
+    bail!("the node service ended the build without its result")
+}
+
+/// Bytes written here become `BuildInput` messages (1 MiB each), sent with back-pressure.
+struct ChannelWriter {
+    tx: mpsc::Sender<proto::BuildInput>,
+}
+
+impl Write for ChannelWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = buf.len().min(1 << 20);
+        self.tx
+            .blocking_send(proto::BuildInput {
+                spec: None,
+                tar: buf[..n].to_vec(),
+            })
+            .map_err(|_| {
+                std::io::Error::new(
+                    std::io::ErrorKind::BrokenPipe,
+                    "the service closed the build",
+                )
+            })?;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }

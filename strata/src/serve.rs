@@ -88,6 +88,7 @@ pub async fn serve(store: Store, settings: &Settings, args: ServeArgs) -> Result
     cfg.reap_every = s.reap_every;
     cfg.default_lifetime = s.default_lifetime;
     cfg.pool = settings.pool;
+    cfg.registry = settings.registry.clone();
     let node = Node::start(cfg, rt, store, settings.registrant.clone()).await?;
     eprintln!(
         "strata: node `{}` serving on {listen}{}",

@@ -486,7 +486,7 @@ type Cli<'a> = dyn Fn(&[&str], Option<&[u8]>) -> std::process::Output + 'a;
 /// The CLI commands a user runs most, run in `strata` through `cli`: the sample's test
 /// suite in both backends, exit statuses, stdin, budgets, stateful sandboxes (exec, cp
 /// both ways, ls, ps, rm, audit), the catalog (ls, show, history) and a missing sandbox.
-fn cli_subset(how: &str, sample: &str, cli: &Cli) {
+fn cli_subset(how: &str, sample: &str, cli: &Cli) -> String {
     let text = |o: &std::process::Output| {
         (
             String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -595,6 +595,35 @@ fn cli_subset(how: &str, sample: &str, cli: &Cli) {
     );
     let o = cli(&["catalog", "history", "datasets/sample"], None);
     assert!(text(&o).0.contains("register"), "{how}");
+
+    // A layer from a directory (through a service: a tar made on the fly and streamed),
+    // and a source that is no tar, refused.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../datasets/sample/workspace");
+    let o = cli(
+        &[
+            "layer",
+            "build",
+            "--kind",
+            "workspace",
+            "--name",
+            "svc/ws",
+            "--version",
+            "1",
+            dir.to_str().unwrap_or_default(),
+        ],
+        None,
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{how}: {err}");
+    let id = out.lines().last().unwrap_or_default().trim().to_string();
+    assert_eq!(id.len(), 64, "{how}: {out}");
+    let o = cli(&["layer", "inspect", &id], None);
+    assert!(text(&o).0.contains("svc/ws"), "{how}: {:?}", text(&o));
+    let junk = scratch_file(&format!("junk-{}", how.len()), &[7u8; 4096]);
+    let o = cli(&["layer", "build", junk.to_str().unwrap_or_default()], None);
+    assert_eq!(o.status.code(), Some(1), "{how}: {:?}", text(&o));
+    assert!(text(&o).1.contains("error:"), "{how}: {:?}", text(&o));
+    id
 }
 
 fn scratch_file(name: &str, data: &[u8]) -> std::path::PathBuf {
@@ -623,13 +652,13 @@ fn the_cli_through_a_service_behaves_as_it_does_embedded() {
         drop(input);
         child.wait_with_output().expect("strata")
     };
-    cli_subset("embedded", &env.reference, &|args, stdin| {
+    let embedded = cli_subset("embedded", &env.reference, &|args, stdin| {
         run(&mut env.cmd(args), stdin)
     });
     let p = unique("cli");
     let (home, tokens) = home_with_projects(env, "service-cli-", &[(&p, &[])]);
     let svc = Service::start(&home, "");
-    cli_subset("through the service", &env.reference, &|args, stdin| {
+    let served = cli_subset("through the service", &env.reference, &|args, stdin| {
         // A client has no home of its own on the node: only the URL and the token.
         let client = strata_tests::scratch_root().join(format!("client-{}", std::process::id()));
         let mut c = std::process::Command::new(strata_tests::strata_bin());
@@ -640,4 +669,6 @@ fn the_cli_through_a_service_behaves_as_it_does_embedded() {
             .env("STRATA_TOKEN", &tokens[0]);
         run(&mut c, stdin)
     });
+    // The same directory makes the same layer, built here or by the node.
+    assert_eq!(embedded, served);
 }
