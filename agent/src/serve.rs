@@ -127,10 +127,14 @@ fn reap(shared: Shared) {
         let exited = crate::sys::wait_for_exit();
         let mut c = lock.lock().unwrap_or_else(|p| p.into_inner());
         let Some(pid) = exited else {
-            // No child at all: wait for a command to start. A command already started but
-            // not yet seen by waitid is checked for first, so its exit is not missed.
+            // No child at all: wait for a command to start (its spawn notifies). A command
+            // already started but not yet seen by waitid is checked for first, so its exit
+            // is not missed. Idle, the wait is long: a node holds a thousand idle agents,
+            // whose wakeups would otherwise take its CPUs; a process that becomes the
+            // agent's child without a spawn (an orphan of a process that entered the
+            // sandbox from outside) is reaped within it.
             let running = c.spawning > 0 || c.owned.iter().any(|p| !c.exited.contains_key(p));
-            let wait = Duration::from_millis(if running { 1 } else { 50 });
+            let wait = Duration::from_millis(if running { 1 } else { 1000 });
             let _ = cv.wait_timeout(c, wait);
             continue;
         };

@@ -9,6 +9,7 @@ mod machine;
 mod remote;
 mod report;
 mod runtime;
+mod service;
 mod vm;
 
 use std::path::PathBuf;
@@ -19,9 +20,9 @@ use clap::Parser;
 #[derive(Parser)]
 #[command(name = "strata-bench")]
 struct Args {
-    /// Which suite to run: `build`, `lazyfs`, `runtime`, `datasets`, `vm`, `remote`
-    /// (lazy loading from S3 through added latency), or `quick` (every suite but remote,
-    /// small sizes).
+    /// Which suite to run: `build`, `lazyfs`, `runtime`, `datasets`, `vm`, `remote` (lazy
+    /// loading from S3 through added latency), `service` (the node service from the Python
+    /// SDK and the CLI), or `quick` (every suite but remote and service, small sizes).
     /// Run from the repository root, as root (mounts, drop_caches).
     #[arg(long, default_value = "quick")]
     suite: String,
@@ -49,6 +50,7 @@ fn main() -> Result<()> {
         "datasets" => sections.push(datasets::run(&args.scratch, &repo, false)?),
         "vm" => sections.push(vm::run(&rt, &args.scratch, &repo, false)?),
         "remote" => sections.push(remote::run(&rt, &args.scratch, &repo)?),
+        "service" => sections.push(service::run(&rt, &args.scratch, &repo)?),
         "quick" => {
             sections.push(build::run(&rt, &args.scratch)?);
             sections.push(lazy::run(&rt, &args.scratch, &repo)?);
@@ -58,7 +60,7 @@ fn main() -> Result<()> {
         }
         other => {
             anyhow::bail!(
-                "unknown suite `{other}` (build, lazyfs, runtime, datasets, vm, remote, quick)"
+                "unknown suite `{other}` (build, lazyfs, runtime, datasets, vm, remote, service, quick)"
             )
         }
     }

@@ -44,7 +44,7 @@ pub(crate) struct Setup {
     pub(crate) spec: SandboxSpec,
     pub(crate) runtime: Runtime,
     /// The environment's layers exported and merged into one directory.
-    rootfs: PathBuf,
+    pub(crate) rootfs: PathBuf,
 }
 
 pub(crate) fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Setup> {
@@ -188,7 +188,7 @@ pub(crate) fn export(
 }
 
 /// Create, run `/bin/true`, destroy; returns create → first exec done.
-fn strata_once(s: &Setup, backend: Backend) -> Result<f64> {
+pub(crate) fn strata_once(s: &Setup, backend: Backend) -> Result<f64> {
     let mut spec = s.spec.clone();
     spec.backend = backend;
     let t = Instant::now();
@@ -209,7 +209,7 @@ fn strata_once(s: &Setup, backend: Backend) -> Result<f64> {
 }
 
 /// A bundle for bare `crun run` over `rootfs` (read-only root, the same namespaces).
-fn bare_bundle(dir: &Path, rootfs: &Path) -> Result<PathBuf> {
+pub(crate) fn bare_bundle(dir: &Path, rootfs: &Path) -> Result<PathBuf> {
     let bundle = dir.join("bare-bundle");
     std::fs::create_dir_all(&bundle)?;
     let config = serde_json::json!({
@@ -233,7 +233,7 @@ fn bare_bundle(dir: &Path, rootfs: &Path) -> Result<PathBuf> {
 }
 
 /// `crun run` of /bin/true, with the hybrid-cgroup workaround the runtime uses.
-fn bare_crun(bundle: &Path, state: &Path, id: &str) -> Result<f64> {
+pub(crate) fn bare_crun(bundle: &Path, state: &Path, id: &str) -> Result<f64> {
     let t = Instant::now();
     crun_cmd(
         state,
@@ -242,7 +242,7 @@ fn bare_crun(bundle: &Path, state: &Path, id: &str) -> Result<f64> {
     Ok(t.elapsed().as_secs_f64() * 1000.0)
 }
 
-fn sustained(
+pub(crate) fn sustained(
     clients: usize,
     window: Duration,
     job: Arc<dyn Fn(usize, u64) -> Result<()> + Send + Sync>,

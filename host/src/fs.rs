@@ -153,6 +153,39 @@ pub fn on_tmpfs(dir: &Path) -> io::Result<bool> {
     Ok(st.f_type as i64 == libc::TMPFS_MAGIC)
 }
 
+/// Whether `path` is the root of a mount (`statx`'s `STATX_ATTR_MOUNT_ROOT`, Linux 5.8+),
+/// and the device of the filesystem mounted there (`stx_dev`). One system call, where
+/// scanning `/proc/self/mountinfo` costs as much as the host has mounts. The last
+/// component is not followed if it is a symlink.
+pub fn mount_root(path: &Path) -> io::Result<(bool, u64)> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: a zeroed statx is a valid out-parameter.
+    let mut st: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: c is NUL-terminated, st a valid statx to fill; AT_FDCWD resolves c as given.
+    let r = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW | libc::AT_NO_AUTOMOUNT,
+            libc::STATX_BASIC_STATS,
+            &mut st,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if st.stx_attributes_mask & libc::STATX_ATTR_MOUNT_ROOT as u64 == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this kernel does not report mount roots through statx (Linux 5.8+)",
+        ));
+    }
+    let root = st.stx_attributes & libc::STATX_ATTR_MOUNT_ROOT as u64 != 0;
+    let dev = libc::makedev(st.stx_dev_major, st.stx_dev_minor);
+    Ok((root, dev))
+}
+
 /// `struct open_how` (linux/openat2.h).
 #[repr(C)]
 struct OpenHow {

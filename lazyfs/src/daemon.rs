@@ -327,9 +327,40 @@ impl Daemon {
         }
     }
 
-    /// Unmounts the recorded bind at `dir`, if the topmost mount there is still it (a
-    /// layer's EROFS mount, bound); one already gone is fine.
-    fn unbind(&self, dir: &Path) -> Result<(), LazyError> {
+    /// Unmounts the recorded bind of layer `id` at `dir`, if the topmost mount there is
+    /// still it; one already gone is fine. The check is two `statx` calls (the bind is the
+    /// layer's shared EROFS mount when both are mount roots of the same device), not a scan
+    /// of the host's mount table, whose cost grows with every sandbox on the node.
+    fn unbind(&self, id: &str, dir: &Path) -> Result<(), LazyError> {
+        let shared = id
+            .parse::<Digest>()
+            .ok()
+            .map(|d| self.cfg.paths.layer_mount(&d));
+        match (
+            strata_host::fs::mount_root(dir),
+            shared.map(|s| strata_host::fs::mount_root(&s)),
+        ) {
+            (Err(e), _) if e.kind() == std::io::ErrorKind::NotFound => {
+                tracing::info!(dir = %dir.display(), "the bind is gone; forgetting it");
+                return Ok(());
+            }
+            (Ok((false, _)), _) => {
+                tracing::info!(dir = %dir.display(), "the bind is already unmounted; forgetting it");
+                return Ok(());
+            }
+            (Ok((true, dev)), Some(Ok((true, shared_dev)))) => {
+                if dev != shared_dev {
+                    return Err(LazyError::Busy(format!(
+                        "{}: another mount is over the lazyfs bind; unmount it first",
+                        dir.display()
+                    )));
+                }
+                return self.unmount_bind(dir);
+            }
+            // A kernel without mount roots in statx, or the shared mount missing: read the
+            // mount table.
+            _ => {}
+        }
         let all = mounts::mounts().map_err(LazyError::io(Path::new("/proc/self/mountinfo")))?;
         let Some(top) = all.into_iter().rev().find(|m| m.mount_point == dir) else {
             tracing::info!(dir = %dir.display(), "the bind is already unmounted; forgetting it");
@@ -343,6 +374,10 @@ impl Daemon {
                 top.source
             )));
         }
+        self.unmount_bind(dir)
+    }
+
+    fn unmount_bind(&self, dir: &Path) -> Result<(), LazyError> {
         mounts::unmount(dir, false).map_err(|e| {
             let msg = format!("unmounting {}: {e}", dir.display());
             if e.raw_os_error() == Some(libc::EBUSY) {
@@ -403,7 +438,7 @@ impl Daemon {
                             dir.display()
                         ))
                     })?;
-                self.unbind(&dir)?;
+                self.unbind(&id, &dir)?;
                 let emptied = {
                     let mut st = self.state.lock().map_err(poisoned)?;
                     let left = st.binds.get_mut(&id).map(|dirs| {

@@ -163,9 +163,17 @@ pub fn mounts() -> io::Result<Vec<MountEntry>> {
         .collect())
 }
 
-/// Whether something is mounted exactly at `path`.
+/// Whether something is mounted exactly at `path`: one `statx` (see
+/// [`strata_host::fs::mount_root`]); the mount table's scan only where the kernel cannot
+/// say.
 pub fn is_mount_point(path: &Path) -> bool {
-    mounts().is_ok_and(|m| m.iter().any(|e| e.mount_point == path))
+    match strata_host::fs::mount_root(path) {
+        Ok((root, _)) => root,
+        Err(e) if e.kind() == io::ErrorKind::Unsupported => {
+            mounts().is_ok_and(|m| m.iter().any(|e| e.mount_point == path))
+        }
+        Err(_) => false,
+    }
 }
 
 #[cfg(test)]

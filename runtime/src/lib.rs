@@ -636,6 +636,8 @@ impl Runtime {
             .map(|rd| {
                 rd.flatten()
                     .filter_map(|e| e.file_name().into_string().ok())
+                    // `.gone-*`: a sandbox directory being removed (see `teardown`).
+                    .filter(|n| !n.starts_with('.'))
                     .collect()
             })
             .unwrap_or_default();
@@ -721,6 +723,24 @@ impl Runtime {
                     EndReason::IdleTtl => report.expired.push(id),
                     EndReason::Crashed | EndReason::OwnerGone => report.crashed.push(id),
                     _ => report.orphans.push(id),
+                }
+            }
+        }
+        // Directories a teardown moved aside and did not get to remove (it died): their
+        // mounts were undone before the move.
+        if let Ok(rd) = std::fs::read_dir(self.inner.cfg.state_dir.join("sandboxes")) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                // `.gone-<id>-<pid>-<n>`: left when the process that moved it is gone.
+                let remover = name
+                    .rsplitn(3, '-')
+                    .nth(1)
+                    .and_then(|p| p.parse::<u32>().ok());
+                let abandoned = remover.is_some_and(|pid| process_start(pid).is_none());
+                if name.starts_with(".gone-") && abandoned {
+                    if std::fs::remove_dir_all(e.path()).is_ok() {
+                        report.orphans.push(format!("directory {name}"));
+                    }
                 }
             }
         }
@@ -817,10 +837,24 @@ impl Runtime {
         let _ = self
             .audit(id)
             .record("ended", json!({"reason": reason.as_str()}));
-        match std::fs::remove_dir_all(&dir) {
+        // Out of the way first, in one rename: a reaper or a caller that still finds the
+        // directory by its path (taking its lock, touching its activity file) would
+        // otherwise create files in it while it is being removed.
+        let gone = self
+            .inner
+            .cfg
+            .state_dir
+            .join("sandboxes")
+            .join(format!(".gone-{id}-{}", unique_suffix()));
+        let doomed = match std::fs::rename(&dir, &gone) {
+            Ok(()) => gone,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(_) => dir,
+        };
+        match std::fs::remove_dir_all(&doomed) {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-            Err(e) => Err(RuntimeError::io(&dir)(e)),
+            Err(e) => Err(RuntimeError::io(&doomed)(e)),
         }
     }
 }

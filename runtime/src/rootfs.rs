@@ -291,6 +291,22 @@ pub fn disassemble(lazyfs: &LazyfsAccess, sandbox_dir: &Path) -> Result<(), Runt
 
 /// Unmounts `dir` and anything mounted beneath it, deepest first.
 pub fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
+    // Usually one mount is there (the overlay, an upper) with nothing on it: unmount it
+    // after a `statx`, without reading the host's mount table, whose size grows with the
+    // sandboxes on the node. A mount beneath makes the unmount EBUSY: then the scan.
+    // Nothing is mounted beneath a directory that is no mount root: what this runtime
+    // mounts under a sandbox's directories, it mounts on the overlay or the upper.
+    loop {
+        match strata_host::fs::mount_root(dir) {
+            Ok((false, _)) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Ok((true, _)) => match mounts::unmount(dir, false) {
+                Ok(()) => continue,
+                Err(_) => break,
+            },
+            Err(_) => break,
+        }
+    }
     let all = mounts::mounts().map_err(RuntimeError::io(Path::new("/proc/self/mountinfo")))?;
     let mut targets: Vec<PathBuf> = all
         .into_iter()

@@ -355,6 +355,7 @@ impl Node {
             }
             map.insert(local.clone(), meta.clone());
         }
+        let resolved_ms = started.elapsed().as_secs_f64() * 1e3;
         let node = self.clone();
         let made = tokio::task::spawn_blocking(move || -> Result<Sandbox, ServiceError> {
             let sb = node.rt.create(spec)?;
@@ -378,6 +379,12 @@ impl Node {
                                "labels": meta.labels, "expires_ms": meta.expires_ms}),
         );
         self.lock().insert(meta.local.clone(), meta.clone());
+        tracing::debug!(
+            sandbox = %meta.id,
+            resolved_ms,
+            total_ms = started.elapsed().as_secs_f64() * 1e3,
+            "created"
+        );
         self.metrics
             .observe_create(meta.backend.as_str(), started.elapsed());
         if self.cfg.pool > 0 {
@@ -447,14 +454,21 @@ impl Node {
         }
         let live: std::collections::HashSet<String> =
             self.rt.list().into_iter().map(|r| r.id).collect();
-        let gone: Vec<String> = self
+        let candidates: Vec<String> = self
             .lock()
             .values()
             .filter(|m| !m.pending && !live.contains(&m.local))
             .map(|m| m.local.clone())
             .collect();
-        for local in gone {
-            self.forget(&local);
+        // The list above may predate a create that finished since: forget only what the
+        // runtime does not have now.
+        for local in candidates {
+            if matches!(
+                self.rt.get(&local),
+                Err(strata_runtime::RuntimeError::NotFound(_))
+            ) {
+                self.forget(&local);
+            }
         }
         Ok(())
     }

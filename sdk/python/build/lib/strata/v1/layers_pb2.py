@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/layers.proto\x12\tstrata.v1\"\x19\n\x08LayerRef\x12\r\n\x05layer\x18\x01 \x01(\t\"G\n\tLayerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\t\x12\x17\n\x0fprovenance_json\x18\x03 \x01(\t\"\x12\n\x10LayerListRequest\"\x1d\n\x0eLayerListReply\x12\x0b\n\x03ids\x18\x01 \x03(\t2~\n\x06Layers\x12\x34\n\x07Inspect\x12\x13.strata.v1.LayerRef\x1a\x14.strata.v1.LayerInfo\x12>\n\x04List\x12\x1b.strata.v1.LayerListRequest\x1a\x19.strata.v1.LayerListReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16strata/v1/layers.proto\x12\tstrata.v1\"\x19\n\x08LayerRef\x12\r\n\x05layer\x18\x01 \x01(\t\"G\n\tLayerInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmanifest_json\x18\x02 \x01(\t\x12\x17\n\x0fprovenance_json\x18\x03 \x01(\t\"\x12\n\x10LayerListRequest\"\x1d\n\x0eLayerListReply\x12\x0b\n\x03ids\x18\x01 \x03(\t\"h\n\tBuildSpec\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\x12\x0f\n\x07\x65xclude\x18\x04 \x03(\t\x12\x0e\n\x06prefix\x18\x05 \x01(\t\x12\r\n\x05image\x18\x06 \x01(\t\"=\n\nBuildInput\x12\"\n\x04spec\x18\x01 \x01(\x0b\x32\x14.strata.v1.BuildSpec\x12\x0b\n\x03tar\x18\x02 \x01(\x0c\"\xbc\x01\n\x0b\x42uildResult\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05\x66iles\x18\x02 \x01(\x04\x12\x15\n\rlogical_bytes\x18\x03 \x01(\x04\x12\x16\n\x0euploaded_bytes\x18\x04 \x01(\x04\x12\x16\n\x0enew_data_bytes\x18\x05 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x06 \x01(\x04\x12\x15\n\rreused_chunks\x18\x07 \x01(\x04\x12\x0f\n\x07seconds\x18\x08 \x01(\x01\x12\x13\n\x0breport_json\x18\t \x01(\t\"n\n\nBuildEvent\x12\x18\n\x0ereceived_bytes\x18\x01 \x01(\x04H\x00\x12\x15\n\x0b\x62uilt_bytes\x18\x02 \x01(\x04H\x00\x12&\n\x04\x64one\x18\x03 \x01(\x0b\x32\x16.strata.v1.BuildResultH\x00\x42\x07\n\x05\x65vent2\xb9\x01\n\x06Layers\x12\x39\n\x05\x42uild\x12\x15.strata.v1.BuildInput\x1a\x15.strata.v1.BuildEvent(\x01\x30\x01\x12\x34\n\x07Inspect\x12\x13.strata.v1.LayerRef\x1a\x14.strata.v1.LayerInfo\x12>\n\x04List\x12\x1b.strata.v1.LayerListRequest\x1a\x19.strata.v1.LayerListReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,6 +39,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LAYERLISTREQUEST']._serialized_end=155
   _globals['_LAYERLISTREPLY']._serialized_start=157
   _globals['_LAYERLISTREPLY']._serialized_end=186
-  _globals['_LAYERS']._serialized_start=188
-  _globals['_LAYERS']._serialized_end=314
+  _globals['_BUILDSPEC']._serialized_start=188
+  _globals['_BUILDSPEC']._serialized_end=292
+  _globals['_BUILDINPUT']._serialized_start=294
+  _globals['_BUILDINPUT']._serialized_end=355
+  _globals['_BUILDRESULT']._serialized_start=358
+  _globals['_BUILDRESULT']._serialized_end=546
+  _globals['_BUILDEVENT']._serialized_start=548
+  _globals['_BUILDEVENT']._serialized_end=658
+  _globals['_LAYERS']._serialized_start=661
+  _globals['_LAYERS']._serialized_end=846
 # @@protoc_insertion_point(module_scope)

@@ -34,6 +34,11 @@ class LayersStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.Build = channel.stream_stream(
+                '/strata.v1.Layers/Build',
+                request_serializer=strata_dot_v1_dot_layers__pb2.BuildInput.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_layers__pb2.BuildEvent.FromString,
+                _registered_method=True)
         self.Inspect = channel.unary_unary(
                 '/strata.v1.Layers/Inspect',
                 request_serializer=strata_dot_v1_dot_layers__pb2.LayerRef.SerializeToString,
@@ -48,6 +53,14 @@ class LayersStub:
 
 class LayersServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def Build(self, request_iterator, context):
+        """Builds a layer from a tar the client streams (plain, gzip or zstd) or from a registry
+        image; answers with progress, then the result.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Inspect(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -64,6 +77,11 @@ class LayersServicer:
 
 def add_LayersServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'Build': grpc.stream_stream_rpc_method_handler(
+                    servicer.Build,
+                    request_deserializer=strata_dot_v1_dot_layers__pb2.BuildInput.FromString,
+                    response_serializer=strata_dot_v1_dot_layers__pb2.BuildEvent.SerializeToString,
+            ),
             'Inspect': grpc.unary_unary_rpc_method_handler(
                     servicer.Inspect,
                     request_deserializer=strata_dot_v1_dot_layers__pb2.LayerRef.FromString,
@@ -84,6 +102,33 @@ def add_LayersServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Layers:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Build(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/strata.v1.Layers/Build',
+            strata_dot_v1_dot_layers__pb2.BuildInput.SerializeToString,
+            strata_dot_v1_dot_layers__pb2.BuildEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Inspect(request,

@@ -1,0 +1,369 @@
+//! The `service` suite: sandboxes through the node service (`strata serve`), from the
+//! Python SDK and from the CLI (`--server`), against the embedded runtime and bare
+//! `crun run` in the same run: create → first exec latency, creations per second with 8
+//! and 32 concurrent SDK clients, and how create → first exec holds up with 1,000 idle
+//! sandboxes on the node. The sample environment, layers cached (as the runtime suite).
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use strata_catalog::Backend;
+
+use crate::report::{Row, Section};
+use crate::runtime::{bare_bundle, bare_crun, bin, percentile, setup, strata_once, sustained};
+
+/// The SDK's side of the measurements: one AsyncClient, as a trainer would hold.
+const DRIVER: &str = r#"
+import asyncio, json, sys, time, strata
+ref, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+async def once(c):
+    t = time.perf_counter()
+    sb = await c.create(ref, backend="container")
+    r = await sb.exec(["/bin/true"])
+    took = (time.perf_counter() - t) * 1000
+    await sb.destroy()
+    assert r.exit_code == 0, r
+    return took
+async def main():
+    async with strata.AsyncClient() as c:
+        if mode == "latency":
+            await once(c)
+            out = [await once(c) for _ in range(n)]
+        elif mode == "rate":
+            window, done, t0 = float(sys.argv[4]), 0, time.perf_counter()
+            async def loop():
+                nonlocal done
+                while time.perf_counter() - t0 < window:
+                    await once(c)
+                    done += 1
+            await asyncio.gather(*(loop() for _ in range(n)))
+            out = done / (time.perf_counter() - t0)
+        elif mode == "fill":
+            sem = asyncio.Semaphore(8)
+            async def idle(i):
+                async with sem:
+                    await c.create(ref, backend="container", memory="32M", cpus=0.1, labels={"idle": "1"})
+            await asyncio.gather(*(idle(i) for i in range(n)))
+            out = len(await c.list(labels={"idle": "1"}))
+        elif mode == "drain":
+            sem = asyncio.Semaphore(8)
+            async def rm(sb):
+                async with sem:
+                    await sb.destroy()
+            idle = await c.list(labels={"idle": "1"})
+            await asyncio.gather(*(rm(sb) for sb in idle))
+            out = len(idle)
+    print(json.dumps(out))
+asyncio.run(main())
+"#;
+
+struct Served {
+    child: Child,
+    url: String,
+    token: String,
+    home: PathBuf,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn strata(home: &Path, store: &str, args: &[&str]) -> Result<String> {
+    let o = Command::new(bin("strata")?)
+        .env("STRATA_HOME", home)
+        .env("STRATA_STORE", store)
+        .args(args)
+        .output()?;
+    if !o.status.success() {
+        bail!("strata {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    }
+    Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+}
+
+/// `strata serve` on its own home sharing the suite's store, with a project and token.
+fn serve(dir: &Path, store: &str) -> Result<Served> {
+    let home = dir.join("service-home");
+    let _ = std::fs::remove_dir_all(&home);
+    std::fs::create_dir_all(&home)?;
+    let port = free_port()?;
+    // 1,000 idle sandboxes of 32 MiB and a tenth of a CPU: admission must let them in.
+    std::fs::write(
+        home.join("strata.toml"),
+        format!("listen = \"127.0.0.1:{port}\"\nmemory_overcommit = 4.0\ncpu_overcommit = 100.0\n"),
+    )?;
+    let project = format!("bench{}", std::process::id());
+    strata(&home, store, &["project", "create", &project])?;
+    let token = strata(&home, store, &["token", "create", "--project", &project])?
+        .lines()
+        .last()
+        .context("token create printed nothing")?
+        .trim()
+        .to_string();
+    let log = std::fs::File::create(home.join("serve.log"))?;
+    let child = Command::new(bin("strata")?)
+        .env("STRATA_HOME", &home)
+        .env("STRATA_STORE", store)
+        .args(["serve", "--node-name", "bench"])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()?;
+    let s = Served {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+        token,
+        home,
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            bail!("strata serve did not listen");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(s)
+}
+
+/// A virtual environment with the checkout's SDK.
+fn python(dir: &Path, repo: &Path) -> Result<PathBuf> {
+    let venv = dir.join("sdk-venv");
+    let py = venv.join("bin/python");
+    if !py.exists() {
+        let ok = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()?;
+        if !ok.success() {
+            bail!("python3 -m venv failed (apt-get install python3-venv)");
+        }
+    }
+    let ok = Command::new(&py)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .arg(repo.join("sdk/python"))
+        .status()?;
+    if !ok.success() {
+        bail!("pip install sdk/python failed");
+    }
+    Ok(py)
+}
+
+fn drive<T: serde::de::DeserializeOwned>(
+    py: &Path,
+    s: &Served,
+    reference: &str,
+    args: &[&str],
+) -> Result<T> {
+    let o = Command::new(py)
+        .args(["-c", DRIVER, reference])
+        .args(args)
+        .env("STRATA_SERVER", &s.url)
+        .env("STRATA_TOKEN", &s.token)
+        .output()?;
+    if !o.status.success() {
+        bail!(
+            "SDK driver {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let out = String::from_utf8_lossy(&o.stdout);
+    serde_json::from_str(out.trim()).with_context(|| format!("SDK driver printed {out}"))
+}
+
+/// `strata --server sandbox create`, then `sandbox exec -- /bin/true`: create → first
+/// exec as a script using the CLI sees it (two processes); the destroy is not timed.
+fn cli_once(s: &Served, reference: &str) -> Result<f64> {
+    let cli = |args: &[&str]| -> Result<String> {
+        let o = Command::new(bin("strata")?)
+            .env("STRATA_HOME", s.home.join("client"))
+            .env("STRATA_SERVER", &s.url)
+            .env("STRATA_TOKEN", &s.token)
+            .args(args)
+            .output()?;
+        if !o.status.success() {
+            bail!("strata {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        }
+        Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+    };
+    let t = Instant::now();
+    let id = cli(&["sandbox", "create", "--backend", "container", reference])?
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    cli(&["sandbox", "exec", &id, "--", "/bin/true"])?;
+    let took = t.elapsed().as_secs_f64() * 1000.0;
+    cli(&["sandbox", "rm", &id])?;
+    Ok(took)
+}
+
+pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Section> {
+    let s = Arc::new(setup(rt, scratch, repo)?);
+    let base = s.rootfs.parent().context("rootfs parent")?.to_path_buf();
+    let py = python(&base, repo)?;
+    let served = serve(&base, &s.store_url)?;
+    let reference = s.spec.catalog_ref.clone();
+    let samples = 60;
+    let mut rows = Vec::new();
+
+    let bundle = bare_bundle(&base.join("service-bare"), &s.rootfs)?;
+    let crun_state = base.join("service-bare-crun");
+    std::fs::create_dir_all(&crun_state)?;
+    strata_once(&s, Backend::Container)?;
+    let mut bare: Vec<f64> = (0..samples)
+        .map(|i| bare_crun(&bundle, &crun_state, &format!("svc-bare-{i}")))
+        .collect::<Result<_>>()?;
+    let mut embedded: Vec<f64> = (0..samples)
+        .map(|_| strata_once(&s, Backend::Container))
+        .collect::<Result<_>>()?;
+    let mut sdk: Vec<f64> = drive(&py, &served, &reference, &["latency", &samples.to_string()])?;
+    cli_once(&served, &reference)?;
+    let mut cli: Vec<f64> = (0..samples / 3)
+        .map(|_| cli_once(&served, &reference))
+        .collect::<Result<_>>()?;
+    let (bare50, bare99) = (percentile(&mut bare, 0.5), percentile(&mut bare, 0.99));
+    let (emb50, emb99) = (
+        percentile(&mut embedded, 0.5),
+        percentile(&mut embedded, 0.99),
+    );
+    let (sdk50, sdk99) = (percentile(&mut sdk, 0.5), percentile(&mut sdk, 0.99));
+    let (cli50, cli99) = (percentile(&mut cli, 0.5), percentile(&mut cli, 0.99));
+    rows.push(Row::new(
+        "container create -> first exec via the SDK, p50",
+        "ms",
+        sdk50,
+        "embedded runtime, p50",
+        emb50,
+        "lower",
+        &format!(
+            "target: the service adds < 2 ms (adds {:.1} ms)",
+            sdk50 - emb50
+        ),
+    ));
+    rows.push(Row::new(
+        "container create -> first exec via the SDK, p99",
+        "ms",
+        sdk99,
+        "embedded runtime, p99",
+        emb99,
+        "lower",
+        "",
+    ));
+    rows.push(Row::new(
+        "container create -> first exec via the SDK, p50 vs bare crun",
+        "ms",
+        sdk50,
+        "bare crun run (pre-extracted rootfs), p50",
+        bare50,
+        "lower",
+        "target <= 1.5x",
+    ));
+    rows.push(Row::new(
+        "container create -> first exec via the SDK, p99 vs bare crun",
+        "ms",
+        sdk99,
+        "bare crun run, p99",
+        bare99,
+        "lower",
+        "",
+    ));
+    rows.push(Row::new(
+        "container create -> first exec via the CLI (--server), p50",
+        "ms",
+        cli50,
+        "embedded runtime, p50",
+        emb50,
+        "lower",
+        "two CLI processes: sandbox create, sandbox exec",
+    ));
+    rows.push(Row::new(
+        "container create -> first exec via the CLI (--server), p99",
+        "ms",
+        cli99,
+        "embedded runtime, p99",
+        emb99,
+        "lower",
+        "",
+    ));
+
+    let window = 20.0;
+    for clients in [8usize, 32] {
+        let b = bundle.clone();
+        let cs = crun_state.clone();
+        let bare_rate = sustained(
+            clients,
+            Duration::from_secs_f64(window),
+            Arc::new(move |c, n| bare_crun(&b, &cs, &format!("svc-sus-{c}-{n}")).map(|_| ())),
+        )?;
+        let rate: f64 = drive(
+            &py,
+            &served,
+            &reference,
+            &["rate", &clients.to_string(), &window.to_string()],
+        )?;
+        rows.push(Row::new(
+            &format!("container creations/s via the SDK, {clients} clients"),
+            "1/s",
+            rate,
+            "bare crun run/s",
+            bare_rate,
+            "higher",
+            if clients == 32 {
+                "target >= 0.6x bare crun"
+            } else {
+                ""
+            },
+        ));
+    }
+
+    // Density: the same latency with 1,000 idle sandboxes on the node.
+    let idle = 1000;
+    let t = Instant::now();
+    let filled: u64 = drive(&py, &served, &reference, &["fill", &idle.to_string()])?;
+    let fill_secs = t.elapsed().as_secs_f64();
+    let mut full: Vec<f64> = drive(
+        &py,
+        &served,
+        &reference,
+        &["latency", &(samples / 2).to_string()],
+    )?;
+    let full50 = percentile(&mut full, 0.5);
+    let drained: u64 = drive(&py, &served, &reference, &["drain", "0"])?;
+    rows.push(Row::new(
+        &format!("container create -> first exec via the SDK with {filled} idle sandboxes, p50"),
+        "ms",
+        full50,
+        "on an empty node, p50",
+        sdk50,
+        "lower",
+        &format!("target <= 1.3x; {filled} idle made in {fill_secs:.0} s, {drained} destroyed"),
+    ));
+    let _ = Command::new(bin("strata")?)
+        .env("STRATA_HOME", &served.home)
+        .args(["sandbox", "pool", "--drain"])
+        .output();
+    drop(served);
+    Ok(Section {
+        name: "service".into(),
+        description: "Sandboxes through the node service (strata serve) from the Python SDK and the CLI, against the embedded runtime and bare crun run over a pre-extracted rootfs, in one run; layers cached locally.".into(),
+        rows,
+    })
+}
