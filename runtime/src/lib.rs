@@ -732,15 +732,13 @@ impl Runtime {
             for e in rd.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
                 // `.gone-<id>-<pid>-<n>`: left when the process that moved it is gone.
-                let remover = name
-                    .rsplitn(3, '-')
-                    .nth(1)
-                    .and_then(|p| p.parse::<u32>().ok());
+                let remover = name.rsplit('-').nth(1).and_then(|p| p.parse::<u32>().ok());
                 let abandoned = remover.is_some_and(|pid| process_start(pid).is_none());
-                if name.starts_with(".gone-") && abandoned {
-                    if std::fs::remove_dir_all(e.path()).is_ok() {
-                        report.orphans.push(format!("directory {name}"));
-                    }
+                if name.starts_with(".gone-")
+                    && abandoned
+                    && std::fs::remove_dir_all(e.path()).is_ok()
+                {
+                    report.orphans.push(format!("directory {name}"));
                 }
             }
         }
