@@ -348,17 +348,11 @@ impl Daemon {
                 tracing::info!(dir = %dir.display(), "the bind is already unmounted; forgetting it");
                 return Ok(());
             }
-            (Ok((true, dev)), Some(Ok((true, shared_dev)))) => {
-                if dev != shared_dev {
-                    return Err(LazyError::Busy(format!(
-                        "{}: another mount is over the lazyfs bind; unmount it first",
-                        dir.display()
-                    )));
-                }
+            (Ok((true, dev)), Some(Ok((true, shared_dev)))) if dev == shared_dev => {
                 return self.unmount_bind(dir);
             }
-            // A kernel without mount roots in statx, or the shared mount missing: read the
-            // mount table.
+            // Something else on top (refused below, naming it), a kernel without mount
+            // roots in statx, or the shared mount missing: read the mount table.
             _ => {}
         }
         let all = mounts::mounts().map_err(LazyError::io(Path::new("/proc/self/mountinfo")))?;
