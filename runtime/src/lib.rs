@@ -613,6 +613,15 @@ impl Runtime {
 
     /// A live sandbox by ID (or unique ID prefix).
     pub fn get(&self, id: &str) -> Result<Sandbox, RuntimeError> {
+        // A whole ID (what the node service and scripts pass) is its directory: no
+        // listing of every sandbox on the host.
+        let exact = !id.is_empty() && !id.contains(['/', '.']);
+        if exact && self.sandbox_dir(id).join("sandbox.json").is_file() {
+            return Ok(Sandbox {
+                rt: self.clone(),
+                record: self.load(id)?,
+            });
+        }
         let ids = self.ids();
         let matches: Vec<&String> = ids.iter().filter(|i| i.starts_with(id)).collect();
         let id = match matches.as_slice() {

@@ -42,8 +42,6 @@ pub enum EndReason {
     Error,
     /// Its maximum lifetime (set by the node service) passed.
     Lifetime,
-    /// A budget ended it (the node service's policy on a budget hit).
-    Budget,
     /// The node service restarted and could not take it back.
     NodeRestart,
 }
@@ -57,7 +55,6 @@ impl EndReason {
             EndReason::OwnerGone => "owner-gone",
             EndReason::Error => "error",
             EndReason::Lifetime => "lifetime",
-            EndReason::Budget => "budget",
             EndReason::NodeRestart => "node-restart",
         }
     }

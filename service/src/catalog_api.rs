@@ -18,14 +18,6 @@ fn namespace_of(id: &str) -> &str {
     id.split('/').next().unwrap_or("")
 }
 
-fn fail(node: &Node, e: impl Into<ServiceError>) -> Status {
-    let e = e.into();
-    if e.is_store() {
-        node.metrics.store_error();
-    }
-    Status::from(e)
-}
-
 fn entry_reply(reg: &strata_catalog::Registered) -> Result<proto::CatalogEntry, ServiceError> {
     Ok(proto::CatalogEntry {
         reference: reg.reference(),
@@ -79,7 +71,7 @@ impl catalog_server::Catalog for CatalogApi {
             .catalog
             .register(entry, &self.0.registrant(&who))
             .await
-            .map_err(|e| fail(&self.0, e))?;
+            .map_err(|e| self.0.fail(e))?;
         Ok(Response::new(entry_reply(&reg)?))
     }
 
@@ -94,7 +86,7 @@ impl catalog_server::Catalog for CatalogApi {
             .catalog
             .get(&r.catalog_id)
             .await
-            .map_err(|e| fail(&self.0, e))?;
+            .map_err(|e| self.0.fail(e))?;
         Ok(Response::new(entry_reply(&reg)?))
     }
 
@@ -109,7 +101,7 @@ impl catalog_server::Catalog for CatalogApi {
             .catalog
             .list(&r.prefix)
             .await
-            .map_err(|e| fail(&self.0, e))?;
+            .map_err(|e| self.0.fail(e))?;
         Ok(Response::new(proto::CatalogListReply { ids }))
     }
 
@@ -124,7 +116,7 @@ impl catalog_server::Catalog for CatalogApi {
             .catalog
             .history(&r.catalog_id)
             .await
-            .map_err(|e| fail(&self.0, e))?;
+            .map_err(|e| self.0.fail(e))?;
         let records = log
             .iter()
             .map(|l| serde_json::to_string(l).map_err(|e| ServiceError::Internal(e.to_string())))
@@ -144,7 +136,7 @@ impl catalog_server::Catalog for CatalogApi {
             .catalog
             .remove(&r.catalog_id, &self.0.registrant(&who))
             .await
-            .map_err(|e| fail(&self.0, e))?;
+            .map_err(|e| self.0.fail(e))?;
         Ok(Response::new(proto::RemoveReply { removed }))
     }
 }

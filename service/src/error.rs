@@ -29,8 +29,6 @@ pub enum ServiceError {
     },
     #[error("{0}")]
     Unavailable(String),
-    #[error("{0}")]
-    Timeout(String),
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
     #[error(transparent)]
@@ -74,7 +72,6 @@ impl ServiceError {
             ServiceError::AlreadyExists(_) => (Code::AlreadyExists, "already-exists"),
             ServiceError::Exhausted { reason, .. } => (Code::ResourceExhausted, reason),
             ServiceError::Unavailable(_) => (Code::Unavailable, "unavailable"),
-            ServiceError::Timeout(_) => (Code::DeadlineExceeded, "timeout"),
             ServiceError::Runtime(e) => match e {
                 RuntimeError::NotFound(_) => (Code::NotFound, "not-found"),
                 RuntimeError::Invalid(_) | RuntimeError::Unsupported(_) => {

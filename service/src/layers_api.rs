@@ -19,14 +19,6 @@ use crate::proto::layers_server;
 
 pub struct LayersApi(pub Arc<Node>);
 
-fn fail(node: &Node, e: impl Into<ServiceError>) -> Status {
-    let e = e.into();
-    if e.is_store() {
-        node.metrics.store_error();
-    }
-    Status::from(e)
-}
-
 type BuildStream = Pin<Box<dyn Stream<Item = Result<proto::BuildEvent, Status>> + Send>>;
 
 fn event(e: proto::build_event::Event) -> Result<proto::BuildEvent, Status> {
@@ -245,8 +237,8 @@ impl layers_server::Layers for LayersApi {
         let id = store
             .resolve_layer(&r.layer)
             .await
-            .map_err(|e| fail(&self.0, e))?;
-        let manifest = store.get_layer(&id).await.map_err(|e| fail(&self.0, e))?;
+            .map_err(|e| self.0.fail(e))?;
+        let manifest = store.get_layer(&id).await.map_err(|e| self.0.fail(e))?;
         let provenance = store.get_provenance(&id).await.ok();
         Ok(Response::new(proto::LayerInfo {
             id: id.to_string(),
@@ -268,7 +260,7 @@ impl layers_server::Layers for LayersApi {
             .store()
             .list_layers()
             .await
-            .map_err(|e| fail(&self.0, e))?;
+            .map_err(|e| self.0.fail(e))?;
         Ok(Response::new(proto::LayerListReply {
             ids: ids.iter().map(|d| d.to_string()).collect(),
         }))

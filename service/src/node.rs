@@ -234,37 +234,21 @@ impl Node {
         self.metas.remove(local);
     }
 
-    pub fn set_paused(&self, local: &str, paused: bool) -> Result<Meta, ServiceError> {
-        let mut map = self.lock();
-        let meta = map
-            .get_mut(local)
-            .ok_or_else(|| ServiceError::NotFound(format!("sandbox {local} has ended")))?;
-        meta.paused = paused;
-        let m = meta.clone();
-        drop(map);
-        self.metas.save(&m)?;
-        Ok(m)
-    }
-
-    /// Moves the end of the lifetime and/or records a new idle TTL.
-    pub fn set_times(
+    /// Changes the service's record of a live sandbox (paused, lifetime, idle TTL) and
+    /// saves it.
+    pub fn update(
         &self,
         local: &str,
-        expires_ms: Option<Option<u64>>,
-        idle_ttl_ms: Option<u64>,
+        change: impl FnOnce(&mut Meta),
     ) -> Result<Meta, ServiceError> {
-        let mut map = self.lock();
-        let meta = map
-            .get_mut(local)
-            .ok_or_else(|| ServiceError::NotFound(format!("sandbox {local} has ended")))?;
-        if let Some(e) = expires_ms {
-            meta.expires_ms = e;
-        }
-        if let Some(t) = idle_ttl_ms {
-            meta.idle_ttl_ms = t;
-        }
-        let m = meta.clone();
-        drop(map);
+        let m = {
+            let mut map = self.lock();
+            let meta = map
+                .get_mut(local)
+                .ok_or_else(|| ServiceError::NotFound(format!("sandbox {local} has ended")))?;
+            change(meta);
+            meta.clone()
+        };
         self.metas.save(&m)?;
         Ok(m)
     }
@@ -452,17 +436,15 @@ impl Node {
         for _ in &report.crashed {
             self.metrics.ended(EndReason::Crashed.as_str());
         }
-        let live: std::collections::HashSet<String> =
-            self.rt.list().into_iter().map(|r| r.id).collect();
-        let candidates: Vec<String> = self
+        // What the runtime no longer has (reaped above, or ended by hand) is forgotten;
+        // each checked now, after the reap, so a create finishing meanwhile is kept.
+        let known: Vec<String> = self
             .lock()
             .values()
-            .filter(|m| !m.pending && !live.contains(&m.local))
+            .filter(|m| !m.pending)
             .map(|m| m.local.clone())
             .collect();
-        // The list above may predate a create that finished since: forget only what the
-        // runtime does not have now.
-        for local in candidates {
+        for local in known {
             if matches!(
                 self.rt.get(&local),
                 Err(strata_runtime::RuntimeError::NotFound(_))
@@ -490,6 +472,15 @@ pub(crate) async fn reaper(node: Arc<Node>) {
 }
 
 impl Node {
+    /// A failed call's status; a failure of the store is counted in the metrics.
+    pub(crate) fn fail(&self, e: impl Into<ServiceError>) -> tonic::Status {
+        let e = e.into();
+        if e.is_store() {
+            self.metrics.store_error();
+        }
+        tonic::Status::from(e)
+    }
+
     pub fn registrant(&self, caller: &Caller) -> String {
         format!("{} via {}", caller.identity(), self.registrant)
     }

@@ -26,12 +26,10 @@ pub(crate) async fn caller<T>(node: &Node, req: &Request<T>) -> Result<crate::Ca
             "no token: send `authorization: Bearer <token>` (set STRATA_TOKEN; make one with `strata token create --project NAME`)".into(),
         ))
     })?;
-    node.projects.authenticate(&token).await.map_err(|e| {
-        if e.is_store() {
-            node.metrics.store_error();
-        }
-        Status::from(e)
-    })
+    node.projects
+        .authenticate(&token)
+        .await
+        .map_err(|e| node.fail(e))
 }
 
 #[tonic::async_trait]

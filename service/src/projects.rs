@@ -209,10 +209,8 @@ impl Projects {
         })
     }
 
-    async fn list_prefix<T: for<'de> Deserialize<'de>>(
-        &self,
-        prefix: &str,
-    ) -> Result<Vec<T>, ServiceError> {
+    /// The keys of the objects under `prefix`.
+    async fn keys(&self, prefix: &str) -> Result<Vec<ObjectPath>, ServiceError> {
         use futures::TryStreamExt;
         let prefix = ObjectPath::from(prefix);
         let metas: Vec<_> = self
@@ -224,9 +222,16 @@ impl Projects {
                 key: prefix.to_string(),
                 source,
             })?;
+        Ok(metas.into_iter().map(|m| m.location).collect())
+    }
+
+    async fn list_prefix<T: for<'de> Deserialize<'de>>(
+        &self,
+        prefix: &str,
+    ) -> Result<Vec<T>, ServiceError> {
         let mut out = Vec::new();
-        for m in metas {
-            if let Some(v) = self.get_json(&m.location).await? {
+        for key in self.keys(prefix).await? {
+            if let Some(v) = self.get_json(&key).await? {
                 out.push(v);
             }
         }
@@ -268,7 +273,6 @@ impl Projects {
 
     /// Revokes a token, named by the token itself or by its ID.
     pub async fn revoke(&self, token_or_id: &str) -> Result<TokenRecord, ServiceError> {
-        use futures::TryStreamExt;
         let key = if token_or_id.starts_with(TOKEN_PREFIX) {
             Self::token_key(&token_hash(token_or_id))
         } else {
@@ -281,22 +285,14 @@ impl Projects {
                     ),
                 ));
             }
-            let prefix = ObjectPath::from("tokens");
-            let found: Vec<_> = self
-                .backend
-                .list(Some(&prefix))
-                .try_collect()
-                .await
-                .map_err(|source| ServiceError::Backend {
-                    key: prefix.to_string(),
-                    source,
-                })?;
-            let hits: Vec<_> = found
+            let hits: Vec<ObjectPath> = self
+                .keys("tokens")
+                .await?
                 .into_iter()
-                .filter(|m| m.location.filename().is_some_and(|f| f.starts_with(&id)))
+                .filter(|k| k.filename().is_some_and(|f| f.starts_with(&id)))
                 .collect();
             match hits.as_slice() {
-                [one] => one.location.clone(),
+                [one] => one.clone(),
                 [] => {
                     return Err(ServiceError::NotFound(format!(
                         "no token with ID {token_or_id} (see `strata token ls`)"

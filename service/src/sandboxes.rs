@@ -122,6 +122,27 @@ impl SandboxesApi {
         })
     }
 
+    /// Pauses or resumes a sandbox, and records which it is.
+    async fn set_paused(
+        &self,
+        req: Request<proto::SandboxRef>,
+        paused: bool,
+    ) -> Result<Response<proto::SandboxInfo>, Status> {
+        let id = req.get_ref().id.clone();
+        let (meta, sb) = self.open(&req, &id).await?;
+        let node = self.0.clone();
+        let m = blocking(move || {
+            if paused {
+                sb.pause()?;
+            } else {
+                sb.resume()?;
+            }
+            node.update(&meta.local, |m| m.paused = paused)
+        })
+        .await?;
+        Ok(Response::new(info(&self.0, &m)))
+    }
+
     /// Runs the sandbox's own tool (`rm`, `mkdir`) for a file operation the agent
     /// protocol has no message for; its exit and stderr are the answer.
     async fn tool(&self, sb: Sandbox, argv: Vec<String>, what: String) -> Result<(), Status> {
@@ -195,12 +216,11 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
             lifetime: duration("lifetime", &r.lifetime)?,
             labels: r.labels.into_iter().collect(),
         };
-        let meta = self.0.create(&who, args).await.map_err(|e| {
-            if e.is_store() {
-                self.0.metrics.store_error();
-            }
-            Status::from(e)
-        })?;
+        let meta = self
+            .0
+            .create(&who, args)
+            .await
+            .map_err(|e| self.0.fail(e))?;
         Ok(Response::new(info(&self.0, &meta)))
     }
 
@@ -567,30 +587,14 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         &self,
         req: Request<proto::SandboxRef>,
     ) -> Result<Response<proto::SandboxInfo>, Status> {
-        let id = req.get_ref().id.clone();
-        let (meta, sb) = self.open(&req, &id).await?;
-        let node = self.0.clone();
-        let m = blocking(move || {
-            sb.pause()?;
-            node.set_paused(&meta.local, true)
-        })
-        .await?;
-        Ok(Response::new(info(&self.0, &m)))
+        self.set_paused(req, true).await
     }
 
     async fn resume(
         &self,
         req: Request<proto::SandboxRef>,
     ) -> Result<Response<proto::SandboxInfo>, Status> {
-        let id = req.get_ref().id.clone();
-        let (meta, sb) = self.open(&req, &id).await?;
-        let node = self.0.clone();
-        let m = blocking(move || {
-            sb.resume()?;
-            node.set_paused(&meta.local, false)
-        })
-        .await?;
-        Ok(Response::new(info(&self.0, &m)))
+        self.set_paused(req, false).await
     }
 
     async fn snapshot(
@@ -627,11 +631,14 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
             if let Some(t) = idle {
                 sb.set_idle_ttl(t)?;
             }
-            node.set_times(
-                &meta.local,
-                lifetime.map(|l| Some(now_ms() + l.as_millis() as u64)),
-                idle.map(|t| t.as_millis() as u64),
-            )
+            node.update(&meta.local, |m| {
+                if let Some(l) = lifetime {
+                    m.expires_ms = Some(now_ms() + l.as_millis() as u64);
+                }
+                if let Some(t) = idle {
+                    m.idle_ttl_ms = t.as_millis() as u64;
+                }
+            })
         })
         .await?;
         Ok(Response::new(info(&self.0, &m)))

@@ -135,35 +135,20 @@ fn main() {
     };
     let result = runtime.block_on(async {
         let s = &settings;
-        if let Some(url) = &s.server {
-            match cli.command {
-                Command::Layer(c) => {
-                    return remote::layer(
-                        &remote::Remote::connect(url, s.token.as_deref()).await?,
-                        c,
-                    )
-                    .await
-                }
-                Command::Catalog(c) => {
-                    return remote::catalog(
-                        &remote::Remote::connect(url, s.token.as_deref()).await?,
-                        c,
-                    )
-                    .await
-                }
-                Command::Run(a) => {
-                    return remote::run(&remote::Remote::connect(url, s.token.as_deref()).await?, a)
-                        .await
-                }
-                Command::Sandbox(c) => {
-                    return remote::sandbox(
-                        &remote::Remote::connect(url, s.token.as_deref()).await?,
-                        c,
-                    )
-                    .await
-                }
-                _ => {}
-            }
+        // `layer`, `catalog`, `run` and `sandbox` go to the node service when one is set.
+        let served = matches!(
+            cli.command,
+            Command::Layer(_) | Command::Catalog(_) | Command::Run(_) | Command::Sandbox(_)
+        );
+        if let (Some(url), true) = (&s.server, served) {
+            let r = remote::Remote::connect(url, s.token.as_deref()).await?;
+            return match cli.command {
+                Command::Layer(c) => remote::layer(&r, c).await,
+                Command::Catalog(c) => remote::catalog(&r, c).await,
+                Command::Run(a) => remote::run(&r, a).await,
+                Command::Sandbox(c) => remote::sandbox(&r, c).await,
+                _ => unreachable!("only served commands get here"),
+            };
         }
         match cli.command {
             Command::Layer(c) => layer::run(s, c).await,

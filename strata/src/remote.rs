@@ -18,7 +18,11 @@ use tonic::transport::Channel;
 
 use crate::catalog::CatalogCommand;
 use crate::output::{human_bytes, print_json};
-use crate::sandbox::{parse_env, split_remote, RunArgs, SandboxCommand, SandboxOptions};
+use crate::sandbox::{
+    parse_env, print_processes, print_sink, read_local, report_budgets, run_argv, split_remote,
+    RunArgs, SandboxCommand, SandboxOptions,
+};
+use strata_runtime::Stream;
 
 pub struct Remote {
     channel: Channel,
@@ -166,25 +170,14 @@ impl Remote {
             .await
             .map_err(self.err())?
             .into_inner();
+        let mut sink = print_sink();
         while let Some(ev) = events.message().await.map_err(self.err())? {
             use proto::exec_event::Event;
             match ev.event {
-                Some(Event::Stdout(d)) => {
-                    let mut o = std::io::stdout().lock();
-                    let _ = o.write_all(&d).and_then(|_| o.flush());
-                }
-                Some(Event::Stderr(d)) => {
-                    let mut e = std::io::stderr().lock();
-                    let _ = e.write_all(&d).and_then(|_| e.flush());
-                }
+                Some(Event::Stdout(d)) => sink(Stream::Stdout, &d),
+                Some(Event::Stderr(d)) => sink(Stream::Stderr, &d),
                 Some(Event::Exit(r)) => {
-                    if !r.budgets_hit.is_empty() {
-                        eprintln!(
-                            "strata: budget exceeded: {} (exit status {})",
-                            r.budgets_hit.join(", "),
-                            r.exit_code
-                        );
-                    }
+                    report_budgets(&r.budgets_hit, r.exit_code);
                     return Ok(r.exit_code);
                 }
                 None => {}
@@ -203,26 +196,11 @@ impl Remote {
 }
 
 pub async fn run(remote: &Remote, args: RunArgs) -> Result<i32> {
-    let argv = match (&args.named, args.cmd.is_empty()) {
-        (Some(name), true) => {
-            let reg = remote.resolve(&args.catalog_id).await?;
-            let line = reg.entry.commands.get(name).with_context(|| {
-                format!(
-                    "{} has no command `{name}` (it has: {})",
-                    reg.reference(),
-                    reg.entry
-                        .commands
-                        .keys()
-                        .cloned()
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                )
-            })?;
-            vec!["/bin/sh".to_string(), "-c".to_string(), line.clone()]
-        }
-        (None, false) => args.cmd.clone(),
-        (Some(_), false) => bail!("give either --command NAME or a command after --, not both"),
-        (None, true) => bail!("nothing to run: add `-- CMD...` or `--command NAME`"),
+    let argv = if args.named.is_some() {
+        let reg = remote.resolve(&args.catalog_id).await?;
+        run_argv(&args, &reg.reference(), &reg.entry.commands)?
+    } else {
+        run_argv(&args, &args.catalog_id, &Default::default())?
     };
     let sb = remote.create(&args.catalog_id, &args.options).await?;
     let code = remote
@@ -276,16 +254,7 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
         }
         SandboxCommand::Cp { src, dst } => match (split_remote(&src), split_remote(&dst)) {
             (None, Some((id, path))) => {
-                let data = if src == "-" {
-                    let mut d = Vec::new();
-                    std::io::Read::read_to_end(&mut std::io::stdin(), &mut d)?;
-                    d
-                } else {
-                    std::fs::read(&src).with_context(|| format!("reading {src}"))?
-                };
-                let mode = std::fs::metadata(&src)
-                    .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777)
-                    .unwrap_or(0o644);
+                let (data, mode) = read_local(&src)?;
                 let mut parts: Vec<proto::WriteChunk> = data
                     .chunks(1 << 20)
                     .map(|c| proto::WriteChunk {
@@ -332,24 +301,18 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
                 .map_err(&err)?
                 .into_inner()
                 .processes;
-            if json {
-                let v: Vec<_> = ps
-                    .iter()
-                    .map(|p| serde_json::json!({"pid": p.pid, "state": p.state, "rss_bytes": p.rss_bytes, "cmdline": p.cmdline}))
-                    .collect();
-                print_json(&v)?;
-            } else {
-                println!("{:>7} {:>8} {:>10}  COMMAND", "PID", "STATE", "RSS");
-                for p in ps {
-                    println!(
-                        "{:>7} {:>8} {:>10}  {}",
-                        p.pid,
-                        p.state.split_whitespace().next().unwrap_or(""),
-                        human_bytes(p.rss_bytes),
-                        p.cmdline
-                    );
-                }
-            }
+            let ps: Vec<strata_runtime::ProcessInfo> = ps
+                .into_iter()
+                .map(|p| strata_runtime::ProcessInfo {
+                    pid: p.pid,
+                    // Host PIDs stay on the node.
+                    host_pid: 0,
+                    state: p.state,
+                    rss_bytes: p.rss_bytes,
+                    cmdline: p.cmdline,
+                })
+                .collect();
+            print_processes(&ps, json)?;
         }
         SandboxCommand::Ls { json } => {
             let list = sbs

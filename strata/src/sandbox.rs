@@ -226,7 +226,7 @@ async fn resolve(store: &Store, catalog_id: &str, options: &SandboxOptions) -> R
 }
 
 /// Streams a command's output to this process's stdout and stderr.
-fn print_sink() -> impl FnMut(Stream, &[u8]) {
+pub(crate) fn print_sink() -> impl FnMut(Stream, &[u8]) {
     |s, data| {
         let _ = match s {
             Stream::Stdout => {
@@ -258,15 +258,74 @@ fn top_up_pool(rt: &Runtime, spec: &SandboxSpec, target: usize) {
     }
 }
 
-pub(crate) fn report_budget(r: &ExecResult) {
-    if !r.budgets.is_empty() {
-        let hit: Vec<String> = r.budgets.iter().map(|b| b.to_string()).collect();
+fn report_budget(r: &ExecResult) {
+    let hit: Vec<String> = r.budgets.iter().map(|b| b.to_string()).collect();
+    report_budgets(&hit, r.status_code());
+}
+
+/// Says on stderr which budgets a command hit, if any (embedded or through a service).
+pub(crate) fn report_budgets(hit: &[String], status: i32) {
+    if !hit.is_empty() {
         eprintln!(
-            "strata: budget exceeded: {} (exit status {})",
-            hit.join(", "),
-            r.status_code()
+            "strata: budget exceeded: {} (exit status {status})",
+            hit.join(", ")
         );
     }
+}
+
+/// What `run` runs: the entry's command `--command NAME` names, or the command after `--`.
+pub(crate) fn run_argv(
+    args: &RunArgs,
+    reference: &str,
+    commands: &BTreeMap<String, String>,
+) -> Result<Vec<String>> {
+    match (&args.named, args.cmd.is_empty()) {
+        (Some(name), true) => {
+            let line = commands.get(name).with_context(|| {
+                format!(
+                    "{reference} has no command `{name}` (it has: {})",
+                    commands.keys().cloned().collect::<Vec<_>>().join(", ")
+                )
+            })?;
+            Ok(vec!["/bin/sh".to_string(), "-c".to_string(), line.clone()])
+        }
+        (None, false) => Ok(args.cmd.clone()),
+        (Some(_), false) => bail!("give either --command NAME or a command after --, not both"),
+        (None, true) => bail!("nothing to run: add `-- CMD...` or `--command NAME`"),
+    }
+}
+
+/// A local file (or stdin for `-`) to copy into a sandbox, and the mode it gets there.
+pub(crate) fn read_local(src: &str) -> Result<(Vec<u8>, u32)> {
+    let data = if src == "-" {
+        let mut d = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut d)?;
+        d
+    } else {
+        std::fs::read(src).with_context(|| format!("reading {src}"))?
+    };
+    let mode = std::fs::metadata(src)
+        .map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777)
+        .unwrap_or(0o644);
+    Ok((data, mode))
+}
+
+/// `sandbox ps`'s output.
+pub(crate) fn print_processes(ps: &[strata_runtime::ProcessInfo], json: bool) -> Result<()> {
+    if json {
+        return print_json(&ps);
+    }
+    println!("{:>7} {:>8} {:>10}  COMMAND", "PID", "STATE", "RSS");
+    for p in ps {
+        println!(
+            "{:>7} {:>8} {:>10}  {}",
+            p.pid,
+            p.state.split_whitespace().next().unwrap_or(""),
+            human_bytes(p.rss_bytes),
+            p.cmdline
+        );
+    }
+    Ok(())
 }
 
 pub(crate) fn duration(text: &Option<String>) -> Result<Option<Duration>> {
@@ -280,21 +339,7 @@ pub(crate) fn duration(text: &Option<String>) -> Result<Option<Duration>> {
 
 pub async fn run(store: &Store, settings: &Settings, args: RunArgs) -> Result<i32> {
     let spec = resolve(store, &args.catalog_id, &args.options).await?;
-    let argv = match (&args.named, args.cmd.is_empty()) {
-        (Some(name), true) => {
-            let line = spec.commands.get(name).with_context(|| {
-                format!(
-                    "{} has no command `{name}` (it has: {})",
-                    spec.catalog_ref,
-                    spec.commands.keys().cloned().collect::<Vec<_>>().join(", ")
-                )
-            })?;
-            vec!["/bin/sh".to_string(), "-c".to_string(), line.clone()]
-        }
-        (None, false) => args.cmd.clone(),
-        (Some(_), false) => bail!("give either --command NAME or a command after --, not both"),
-        (None, true) => bail!("nothing to run: add `-- CMD...` or `--command NAME`"),
-    };
+    let argv = run_argv(&args, &spec.catalog_ref, &spec.commands)?;
     let settings = settings.clone();
     tokio::task::spawn_blocking(move || -> Result<i32> {
         let rt = open_runtime(&settings)?;
@@ -377,18 +422,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
             SandboxCommand::Cp { src, dst } => {
                 match (split_remote(&src), split_remote(&dst)) {
                     (None, Some((id, path))) => {
-                        let data = if src == "-" {
-                            let mut d = Vec::new();
-                            std::io::Read::read_to_end(&mut std::io::stdin(), &mut d)?;
-                            d
-                        } else {
-                            std::fs::read(&src).with_context(|| format!("reading {src}"))?
-                        };
-                        let mode = std::fs::metadata(&src)
-                            .map(|m| {
-                                std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o7777
-                            })
-                            .unwrap_or(0o644);
+                        let (data, mode) = read_local(&src)?;
                         rt.get(id)?.write_file(path, &data, mode)?;
                     }
                     (Some((id, path)), None) => {
@@ -406,21 +440,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
                 Ok(0)
             }
             SandboxCommand::Ps { id, json } => {
-                let ps = rt.get(&id)?.processes();
-                if json {
-                    print_json(&ps)?;
-                } else {
-                    println!("{:>7} {:>8} {:>10}  COMMAND", "PID", "STATE", "RSS");
-                    for p in ps {
-                        println!(
-                            "{:>7} {:>8} {:>10}  {}",
-                            p.pid,
-                            p.state.split_whitespace().next().unwrap_or(""),
-                            human_bytes(p.rss_bytes),
-                            p.cmdline
-                        );
-                    }
-                }
+                print_processes(&rt.get(&id)?.processes(), json)?;
                 Ok(0)
             }
             SandboxCommand::Ls { json } => {
