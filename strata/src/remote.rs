@@ -455,46 +455,48 @@ pub async fn catalog(remote: &Remote, cmd: CatalogCommand) -> Result<i32> {
     Ok(0)
 }
 
+/// A layer's manifest and provenance (if recorded), from the service.
+async fn inspect_layer(
+    remote: &Remote,
+    layer: String,
+) -> Result<(
+    strata_store::LayerManifest,
+    Option<strata_store::Provenance>,
+)> {
+    let l = remote
+        .layers()
+        .inspect(remote.req(proto::LayerRef { layer }))
+        .await
+        .map_err(remote.err())?
+        .into_inner();
+    let m = serde_json::from_str(&l.manifest_json).context("the service's layer manifest")?;
+    let p = if l.provenance_json.is_empty() {
+        None
+    } else {
+        Some(serde_json::from_str(&l.provenance_json).context("the service's layer provenance")?)
+    };
+    Ok((m, p))
+}
+
 pub async fn layer(remote: &Remote, cmd: crate::layer::LayerCommand) -> Result<i32> {
     use crate::layer::{LayerCommand, StoredLayerCommand};
-    let mut layers = remote.layers();
-    let err = remote.err();
     match cmd {
         LayerCommand::Stored(StoredLayerCommand::Inspect { id, json }) => {
-            let l = layers
-                .inspect(remote.req(proto::LayerRef { layer: id }))
-                .await
-                .map_err(&err)?
-                .into_inner();
-            let m: strata_store::LayerManifest = serde_json::from_str(&l.manifest_json)?;
-            let p = if l.provenance_json.is_empty() {
-                None
-            } else {
-                Some(serde_json::from_str(&l.provenance_json)?)
-            };
+            let (m, p) = inspect_layer(remote, id).await?;
             crate::layer::print_inspect(&m, p.as_ref(), json)?;
         }
         LayerCommand::Stored(StoredLayerCommand::Ls { json }) => {
-            let ids = layers
+            let ids = remote
+                .layers()
                 .list(remote.req(proto::LayerListRequest {}))
                 .await
-                .map_err(&err)?
+                .map_err(remote.err())?
                 .into_inner()
                 .ids;
             let mut rows = Vec::new();
             for id in ids {
-                let l = layers
-                    .inspect(remote.req(proto::LayerRef { layer: id }))
-                    .await
-                    .map_err(&err)?
-                    .into_inner();
-                let m: strata_store::LayerManifest = serde_json::from_str(&l.manifest_json)?;
-                let p = if l.provenance_json.is_empty() {
-                    Default::default()
-                } else {
-                    serde_json::from_str(&l.provenance_json)?
-                };
-                rows.push((m, p));
+                let (m, p) = inspect_layer(remote, id).await?;
+                rows.push((m, p.unwrap_or_default()));
             }
             crate::layer::print_ls(rows, json)?;
         }
