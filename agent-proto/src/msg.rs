@@ -225,6 +225,16 @@ pub struct DirEntry {
     pub kind: EntryKind,
     pub size: u64,
     pub mode: u32,
+    /// Last modification, seconds since the epoch (absent from older agents: 0).
+    #[serde(default)]
+    pub mtime: i64,
+    #[serde(default)]
+    pub uid: u32,
+    #[serde(default)]
+    pub gid: u32,
+    /// Where a symlink points.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

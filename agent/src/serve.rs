@@ -423,7 +423,7 @@ fn write_file(path: &str, data: &[u8], mode: u32) -> Result<(), AgentError> {
 }
 
 fn list_dir(path: &str) -> Result<Vec<DirEntry>, AgentError> {
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let mut out = Vec::new();
     for e in std::fs::read_dir(path).map_err(|e| AgentError::io(path, &e))? {
         let e = e.map_err(|e| AgentError::io(path, &e))?;
@@ -433,6 +433,15 @@ fn list_dir(path: &str) -> Result<Vec<DirEntry>, AgentError> {
             kind: EntryKind::of(&meta.file_type()),
             size: meta.len(),
             mode: meta.permissions().mode() & 0o7777,
+            mtime: meta.mtime(),
+            uid: meta.uid(),
+            gid: meta.gid(),
+            target: meta
+                .file_type()
+                .is_symlink()
+                .then(|| std::fs::read_link(e.path()).ok())
+                .flatten()
+                .map(|t| t.to_string_lossy().into_owned()),
         });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));

@@ -365,7 +365,7 @@ impl AgentClient {
             }
         }
         let mut writer = writer;
-        drive(rx, env.timeout, req.kept_output(), sink, || {
+        drive(rx, env.timeout, req.kept_output(), req.cancel.as_ref(), sink, || {
             let _ = write_control(
                 &mut writer,
                 &HostMsg::Signal {

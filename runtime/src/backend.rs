@@ -132,6 +132,17 @@ pub(crate) trait SandboxBackend: Send + Sync {
         files::list_dir(&sb.rootfs(), path)
     }
 
+    /// A TCP connection to `port` on the sandbox's own loopback, made from its network
+    /// namespace (that of its init), so nothing needs a route into the sandbox.
+    fn connect_port(
+        &self,
+        sb: &SandboxRef,
+        port: u16,
+    ) -> Result<std::net::TcpStream, RuntimeError> {
+        let ns = PathBuf::from(format!("/proc/{}/ns/net", sb.record.init_pid));
+        connect_in_netns(&ns, port)
+    }
+
     /// Every process in the sandbox, from its cgroup.
     fn processes(&self, sb: &SandboxRef) -> Vec<ProcessInfo> {
         cgroup_processes(sb.cgroup)
@@ -226,4 +237,31 @@ pub fn process_start(pid: u32) -> Option<u64> {
         return None;
     }
     fields.get(19)?.parse().ok()
+}
+
+/// Connects to `127.0.0.1:port` inside the network namespace `ns`. A namespace switch is
+/// per thread, so it is made on a thread of its own, which ends with it; the socket keeps
+/// the namespace it was made in.
+pub(crate) fn connect_in_netns(
+    ns: &Path,
+    port: u16,
+) -> Result<std::net::TcpStream, RuntimeError> {
+    let file = std::fs::File::open(ns).map_err(|source| RuntimeError::Io {
+        path: ns.display().to_string(),
+        source,
+    })?;
+    std::thread::spawn(move || {
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWNET)
+            .map_err(std::io::Error::from)?;
+        std::net::TcpStream::connect_timeout(
+            &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+            std::time::Duration::from_secs(5),
+        )
+    })
+    .join()
+    .map_err(|_| RuntimeError::Unsupported("the connecting thread panicked".into()))?
+    .map_err(|source| RuntimeError::Io {
+        path: format!("port {port} in the sandbox"),
+        source,
+    })
 }

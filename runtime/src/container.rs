@@ -548,7 +548,7 @@ impl SandboxBackend for ContainerBackend {
         });
         // On timeout, everything this command started dies, wherever it was re-parented;
         // what earlier commands left running stays.
-        let result = drive(rx, env.timeout, req.kept_output(), sink, || {
+        let result = drive(rx, env.timeout, req.kept_output(), req.cancel.as_ref(), sink, || {
             cgroup.kill_except(&before)
         });
         let _ = waiter.join();

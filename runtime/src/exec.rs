@@ -64,7 +64,32 @@ pub struct ExecRequest {
     /// How many bytes of each stream the result keeps (default [`DEFAULT_KEPT_OUTPUT`]);
     /// what is beyond reaches the sink and the counts, never memory.
     pub keep_output: Option<usize>,
+    /// Lets another thread kill the command (and what it started) before it ends.
+    pub cancel: Option<ExecCancel>,
 }
+
+/// A switch that kills a running command, as its timeout would (a service's "kill this
+/// process" while the exec streams elsewhere).
+#[derive(Debug, Clone, Default)]
+pub struct ExecCancel(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl ExecCancel {
+    pub fn new() -> ExecCancel {
+        ExecCancel::default()
+    }
+
+    /// Kills the command; it ends soon after with SIGKILL as its status.
+    pub fn cancel(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// How often a running command's cancel switch is looked at.
+const CANCEL_POLL: Duration = Duration::from_millis(50);
 
 /// How much of each stream an exec's result keeps unless asked otherwise.
 pub const DEFAULT_KEPT_OUTPUT: usize = 16 << 20;
@@ -206,17 +231,19 @@ impl Kept {
 }
 
 /// Streams events to `sink` and keeps up to `keep` bytes of each stream until the command
-/// exits. When `timeout` passes, `kill` is called once and the loop waits for the exit it
-/// causes.
+/// exits. When `timeout` passes, or `cancel` is switched, `kill` is called once and the
+/// loop waits for the exit it causes.
 pub fn drive(
     events: Receiver<Event>,
     timeout: Duration,
     keep: usize,
+    cancel: Option<&ExecCancel>,
     sink: &mut dyn FnMut(Stream, &[u8]),
     mut kill: impl FnMut(),
 ) -> Result<Collected, String> {
     let deadline = Instant::now() + timeout;
     let mut timed_out = false;
+    let mut killed = false;
     let (mut stdout, mut stderr) = (Kept::default(), Kept::default());
     let mut take = |s: Stream, data: &[u8], sink: &mut dyn FnMut(Stream, &[u8])| {
         sink(s, data);
@@ -226,11 +253,18 @@ pub fn drive(
         }
     };
     loop {
-        let wait = if timed_out {
+        if !killed && !timed_out && cancel.is_some_and(ExecCancel::is_cancelled) {
+            killed = true;
+            kill();
+        }
+        let mut wait = if timed_out {
             Duration::from_secs(30)
         } else {
             deadline.saturating_duration_since(Instant::now())
         };
+        if cancel.is_some() && !killed {
+            wait = wait.min(CANCEL_POLL);
+        }
         match events.recv_timeout(wait) {
             Ok(Event::Output(s, data)) => take(s, &data, sink),
             Ok(Event::Exited(exit)) => {
@@ -248,9 +282,12 @@ pub fn drive(
                 });
             }
             Ok(Event::Failed(e)) => return Err(e),
+            Err(RecvTimeoutError::Timeout) if !timed_out && Instant::now() < deadline => {}
             Err(RecvTimeoutError::Timeout) if !timed_out => {
                 timed_out = true;
-                kill();
+                if !killed {
+                    kill();
+                }
             }
             Err(RecvTimeoutError::Timeout) => {
                 return Err("the command did not exit 30 s after it was killed".into())
@@ -291,6 +328,7 @@ mod tests {
             rx,
             Duration::from_secs(10),
             2500,
+            None,
             &mut |_, d| sunk += d.len(),
             || {},
         )
@@ -309,7 +347,7 @@ mod tests {
         tx.send(Event::Output(Stream::Stdout, b"hello".to_vec()))
             .unwrap();
         tx.send(exited(3)).unwrap();
-        let got = drive(rx, Duration::from_secs(10), 5, &mut |_, _| {}, || {}).unwrap();
+        let got = drive(rx, Duration::from_secs(10), 5, None, &mut |_, _| {}, || {}).unwrap();
         assert_eq!(got.stdout, b"hello");
         assert!(!got.truncated());
         assert_eq!(got.exit.code, Some(3));

@@ -5,7 +5,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -19,6 +19,12 @@ pub struct FileEntry {
     pub kind: String,
     pub size: u64,
     pub mode: u32,
+    /// Last modification, seconds since the epoch.
+    pub mtime: i64,
+    pub uid: u32,
+    pub gid: u32,
+    /// Where a symlink points.
+    pub target: Option<String>,
 }
 
 fn open_in(root: &File, path: &str, flags: i32, mode: u32) -> Result<OwnedFd, RuntimeError> {
@@ -165,6 +171,14 @@ pub fn list_dir(root: &Path, path: &str) -> Result<Vec<FileEntry>, RuntimeError>
             .into(),
             size: meta.len(),
             mode: meta.permissions().mode() & 0o7777,
+            mtime: meta.mtime(),
+            uid: meta.uid(),
+            gid: meta.gid(),
+            target: ft
+                .is_symlink()
+                .then(|| std::fs::read_link(e.path()).ok())
+                .flatten()
+                .map(|t| t.to_string_lossy().into_owned()),
         });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));

@@ -42,7 +42,7 @@ pub use audit::AuditLog;
 pub use backend::{process_start, ProcessInfo, SnapshotInfo};
 pub use cgroup::CgroupMode;
 pub use container::{static_agent_for, OciRuntime};
-pub use exec::{Budget, ExecRequest, ExecResult, Stdin, StdinFeed, Stream};
+pub use exec::{Budget, ExecCancel, ExecRequest, ExecResult, Stdin, StdinFeed, Stream};
 pub use files::FileEntry;
 pub use record::{EndReason, SandboxRecord, RECORD_FORMAT};
 pub use sandbox::Sandbox;

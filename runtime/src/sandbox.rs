@@ -92,7 +92,8 @@ impl DirLock {
     }
 }
 
-/// A live sandbox.
+/// A live sandbox (a handle: clones name the same one).
+#[derive(Clone)]
 pub struct Sandbox {
     pub(crate) rt: Runtime,
     pub(crate) record: SandboxRecord,
@@ -365,6 +366,13 @@ impl Sandbox {
     pub fn list_dir(&self, path: &str) -> Result<Vec<FileEntry>, RuntimeError> {
         self.rt.touch(&self.record.id);
         self.with_backend(|b, sb| b.list_dir(sb, path))
+    }
+
+    /// A TCP connection to a port the sandbox listens on (its loopback), for proxying a
+    /// server an agent started inside.
+    pub fn connect_port(&self, port: u16) -> Result<std::net::TcpStream, RuntimeError> {
+        self.rt.touch(&self.record.id);
+        self.with_backend(|b, sb| b.connect_port(sb, port))
     }
 
     /// Every process in the sandbox (inside a VM, their host PID is 0).

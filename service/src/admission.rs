@@ -124,6 +124,7 @@ mod tests {
             disk_bytes: 0,
             idle_ttl_ms: 0,
             paused: false,
+            inbound: false,
             pending: false,
         }
     }
@@ -136,6 +137,7 @@ mod tests {
             max_cpus: None,
             namespaces: vec![],
             backends: vec![],
+            allow_internet: false,
             created_ms: 0,
         }
     }

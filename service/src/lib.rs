@@ -7,6 +7,7 @@
 
 pub mod admission;
 mod catalog_api;
+pub mod e2b;
 pub mod error;
 mod layers_api;
 pub mod metrics;
@@ -61,6 +62,8 @@ pub struct ServiceConfig {
     pub max_upload_bytes: u64,
     /// How registry images are pulled for `Layers.Build`.
     pub registry: strata_builder::RegistrySettings,
+    /// The E2B-compatible API; `None`: not served.
+    pub e2b: Option<e2b::E2bConfig>,
 }
 
 impl ServiceConfig {
@@ -81,6 +84,7 @@ impl ServiceConfig {
             version: env!("CARGO_PKG_VERSION").to_string(),
             max_upload_bytes: 16 << 30,
             registry: Default::default(),
+            e2b: None,
         }
     }
 }
@@ -125,6 +129,10 @@ pub async fn serve(
         Some(addr) => Some(metrics::listen(addr, node.clone()).await?),
         None => None,
     };
+    let e2b = match cfg.e2b.clone() {
+        Some(c) => Some(e2b::listen(node.clone(), c).await?),
+        None => None,
+    };
     let reaper = tokio::spawn(node::reaper(node.clone()));
     tracing::info!(listen = %cfg.listen, node = %cfg.node, "serving");
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
@@ -147,6 +155,9 @@ pub async fn serve(
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await;
     reaper.abort();
+    if let Some(t) = e2b {
+        t.abort();
+    }
     if let Some(m) = metrics {
         m.abort();
     }

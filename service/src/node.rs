@@ -56,6 +56,8 @@ pub struct CreateArgs {
     pub network: Option<Vec<String>>,
     pub lifetime: Option<Duration>,
     pub labels: BTreeMap<String, String>,
+    /// Its ports may be reached from outside (see [`Meta::inbound`]).
+    pub inbound: bool,
 }
 
 /// A VM's memory is its budget plus the machine's own (see the runtime's VM shapes).
@@ -210,6 +212,18 @@ impl Node {
         Ok(meta)
     }
 
+    /// A live sandbox by its client-facing ID, whichever project owns it (for callers
+    /// that prove a sandbox's own credential instead of a project's token).
+    pub(crate) fn meta_by_id(&self, id: &str) -> Option<Meta> {
+        let local = id.strip_prefix(&self.cfg.node)?.strip_prefix('-')?;
+        self.lock().get(local).filter(|m| !m.pending).cloned()
+    }
+
+    /// The runtime's state directory (the service keeps its own files under `service/`).
+    pub fn state_dir(&self) -> std::path::PathBuf {
+        self.rt.state_dir().to_path_buf()
+    }
+
     /// The runtime's sandbox behind `meta`; touching it restarts its idle TTL.
     pub fn sandbox(&self, meta: &Meta) -> Result<Sandbox, ServiceError> {
         let sb = self.rt.get(&meta.local).map_err(|e| match e {
@@ -321,6 +335,7 @@ impl Node {
             disk_bytes: spec.limits.disk_bytes,
             idle_ttl_ms: spec.limits.idle_ttl.as_millis() as u64,
             paused: false,
+            inbound: args.inbound,
             pending: true,
         };
         {
@@ -454,6 +469,26 @@ impl Node {
         }
         Ok(())
     }
+}
+
+/// Runs the sandbox's own tool (`rm`, `mkdir`, `mv`) for a file operation the runtime has
+/// no call for; its exit and stderr are the answer.
+pub(crate) fn run_tool(sb: &Sandbox, argv: Vec<String>, what: &str) -> Result<(), ServiceError> {
+    let req = strata_runtime::ExecRequest {
+        argv,
+        keep_output: Some(4096),
+        timeout: Some(Duration::from_secs(60)),
+        ..Default::default()
+    };
+    let r = sb.exec(&req)?;
+    if r.status_code() == 0 {
+        return Ok(());
+    }
+    let err = String::from_utf8_lossy(&r.stderr).trim().to_string();
+    if err.contains("No such file") {
+        return Err(ServiceError::NotFound(format!("{what}: {err}")));
+    }
+    Err(ServiceError::invalid("path", format!("{what}: {err}")))
 }
 
 /// Runs [`Node::reap_once`] every `reap_every`.

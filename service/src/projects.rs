@@ -37,6 +37,10 @@ pub struct Project {
     /// Backends its sandboxes may use; empty: every one.
     #[serde(default)]
     pub backends: Vec<Backend>,
+    /// Its sandboxes may ask for open internet (the E2B API's `allow_internet_access`);
+    /// otherwise only named destinations are reachable.
+    #[serde(default)]
+    pub allow_internet: bool,
     pub created_ms: u64,
 }
 

@@ -119,6 +119,7 @@ impl SandboxesApi {
             cwd: text(r.cwd),
             timeout: duration("timeout", &r.timeout)?,
             keep_output: Some(keep),
+            cancel: None,
         })
     }
 
@@ -143,27 +144,9 @@ impl SandboxesApi {
         Ok(Response::new(info(&self.0, &m)))
     }
 
-    /// Runs the sandbox's own tool (`rm`, `mkdir`) for a file operation the agent
-    /// protocol has no message for; its exit and stderr are the answer.
+    /// Runs the sandbox's own tool (see [`crate::node::run_tool`]) off the async threads.
     async fn tool(&self, sb: Sandbox, argv: Vec<String>, what: String) -> Result<(), Status> {
-        blocking(move || {
-            let req = ExecRequest {
-                argv,
-                keep_output: Some(4096),
-                timeout: Some(Duration::from_secs(60)),
-                ..Default::default()
-            };
-            let r = sb.exec(&req)?;
-            if r.status_code() == 0 {
-                return Ok(());
-            }
-            let err = String::from_utf8_lossy(&r.stderr).trim().to_string();
-            if err.contains("No such file") {
-                return Err(ServiceError::NotFound(format!("{what}: {err}")));
-            }
-            Err(ServiceError::invalid("path", format!("{what}: {err}")))
-        })
-        .await
+        blocking(move || crate::node::run_tool(&sb, argv, &what)).await
     }
 }
 
@@ -215,6 +198,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
             network: (r.network_set || !r.network.is_empty()).then_some(r.network),
             lifetime: duration("lifetime", &r.lifetime)?,
             labels: r.labels.into_iter().collect(),
+            inbound: false,
         };
         let meta = self
             .0

@@ -34,6 +34,9 @@ pub struct Meta {
     pub idle_ttl_ms: u64,
     #[serde(default)]
     pub paused: bool,
+    /// Connections from outside may reach its ports (through the E2B API's port proxy).
+    #[serde(default)]
+    pub inbound: bool,
     /// Admitted, being created: counted, not yet usable.
     #[serde(skip)]
     pub pending: bool,

@@ -414,6 +414,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
                     cwd,
                     timeout: duration(&timeout)?,
                     keep_output: Some(0),
+                    cancel: None,
                 };
                 let r = sb.exec_streaming(&req, &mut print_sink())?;
                 report_budget(&r);

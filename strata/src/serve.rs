@@ -22,6 +22,20 @@ pub struct ServeArgs {
     /// `node_name`); default: the host name.
     #[arg(long)]
     node_name: Option<String>,
+    /// Also serve the E2B-compatible API here (`e2b_listen`), e.g. 127.0.0.1:3000; off
+    /// unless given.
+    #[arg(long)]
+    e2b_listen: Option<String>,
+    /// With wildcard DNS: serve the E2B API at `api.<domain>` and sandboxes at
+    /// `<port>-<id>.<domain>` (`e2b_domain`); clients set E2B_DOMAIN to it.
+    #[arg(long)]
+    e2b_domain: Option<String>,
+    /// Serve the E2B API over TLS with this certificate chain (PEM; `e2b_tls_cert`).
+    #[arg(long, requires = "e2b_tls_key")]
+    e2b_tls_cert: Option<std::path::PathBuf>,
+    /// The private key of --e2b-tls-cert (PEM; `e2b_tls_key`).
+    #[arg(long, requires = "e2b_tls_cert")]
+    e2b_tls_key: Option<std::path::PathBuf>,
 }
 
 /// The host name as a DNS label (what a node is called unless told).
@@ -89,13 +103,41 @@ pub async fn serve(store: Store, settings: &Settings, args: ServeArgs) -> Result
     cfg.default_lifetime = s.default_lifetime;
     cfg.pool = settings.pool;
     cfg.registry = settings.registry.clone();
+    let e2b_listen = args.e2b_listen.or_else(|| s.e2b_listen.clone());
+    if let Some(e2b) = e2b_listen {
+        let tls = match (
+            args.e2b_tls_cert.or_else(|| s.e2b_tls_cert.clone()),
+            args.e2b_tls_key.or_else(|| s.e2b_tls_key.clone()),
+        ) {
+            (Some(cert), Some(key)) => Some(strata_service::e2b::TlsFiles { cert, key }),
+            (None, None) => None,
+            _ => anyhow::bail!("e2b_tls_cert and e2b_tls_key go together: give both or neither"),
+        };
+        let domain = args
+            .e2b_domain
+            .or_else(|| s.e2b_domain.clone())
+            .map(|d| d.trim_matches('.').to_ascii_lowercase());
+        cfg.e2b = Some(strata_service::e2b::E2bConfig {
+            listen: addr("--e2b-listen", &e2b)?,
+            domain,
+            tls,
+        });
+    }
+    let e2b_shown = cfg.e2b.as_ref().map(|c| {
+        format!(
+            ", E2B API on {}://{}",
+            if c.tls.is_some() { "https" } else { "http" },
+            c.listen
+        )
+    });
     let node = Node::start(cfg, rt, store, settings.registrant.clone()).await?;
     eprintln!(
-        "strata: node `{}` serving on {listen}{}",
+        "strata: node `{}` serving on {listen}{}{}",
         node.config().node,
         metrics
             .map(|m| format!(", metrics on http://{m}/metrics"))
-            .unwrap_or_default()
+            .unwrap_or_default(),
+        e2b_shown.unwrap_or_default()
     );
     strata_service::serve(node, shutdown_signal()).await?;
     Ok(0)
@@ -121,6 +163,9 @@ pub enum ProjectCommand {
         /// Backends it may use, comma-separated (default: all).
         #[arg(long, value_delimiter = ',')]
         backends: Vec<Backend>,
+        /// Its sandboxes may ask for open internet (E2B's `allow_internet_access`).
+        #[arg(long)]
+        allow_internet: bool,
         #[arg(long)]
         json: bool,
     },
@@ -163,6 +208,7 @@ pub async fn project(store: &Store, cmd: ProjectCommand) -> Result<i32> {
             max_cpus,
             namespaces,
             backends,
+            allow_internet,
             json,
         } => {
             for ns in &namespaces {
@@ -186,6 +232,7 @@ pub async fn project(store: &Store, cmd: ProjectCommand) -> Result<i32> {
                 max_cpus,
                 namespaces,
                 backends,
+                allow_internet,
                 created_ms: std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_millis() as u64)

@@ -940,8 +940,23 @@ impl SandboxBackend for VmBackend {
                 kind: e.kind.as_str().to_string(),
                 size: e.size,
                 mode: e.mode,
+                mtime: e.mtime,
+                uid: e.uid,
+                gid: e.gid,
+                target: e.target,
             })
             .collect())
+    }
+
+    /// A guest's ports are behind its own kernel and the agent relays no TCP yet.
+    fn connect_port(
+        &self,
+        _sb: &SandboxRef,
+        port: u16,
+    ) -> Result<std::net::TcpStream, RuntimeError> {
+        Err(RuntimeError::Unsupported(format!(
+            "port {port}: connections into a VM guest are not relayed yet; serve it from a container or fncall sandbox"
+        )))
     }
 
     /// The guest's processes, by the agent (their host PID is 0: they are the guest's).

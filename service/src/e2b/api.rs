@@ -1,0 +1,544 @@
+//! E2B's control plane (the REST API `api.e2b.app` serves) on the node: `X-API-KEY` is
+//! a project token, `templateID` a catalog ID, `timeout` the sandbox's lifetime from now
+//! (and its idle TTL: E2B sandboxes do not end early for being idle), `envVars` its
+//! environment, `metadata` its labels, `network` its egress allowlist. Creates go
+//! through the node's admission like any other. Snapshots and fork answer with an
+//! E2B-shaped error until durable rollout state exists.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::Request;
+use axum::http::{Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use futures::StreamExt;
+use serde_json::{json, Value};
+use strata_catalog::{Backend, Budgets};
+
+use super::{api_error, blocking, error_response, header, E2b, ENVD_VERSION};
+use crate::error::ServiceError;
+use crate::node::{now_ms, CreateArgs};
+use crate::projects::Caller;
+use crate::state::Meta;
+
+/// E2B's default lifetime when a create gives none.
+const DEFAULT_TIMEOUT: u64 = 300;
+/// The longest `timeout` taken (E2B's own cap for its largest plan is a day).
+const MAX_TIMEOUT: u64 = 24 * 3600;
+/// A list page's size unless asked (and at most).
+const PAGE: usize = 100;
+/// The label that picks a backend (E2B's create has no field for it).
+pub const BACKEND_LABEL: &str = "strata.backend";
+/// The largest control-plane request body.
+const MAX_BODY: usize = 1 << 20;
+
+fn json_reply(status: StatusCode, v: Value) -> Response {
+    (status, [("content-type", "application/json")], v.to_string()).into_response()
+}
+
+async fn body_json(req: Request) -> Result<Value, Response> {
+    let mut body = req.into_body().into_data_stream();
+    let mut raw = Vec::new();
+    while let Some(c) = body.next().await {
+        match c {
+            Ok(c) if raw.len() + c.len() <= MAX_BODY => raw.extend_from_slice(&c),
+            Ok(_) => return Err(api_error(StatusCode::PAYLOAD_TOO_LARGE, "the request body is over 1 MiB")),
+            Err(e) => return Err(api_error(StatusCode::BAD_REQUEST, format!("the request body: {e}"))),
+        }
+    }
+    if raw.iter().all(u8::is_ascii_whitespace) {
+        return Ok(json!({}));
+    }
+    serde_json::from_slice(&raw)
+        .map_err(|e| api_error(StatusCode::BAD_REQUEST, format!("the request body is not JSON: {e}")))
+}
+
+fn iso(ms: u64) -> String {
+    humantime::format_rfc3339_millis(std::time::UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
+/// The `timeout` field, in seconds, checked.
+fn timeout_of(v: &Value) -> Result<Option<u64>, Response> {
+    match v.get("timeout") {
+        None | Some(Value::Null) => Ok(None),
+        Some(t) => match t.as_u64() {
+            Some(s) if (1..=MAX_TIMEOUT).contains(&s) => Ok(Some(s)),
+            _ => Err(api_error(
+                StatusCode::BAD_REQUEST,
+                format!("timeout: give whole seconds from 1 to {MAX_TIMEOUT}"),
+            )),
+        },
+    }
+}
+
+fn string_map(v: Option<&Value>) -> Result<BTreeMap<String, String>, Response> {
+    match v {
+        None | Some(Value::Null) => Ok(BTreeMap::new()),
+        Some(Value::Object(m)) => m
+            .iter()
+            .map(|(k, v)| match v.as_str() {
+                Some(s) => Ok((k.clone(), s.to_string())),
+                None => Err(api_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("`{k}`: values must be strings"),
+                )),
+            })
+            .collect(),
+        Some(_) => Err(api_error(StatusCode::BAD_REQUEST, "expected an object of strings")),
+    }
+}
+
+/// E2B's `templateID` as a catalog ID: `name:tag` is `name@tag`.
+fn catalog_id(template: &str) -> String {
+    match template.rsplit_once(':') {
+        Some((name, tag)) if !tag.contains('/') && !name.contains('@') => format!("{name}@{tag}"),
+        _ => template.to_string(),
+    }
+}
+
+/// An `allowOut` destination as allowlist rules: `HOST:PORT` as given; a host, address
+/// or CIDR without a port opens it on HTTPS and HTTP.
+fn allow_rules(dest: &str) -> Vec<String> {
+    let has_port = dest
+        .rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && !h.ends_with(':') && p.parse::<u16>().is_ok());
+    if has_port {
+        vec![dest.to_string()]
+    } else {
+        vec![format!("{dest}:443"), format!("{dest}:80")]
+    }
+}
+
+/// The egress allowlist and inbound permission a create (or a network update) asks for.
+fn network_of(caller: &Caller, v: &Value) -> Result<(Vec<String>, bool), Response> {
+    let net = v.get("network").filter(|n| !n.is_null());
+    let list = |name: &str| -> Vec<String> {
+        net.and_then(|n| n.get(name))
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+            .unwrap_or_default()
+    };
+    let inbound = net
+        .and_then(|n| n.get("allowPublicTraffic"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    let mut rules: Vec<String> = list("allowOut").iter().flat_map(|d| allow_rules(d)).collect();
+    let open = v.get("allow_internet_access").and_then(Value::as_bool) == Some(true);
+    if open {
+        if !caller.project.allow_internet {
+            return Err(api_error(
+                StatusCode::FORBIDDEN,
+                format!(
+                    "project `{}` may not open sandboxes to the internet: pass allow_internet_access=False and name destinations in network.allowOut (or make the project with `strata project create --allow-internet`)",
+                    caller.project.name
+                ),
+            ));
+        }
+        let deny = list("denyOut");
+        if !deny.is_empty() {
+            return Err(api_error(
+                StatusCode::BAD_REQUEST,
+                "network.denyOut: Strata's egress is an allowlist; with open internet, name what to allow in allowOut instead",
+            ));
+        }
+        rules.extend(["0.0.0.0/0:443".to_string(), "0.0.0.0/0:80".to_string()]);
+    }
+    Ok((rules, inbound))
+}
+
+/// The `Sandbox` body of create and connect.
+fn sandbox_json(e: &E2b, m: &Meta) -> Value {
+    json!({
+        "templateID": m.catalog_ref,
+        "sandboxID": m.id,
+        "clientID": e.node.config().node,
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": e.access_token(&m.id),
+        "trafficAccessToken": null,
+        "domain": e.cfg.domain,
+        "alias": null,
+    })
+}
+
+/// The `SandboxDetail` / `ListedSandbox` body.
+fn detail_json(e: &E2b, m: &Meta) -> Value {
+    let end = m
+        .expires_ms
+        .unwrap_or_else(|| now_ms() + m.idle_ttl_ms.saturating_sub(e.node.rt.idle_for(&m.local).as_millis() as u64));
+    json!({
+        "templateID": m.catalog_ref,
+        "alias": null,
+        "sandboxID": m.id,
+        "clientID": e.node.config().node,
+        "startedAt": iso(m.created_ms),
+        "endAt": iso(end),
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": e.access_token(&m.id),
+        "cpuCount": m.cpus.ceil().max(1.0) as u64,
+        "memoryMB": m.memory_bytes >> 20,
+        "diskSizeMB": m.disk_bytes >> 20,
+        "metadata": m.labels,
+        "state": if m.paused { "paused" } else { "running" },
+        "domain": e.cfg.domain,
+    })
+}
+
+pub(super) async fn handle(e: &Arc<E2b>, req: Request) -> Response {
+    let Some(key) = header(req.headers(), "x-api-key").map(str::to_string) else {
+        return api_error(
+            StatusCode::UNAUTHORIZED,
+            "no API key: set E2B_API_KEY to a Strata project token (`strata token create --project NAME`)",
+        );
+    };
+    let caller = match e.node.projects.authenticate(&key).await {
+        Ok(c) => c,
+        Err(err) => return error_response(&err),
+    };
+    let method = req.method().clone();
+    let path = req.uri().path().trim_end_matches('/').to_string();
+    let parts: Vec<&str> = path.split('/').filter(|p| !p.is_empty()).collect();
+    match (&method, parts.as_slice()) {
+        (&Method::POST, ["sandboxes"] | ["v2", "sandboxes"]) => create(e, &caller, req).await,
+        (&Method::GET, ["sandboxes"]) => list(e, &caller, &req, true),
+        (&Method::GET, ["v2", "sandboxes"]) => list(e, &caller, &req, false),
+        (&Method::GET, ["sandboxes", id]) => with(e, &caller, id, |m| {
+            json_reply(StatusCode::OK, detail_json(e, &m))
+        }),
+        (&Method::DELETE, ["sandboxes", id]) => kill(e, &caller, id).await,
+        (&Method::POST, ["sandboxes", id, "timeout"]) => set_timeout(e, &caller, id, req).await,
+        (&Method::POST, ["sandboxes", id, "pause"]) => pause(e, &caller, id).await,
+        (&Method::POST, ["sandboxes", id, "connect" | "resume"] | ["v2", "sandboxes", id, "connect"]) => {
+            connect(e, &caller, id, req).await
+        }
+        (&Method::GET, ["sandboxes", id, "metrics"]) => metrics(e, &caller, id).await,
+        (&Method::PUT, ["sandboxes", id, "network"]) => update_network(e, &caller, id, req).await,
+        (&Method::POST, ["sandboxes", id, "snapshots" | "fork"]) => match e.node.meta_for(&caller, id) {
+            Ok(_) => api_error(
+                StatusCode::NOT_IMPLEMENTED,
+                "snapshots and fork through the E2B API come with Strata's durable rollout state; not served yet (pause/connect keeps a sandbox's state meanwhile)",
+            ),
+            Err(err) => error_response(&err),
+        },
+        (&Method::GET, ["snapshots"]) => json_reply(StatusCode::OK, json!([])),
+        (&Method::DELETE, ["templates", ..]) => api_error(
+            StatusCode::NOT_FOUND,
+            "no such snapshot: snapshots are not served through the E2B API yet",
+        ),
+        _ => api_error(
+            StatusCode::NOT_FOUND,
+            format!("the E2B API has no {method} {path} here"),
+        ),
+    }
+}
+
+/// Runs `f` on the caller's sandbox `id`, or answers not found.
+fn with(e: &E2b, caller: &Caller, id: &str, f: impl FnOnce(Meta) -> Response) -> Response {
+    match e.node.meta_for(caller, id) {
+        Ok(m) => f(m),
+        Err(err) => error_response(&err),
+    }
+}
+
+async fn create(e: &Arc<E2b>, caller: &Caller, req: Request) -> Response {
+    let v = match body_json(req).await {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let Some(template) = v.get("templateID").and_then(Value::as_str).filter(|t| !t.is_empty()) else {
+        return api_error(
+            StatusCode::BAD_REQUEST,
+            "templateID: give a catalog ID (namespace/name[@version])",
+        );
+    };
+    let timeout = match timeout_of(&v) {
+        Ok(t) => t.unwrap_or(DEFAULT_TIMEOUT),
+        Err(r) => return r,
+    };
+    let (env, labels) = match (string_map(v.get("envVars")), string_map(v.get("metadata"))) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(r), _) | (_, Err(r)) => return r,
+    };
+    let backend = match labels.get(BACKEND_LABEL).map(|b| b.parse::<Backend>()) {
+        None => None,
+        Some(Ok(b)) => Some(b),
+        Some(Err(err)) => {
+            return api_error(
+                StatusCode::BAD_REQUEST,
+                format!("metadata.{BACKEND_LABEL}: {err} (fncall, container, microvm or vm)"),
+            )
+        }
+    };
+    let (network, inbound) = match network_of(caller, &v) {
+        Ok(n) => n,
+        Err(r) => return r,
+    };
+    let args = CreateArgs {
+        catalog_id: catalog_id(template),
+        backend,
+        budgets: Budgets {
+            idle_ttl: Some(format!("{timeout}s")),
+            ..Default::default()
+        },
+        env,
+        network: (!network.is_empty()).then_some(network),
+        lifetime: Some(Duration::from_secs(timeout)),
+        labels,
+        inbound,
+    };
+    match e.node.create(caller, args).await {
+        Ok(m) => json_reply(StatusCode::CREATED, sandbox_json(e, &m)),
+        Err(err) => {
+            if err.is_store() {
+                e.node.metrics.store_error();
+            }
+            let err = match err {
+                // The SDK shows the message of the 404 as its error.
+                ServiceError::Catalog(
+                    c @ (strata_catalog::CatalogError::NotFound(_)
+                    | strata_catalog::CatalogError::Removed { .. }
+                    | strata_catalog::CatalogError::AllRemoved(_)),
+                ) => ServiceError::NotFound(format!(
+                    "template `{template}`: {c} (templateID is a catalog ID)"
+                )),
+                other => other,
+            };
+            error_response(&err)
+        }
+    }
+}
+
+fn query(req: &Request) -> Vec<(String, String)> {
+    serde_urlencoded::from_str(req.uri().query().unwrap_or("")).unwrap_or_default()
+}
+
+fn list(e: &E2b, caller: &Caller, req: &Request, v1: bool) -> Response {
+    let q = query(req);
+    let get = |k: &str| q.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    // `metadata` is itself url-encoded `k=v&k2=v2`.
+    let want: Vec<(String, String)> = get("metadata")
+        .map(|m| serde_urlencoded::from_str(&m).unwrap_or_default())
+        .unwrap_or_default();
+    let states: Vec<String> = match get("state") {
+        Some(s) => s.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect(),
+        None if v1 => vec!["running".into()],
+        None => vec![],
+    };
+    let limit = get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .unwrap_or(PAGE)
+        .clamp(1, PAGE);
+    let desc = get("order").is_some_and(|o| o.eq_ignore_ascii_case("desc"));
+    let after = get("nextToken");
+    let mut metas: Vec<Meta> = e
+        .node
+        .metas()
+        .into_iter()
+        .filter(|m| {
+            !m.pending
+                && m.project == caller.project.name
+                && want.iter().all(|(k, v)| m.labels.get(k) == Some(v))
+                && (states.is_empty() || states.iter().any(|s| s == m.state()))
+        })
+        .collect();
+    metas.sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
+    if desc {
+        metas.reverse();
+    }
+    let start = match &after {
+        Some(t) => metas.iter().position(|m| &m.id == t).unwrap_or(metas.len()),
+        None => 0,
+    };
+    let page: Vec<Value> = metas.iter().skip(start).take(limit).map(|m| detail_json(e, m)).collect();
+    let mut r = json_reply(StatusCode::OK, Value::Array(page));
+    if let Some(next) = metas.get(start + limit) {
+        if let Ok(v) = next.id.parse() {
+            r.headers_mut().insert("x-next-token", v);
+        }
+    }
+    r
+}
+
+async fn kill(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
+    let meta = match e.node.meta_for(caller, id) {
+        Ok(m) => m,
+        Err(err) => return error_response(&err),
+    };
+    e.procs.kill_all(&meta.local);
+    e.watchers.remove_sandbox(&meta.local);
+    let node = e.node.clone();
+    match blocking(move || node.end(&meta, strata_runtime::EndReason::Destroyed)).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(err) => error_response(&err),
+    }
+}
+
+/// Sets the lifetime (and idle TTL) to `secs` from now.
+async fn extend(e: &Arc<E2b>, meta: &Meta, secs: u64, only_longer: bool) -> Result<Meta, ServiceError> {
+    let until = now_ms() + secs * 1000;
+    if only_longer && meta.expires_ms.is_some_and(|x| x >= until) {
+        return Ok(meta.clone());
+    }
+    let node = e.node.clone();
+    let m = meta.clone();
+    blocking(move || {
+        let mut sb = node.sandbox(&m)?;
+        sb.set_idle_ttl(Duration::from_secs(secs))?;
+        node.update(&m.local, |x| {
+            x.expires_ms = Some(until);
+            x.idle_ttl_ms = secs * 1000;
+        })
+    })
+    .await
+}
+
+async fn set_timeout(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
+    let meta = match e.node.meta_for(caller, id) {
+        Ok(m) => m,
+        Err(err) => return error_response(&err),
+    };
+    let v = match body_json(req).await {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let secs = match timeout_of(&v) {
+        Ok(Some(s)) => s,
+        Ok(None) => return api_error(StatusCode::BAD_REQUEST, "timeout: required, in seconds"),
+        Err(r) => return r,
+    };
+    match extend(e, &meta, secs, false).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(err) => error_response(&err),
+    }
+}
+
+async fn set_paused(e: &Arc<E2b>, meta: &Meta, paused: bool) -> Result<Meta, ServiceError> {
+    let node = e.node.clone();
+    let m = meta.clone();
+    blocking(move || {
+        let sb = node.sandbox(&m)?;
+        if paused {
+            sb.pause()?;
+        } else {
+            sb.resume()?;
+        }
+        node.update(&m.local, |x| x.paused = paused)
+    })
+    .await
+}
+
+async fn pause(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
+    let meta = match e.node.meta_for(caller, id) {
+        Ok(m) => m,
+        Err(err) => return error_response(&err),
+    };
+    if meta.paused {
+        return api_error(StatusCode::CONFLICT, format!("sandbox {id} is already paused"));
+    }
+    match set_paused(e, &meta, true).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(err) => error_response(&err),
+    }
+}
+
+/// Connect: resumes a paused sandbox; a timeout extends a shorter lifetime.
+async fn connect(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
+    let mut meta = match e.node.meta_for(caller, id) {
+        Ok(m) => m,
+        Err(err) => return error_response(&err),
+    };
+    let v = match body_json(req).await {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    let timeout = match timeout_of(&v) {
+        Ok(t) => t,
+        Err(r) => return r,
+    };
+    if meta.paused {
+        meta = match set_paused(e, &meta, false).await {
+            Ok(m) => m,
+            Err(err) => return error_response(&err),
+        };
+    }
+    if let Some(secs) = timeout {
+        meta = match extend(e, &meta, secs, true).await {
+            Ok(m) => m,
+            Err(err) => return error_response(&err),
+        };
+    }
+    json_reply(StatusCode::OK, sandbox_json(e, &meta))
+}
+
+async fn metrics(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
+    let meta = match e.node.meta_for(caller, id) {
+        Ok(m) => m,
+        Err(err) => return error_response(&err),
+    };
+    let node = e.node.clone();
+    let m = meta.clone();
+    let sample = blocking(move || {
+        let sb = node.sandbox(&m)?;
+        let mem = sb.cgroup().memory_usage();
+        let (disk_used, disk_total) = sb.disk_usage().unwrap_or((0, m.disk_bytes));
+        Ok((mem, disk_used, disk_total))
+    })
+    .await;
+    match sample {
+        Ok((mem, disk_used, disk_total)) => {
+            let now = now_ms();
+            json_reply(
+                StatusCode::OK,
+                json!([{
+                    "timestamp": iso(now),
+                    "timestampUnix": now / 1000,
+                    "cpuCount": meta.cpus.ceil().max(1.0) as u64,
+                    "cpuUsedPct": 0.0,
+                    "memUsed": mem,
+                    "memTotal": meta.memory_bytes,
+                    "memCache": 0,
+                    "diskUsed": disk_used,
+                    "diskTotal": disk_total,
+                }]),
+            )
+        }
+        Err(err) => error_response(&err),
+    }
+}
+
+async fn update_network(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
+    if let Err(err) = e.node.meta_for(caller, id) {
+        return error_response(&err);
+    }
+    let v = match body_json(req).await {
+        Ok(v) => v,
+        Err(r) => return r,
+    };
+    // Checked as a create's would be, so the refusal names the real problem first.
+    if let Err(r) = network_of(caller, &json!({"network": v, "allow_internet_access": v.get("allow_internet_access")})) {
+        return r;
+    }
+    api_error(
+        StatusCode::CONFLICT,
+        "a live sandbox's network policy is fixed at create in Strata: create a new sandbox with the network you need",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_are_catalog_ids() {
+        assert_eq!(catalog_id("datasets/sample"), "datasets/sample");
+        assert_eq!(catalog_id("datasets/sample:3"), "datasets/sample@3");
+        assert_eq!(catalog_id("datasets/sample@3"), "datasets/sample@3");
+    }
+
+    #[test]
+    fn allow_out_without_a_port_opens_web_ports() {
+        assert_eq!(allow_rules("pypi.org:443"), vec!["pypi.org:443"]);
+        assert_eq!(allow_rules("10.0.0.0/8"), vec!["10.0.0.0/8:443", "10.0.0.0/8:80"]);
+        assert_eq!(allow_rules("example.com"), vec!["example.com:443", "example.com:80"]);
+    }
+}
