@@ -178,6 +178,43 @@ pub(crate) trait SandboxBackend: Send + Sync {
 }
 
 /// The processes of a host cgroup, with their PIDs inside the sandbox's namespace.
+/// SIGKILLs `root` and every process of the cgroup descended from it.
+pub(crate) fn kill_tree(cgroup: &Cgroup, root: u32) {
+    let parent_of = |pid: u32| -> Option<u32> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The command name may hold spaces and parentheses: fields follow the last `)`.
+        let rest = stat.rsplit_once(')')?.1;
+        rest.split_whitespace().nth(1)?.parse().ok()
+    };
+    let pids = cgroup.pids();
+    let parents: std::collections::HashMap<u32, u32> = pids
+        .iter()
+        .filter_map(|&p| Some((p, parent_of(p)?)))
+        .collect();
+    let mut doomed = vec![root];
+    for &pid in &pids {
+        let mut at = pid;
+        for _ in 0..64 {
+            match parents.get(&at) {
+                Some(&p) if p == root => {
+                    doomed.push(pid);
+                    break;
+                }
+                Some(&p) => at = p,
+                None => break,
+            }
+        }
+    }
+    for pid in doomed {
+        if let Ok(pid) = i32::try_from(pid) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+    }
+}
+
 pub(crate) fn cgroup_processes(cgroup: &Cgroup) -> Vec<ProcessInfo> {
     let mut out: Vec<ProcessInfo> = cgroup
         .pids()

@@ -547,10 +547,27 @@ impl SandboxBackend for ContainerBackend {
             });
         });
         // On timeout, everything this command started dies, wherever it was re-parented;
-        // what earlier commands left running stays.
-        let result = drive(rx, env.timeout, req.kept_output(), req.cancel.as_ref(), sink, || {
-            cgroup.kill_except(&before)
-        });
+        // what earlier commands left running stays. A cancel kills its own process tree.
+        let result = drive(
+            rx,
+            env.timeout,
+            req.kept_output(),
+            req.cancel.as_ref(),
+            sink,
+            |why| match why {
+                crate::exec::Kill::Timeout => cgroup.kill_except(&before),
+                crate::exec::Kill::Cancel => {
+                    let pid = std::fs::read_to_string(&pid_file)
+                        .ok()
+                        .and_then(|p| p.trim().parse::<u32>().ok());
+                    match pid {
+                        Some(pid) => crate::backend::kill_tree(cgroup, pid),
+                        // Not started yet: nothing of it can run beside others.
+                        None => cgroup.kill_except(&before),
+                    }
+                }
+            },
+        );
         let _ = waiter.join();
         let _ = std::fs::remove_file(&process_file);
         let _ = std::fs::remove_file(&pid_file);

@@ -88,6 +88,16 @@ impl ExecCancel {
     }
 }
 
+/// Why a command is being killed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kill {
+    /// Its wall clock ran out: it and everything that appeared in the sandbox since it
+    /// began dies, wherever it was re-parented.
+    Timeout,
+    /// A caller killed this one command (others may run beside it): its own process tree.
+    Cancel,
+}
+
 /// How often a running command's cancel switch is looked at.
 const CANCEL_POLL: Duration = Duration::from_millis(50);
 
@@ -239,7 +249,7 @@ pub fn drive(
     keep: usize,
     cancel: Option<&ExecCancel>,
     sink: &mut dyn FnMut(Stream, &[u8]),
-    mut kill: impl FnMut(),
+    mut kill: impl FnMut(Kill),
 ) -> Result<Collected, String> {
     let deadline = Instant::now() + timeout;
     let mut timed_out = false;
@@ -255,7 +265,7 @@ pub fn drive(
     loop {
         if !killed && !timed_out && cancel.is_some_and(ExecCancel::is_cancelled) {
             killed = true;
-            kill();
+            kill(Kill::Cancel);
         }
         let mut wait = if timed_out {
             Duration::from_secs(30)
@@ -285,9 +295,7 @@ pub fn drive(
             Err(RecvTimeoutError::Timeout) if !timed_out && Instant::now() < deadline => {}
             Err(RecvTimeoutError::Timeout) if !timed_out => {
                 timed_out = true;
-                if !killed {
-                    kill();
-                }
+                kill(Kill::Timeout);
             }
             Err(RecvTimeoutError::Timeout) => {
                 return Err("the command did not exit 30 s after it was killed".into())
@@ -330,7 +338,7 @@ mod tests {
             2500,
             None,
             &mut |_, d| sunk += d.len(),
-            || {},
+            |_| {},
         )
         .unwrap();
         writer.join().unwrap();
@@ -347,7 +355,7 @@ mod tests {
         tx.send(Event::Output(Stream::Stdout, b"hello".to_vec()))
             .unwrap();
         tx.send(exited(3)).unwrap();
-        let got = drive(rx, Duration::from_secs(10), 5, None, &mut |_, _| {}, || {}).unwrap();
+        let got = drive(rx, Duration::from_secs(10), 5, None, &mut |_, _| {}, |_| {}).unwrap();
         assert_eq!(got.stdout, b"hello");
         assert!(!got.truncated());
         assert_eq!(got.exit.code, Some(3));

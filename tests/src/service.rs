@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use crate::home::CliHome;
 use crate::{scratch_root, strata_bin};
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -26,6 +26,8 @@ pub struct Service {
     pub addr: String,
     pub metrics: String,
     pub log: PathBuf,
+    /// The E2B-compatible API's address, when it is served.
+    pub e2b: Option<String>,
     child: Option<Child>,
 }
 
@@ -44,12 +46,27 @@ impl Service {
             home: home.home.clone(),
             store: home.store.clone(),
             log: home.home.join("serve.log"),
+            e2b: settings
+                .lines()
+                .find_map(|l| l.strip_prefix("e2b_listen = "))
+                .map(|a| a.trim_matches('"').to_string()),
             addr,
             metrics,
             child: None,
         };
         s.spawn();
         s
+    }
+
+    /// [`Service::start`] with the E2B API on a free port too.
+    pub fn start_e2b(home: &CliHome, settings: &str) -> Service {
+        let e2b = format!("127.0.0.1:{}", free_port());
+        Service::start(home, &format!("e2b_listen = \"{e2b}\"\n{settings}"))
+    }
+
+    /// The E2B API's base URL (for E2B_API_URL and E2B_SANDBOX_URL).
+    pub fn e2b_url(&self) -> String {
+        format!("http://{}", self.e2b.as_deref().expect("the service serves no E2B API"))
     }
 
     fn spawn(&mut self) {
@@ -70,7 +87,10 @@ impl Service {
             .expect("starting strata serve");
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(120);
-        while TcpStream::connect(&self.addr).is_err() {
+        let wanted: Vec<String> = std::iter::once(self.addr.clone())
+            .chain(self.e2b.clone())
+            .collect();
+        while wanted.iter().any(|a| TcpStream::connect(a).is_err()) {
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(status)) = c.try_wait() {
                     panic!("strata serve exited ({status}): {}", self.log_text());
@@ -214,6 +234,73 @@ pub fn python_sdk() -> PathBuf {
         py
     })
     .clone()
+}
+
+/// The `e2b` Python SDK releases the E2B tests pin: the newest, and an older 2.2x one
+/// (POST /sandboxes, and envd calls without the sandbox header after connect).
+pub const E2B_PYTHON: [&str; 2] = ["2.63.0", "2.20.0"];
+/// The `e2b` npm package the Node test pins.
+pub const E2B_NODE: &str = "2.51.0";
+
+/// The Python of a virtual environment holding `e2b==version` from PyPI, unmodified;
+/// made once per scratch root.
+pub fn e2b_python(version: &str) -> PathBuf {
+    let venv = scratch_root().join(format!("e2b-{version}"));
+    let lock = std::fs::File::create(scratch_root().join(format!("e2b-{version}.lock")))
+        .expect("venv lock");
+    strata_host::fs::flock(&lock, strata_host::fs::Lock::Exclusive, true)
+        .expect("locking the venv");
+    let py = venv.join("bin/python");
+    if venv.join(".installed").exists() {
+        return py;
+    }
+    let o = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .output()
+        .expect("python3 -m venv");
+    assert!(o.status.success(), "python3 -m venv: {}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(&py)
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+        .arg(format!("e2b=={version}"))
+        .output()
+        .expect("pip install e2b");
+    assert!(
+        o.status.success(),
+        "pip install e2b=={version}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::write(venv.join(".installed"), version).expect("marking the venv");
+    py
+}
+
+/// A directory with the `e2b` npm package ([`E2B_NODE`]) installed, unmodified.
+pub fn e2b_node() -> PathBuf {
+    let dir = scratch_root().join(format!("e2b-node-{E2B_NODE}"));
+    let lock = std::fs::File::create(scratch_root().join("e2b-node.lock")).expect("npm lock");
+    strata_host::fs::flock(&lock, strata_host::fs::Lock::Exclusive, true)
+        .expect("locking the npm dir");
+    if dir.join(".installed").exists() {
+        return dir;
+    }
+    std::fs::create_dir_all(&dir).expect("npm dir");
+    std::fs::write(dir.join("package.json"), "{\"name\": \"strata-e2b-test\", \"private\": true}\n")
+        .expect("package.json");
+    let o = Command::new("npm")
+        .args(["install", "--silent", "--no-audit", "--no-fund"])
+        .arg(format!("e2b@{E2B_NODE}"))
+        .current_dir(&dir)
+        .output()
+        .expect("npm install e2b");
+    assert!(
+        o.status.success(),
+        "npm install e2b@{E2B_NODE}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    std::fs::write(dir.join(".installed"), E2B_NODE).expect("marking the npm dir");
+    dir
 }
 
 /// Runs a Python `script` against `service` with `token` (STRATA_SERVER, STRATA_TOKEN).

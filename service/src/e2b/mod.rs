@@ -316,7 +316,11 @@ pub async fn listen(
         procs: Arc::new(procs::Table::default()),
         watchers: watch::Table::default(),
     });
-    let app = axum::Router::new().fallback(handle).with_state(state);
+    // Bodies are bounded where they are read (uploads by max_write_bytes).
+    let app = axum::Router::new()
+        .fallback(handle)
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .with_state(state);
     Ok(tokio::spawn(async move {
         loop {
             let (tcp, peer) = match listener.accept().await {

@@ -1,0 +1,309 @@
+"""The unmodified `e2b` Python SDK against `strata serve --e2b-listen`.
+
+Run by tests/tests/e2b.rs in a virtual environment holding one pinned `e2b` release, with
+E2B_API_URL / E2B_SANDBOX_URL pointing at the service and E2B_API_KEY a project token.
+Every check is an assertion against what the real sandbox did; a failure exits non-zero
+with the traceback.
+
+    python suite.py SCENARIO BACKEND TEMPLATE
+
+Scenarios: `full` (sync and async, every call the issue names), `short` (create, a
+streamed run, files, kill: the VM backends), `pause` (20 pause/connect rounds),
+`burst` (32 AsyncSandbox.create at once, each runs the workspace's tests), `proxy`
+(a server started inside, reached through get_host's port routing).
+"""
+
+import asyncio
+import hashlib
+import importlib.metadata
+import os
+import sys
+import time
+import uuid
+
+import e2b
+from e2b import (
+    AsyncSandbox,
+    AuthenticationException,
+    CommandExitException,
+    NotFoundException,
+    Sandbox,
+    SandboxException,
+    SandboxQuery,
+)
+
+SCENARIO, BACKEND, TEMPLATE = sys.argv[1], sys.argv[2], sys.argv[3]
+VERSION = importlib.metadata.version("e2b")
+RUN = uuid.uuid4().hex[:8]
+MD = {"strata.backend": BACKEND, "suite": RUN}
+# Strata denies egress by default; 2.2x sends allow_internet_access=True unless told.
+CREATE = dict(metadata=MD, allow_internet_access=False)
+
+
+def log(*a):
+    print(f"[e2b {VERSION} {BACKEND} {SCENARIO}]", *a, flush=True)
+
+
+def not_found_type():
+    return getattr(e2b, "SandboxNotFoundException", NotFoundException)
+
+
+def streamed_run(sb):
+    """stdout/stderr callbacks arrive while the command runs, not at its end."""
+    seen = []
+    r = sb.commands.run(
+        "echo $GREETING; sleep 2; echo done >&2",
+        on_stdout=lambda s: seen.append(("out", s, time.monotonic())),
+        on_stderr=lambda s: seen.append(("err", s, time.monotonic())),
+        timeout=120,
+    )
+    assert r.exit_code == 0, r
+    assert r.stdout == "hello from strata\n", repr(r.stdout)
+    assert r.stderr == "done\n", repr(r.stderr)
+    t_out = [t for k, _, t in seen if k == "out"][0]
+    t_err = [t for k, _, t in seen if k == "err"][0]
+    assert t_err - t_out > 1.5, f"stdout came {t_err - t_out:.2f}s before stderr: not streamed"
+
+
+def files_round_trip(sb, big=True):
+    base = f"/tmp/e2b-{RUN}"
+    assert sb.files.make_dir(base) is True
+    assert sb.files.make_dir(base) is False  # already there
+    info = sb.files.write(f"{base}/a.txt", "hi there")
+    assert info.path == f"{base}/a.txt", info
+    assert sb.files.read(f"{base}/a.txt") == "hi there"
+    assert sb.files.exists(f"{base}/a.txt")
+    assert not sb.files.exists(f"{base}/missing")
+    sb.files.write(f"{base}/sub/b.bin", b"\x00\x01\x02")
+    names = sorted(e.name for e in sb.files.list(base))
+    assert names == ["a.txt", "sub"], names
+    deep = sorted(e.path for e in sb.files.list(base, depth=2))
+    assert f"{base}/sub/b.bin" in deep, deep
+    moved = sb.files.rename(f"{base}/a.txt", f"{base}/c.txt")
+    assert moved.path == f"{base}/c.txt", moved
+    assert not sb.files.exists(f"{base}/a.txt")
+    assert sb.files.read(f"{base}/c.txt", format="bytes") == b"hi there"
+    sb.files.remove(f"{base}/c.txt")
+    assert not sb.files.exists(f"{base}/c.txt")
+    try:
+        sb.files.read(f"{base}/nothing")
+        raise AssertionError("reading a missing file succeeded")
+    except NotFoundException:
+        pass
+    # What the sandbox sees is what was written.
+    assert sb.commands.run(f"cat {base}/sub/b.bin | od -An -tx1").stdout.split() == ["00", "01", "02"]
+    if big:
+        data = os.urandom(50 << 20)
+        sb.files.write(f"{base}/big.bin", data)
+        got = sb.files.read(f"{base}/big.bin", format="bytes")
+        assert len(got) == len(data) and hashlib.sha256(got).digest() == hashlib.sha256(data).digest()
+        inside = sb.commands.run(f"sha256sum {base}/big.bin").stdout.split()[0]
+        assert inside == hashlib.sha256(data).hexdigest()
+        sb.files.remove(f"{base}/big.bin")
+
+
+def commands_full(sb):
+    try:
+        sb.commands.run("echo partial; exit 3")
+        raise AssertionError("a non-zero exit did not raise")
+    except CommandExitException as e:
+        assert e.exit_code == 3 and e.stdout == "partial\n", e
+    # Background, listed, fed, killed.
+    h = sb.commands.run("cat > /tmp/fed.txt", background=True, stdin=True, timeout=0)
+    pids = [p.pid for p in sb.commands.list()]
+    assert h.pid in pids, (h.pid, pids)
+    sb.commands.send_stdin(h.pid, "fed through stdin\n")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if sb.commands.run("cat /tmp/fed.txt || true").stdout == "fed through stdin\n":
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("stdin never reached the command")
+    assert sb.commands.kill(h.pid) is True
+    try:
+        h.wait()
+        raise AssertionError("a killed command ended well")
+    except CommandExitException as e:
+        assert e.exit_code != 0
+    assert h.pid not in [p.pid for p in sb.commands.list()]
+    assert sb.commands.kill(h.pid) is False
+    # A long-lived server in the background keeps running after run() returns.
+    bg = sb.commands.run("sleep 600", background=True, timeout=0)
+    assert bg.pid in [p.pid for p in sb.commands.list()]
+    bg.kill()
+    # cwd and per-command env.
+    r = sb.commands.run("pwd; echo $X", cwd="/tmp", envs={"X": "y"})
+    assert r.stdout == "/tmp\ny\n", r.stdout
+
+
+def control_plane_full(sb):
+    info = sb.get_info()
+    assert info.sandbox_id == sb.sandbox_id
+    assert info.metadata.get("suite") == RUN, info.metadata
+    assert str(info.state).lower().endswith("running"), info.state
+    listed = Sandbox.list(query=SandboxQuery(metadata={"suite": RUN})).next_items()
+    assert [s.sandbox_id for s in listed] == [sb.sandbox_id], listed
+    assert Sandbox.list(query=SandboxQuery(metadata={"suite": "nobody"})).next_items() == []
+    assert sb.is_running()
+    # Unknown sandbox, unknown template, wrong key.
+    assert Sandbox.kill("test-000000000000") is False
+    try:
+        Sandbox.connect("test-000000000000")
+        raise AssertionError("connecting to an unknown sandbox worked")
+    except NotFoundException:
+        pass
+    try:
+        Sandbox.create("nowhere/nothing", **CREATE)
+        raise AssertionError("an unknown template was created")
+    except SandboxException as e:
+        assert "nowhere/nothing" in str(e), e
+    try:
+        Sandbox.create(TEMPLATE, api_key="strata_" + "0" * 64, **CREATE)
+        raise AssertionError("a wrong key was accepted")
+    except AuthenticationException:
+        pass
+
+
+def expiry():
+    sb = Sandbox.create(TEMPLATE, timeout=300, **CREATE)
+    sb.set_timeout(3)
+    deadline = time.monotonic() + 30
+    while sb.is_running() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not sb.is_running(), "the sandbox outlived its timeout"
+    try:
+        sb.get_info()
+        raise AssertionError("an expired sandbox still has info")
+    except NotFoundException:
+        pass
+
+
+async def async_suite():
+    sb = await AsyncSandbox.create(TEMPLATE, envs={"GREETING": "hi async"}, **CREATE)
+    try:
+        chunks = []
+        r = await sb.commands.run("echo $GREETING; exit 0", on_stdout=chunks.append)
+        assert r.stdout == "hi async\n" and "".join(chunks) == "hi async\n", (r, chunks)
+        try:
+            await sb.commands.run("exit 5")
+            raise AssertionError("no CommandExitException")
+        except CommandExitException as e:
+            assert e.exit_code == 5
+        await sb.files.write("/tmp/async.txt", "async file")
+        assert await sb.files.read("/tmp/async.txt") == "async file"
+        assert "async.txt" in [e.name for e in await sb.files.list("/tmp")]
+        h = await sb.commands.run("sleep 600", background=True, timeout=0)
+        assert h.pid in [p.pid for p in await sb.commands.list()]
+        assert await sb.commands.kill(h.pid)
+        info = await sb.get_info()
+        assert info.sandbox_id == sb.sandbox_id
+    finally:
+        assert await sb.kill() is True
+
+
+def full():
+    sb = Sandbox.create(TEMPLATE, envs={"GREETING": "hello from strata"}, timeout=600, **CREATE)
+    log("created", sb.sandbox_id)
+    try:
+        streamed_run(sb)
+        commands_full(sb)
+        files_round_trip(sb)
+        control_plane_full(sb)
+    finally:
+        assert sb.kill() is True
+    assert not sb.is_running()
+    assert Sandbox.kill(sb.sandbox_id) is False
+    expiry()
+    asyncio.run(async_suite())
+
+
+def short():
+    sb = Sandbox.create(TEMPLATE, envs={"GREETING": "hello from strata"}, timeout=900, **CREATE)
+    log("created", sb.sandbox_id)
+    try:
+        streamed_run(sb)
+        files_round_trip(sb, big=False)
+    finally:
+        assert sb.kill() is True
+
+
+def pause_rounds():
+    sb = Sandbox.create(TEMPLATE, timeout=900, **CREATE)
+    try:
+        bg = sb.commands.run("i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.2; done", background=True, timeout=0)
+        for n in range(20):
+            sb.files.write(f"/tmp/round-{n}.txt", f"round {n}")
+            before = int(sb.commands.run("cat /tmp/count").stdout)
+            assert sb.pause() in (True, None)
+            assert str(sb.get_info().state).lower().endswith("paused")
+            sb = Sandbox.connect(sb.sandbox_id)
+            for k in range(n + 1):
+                assert sb.files.read(f"/tmp/round-{k}.txt") == f"round {k}", f"round {k} lost after resume {n}"
+            assert bg.pid in [p.pid for p in sb.commands.list()], f"the background process is gone after resume {n}"
+            time.sleep(0.5)
+            after = int(sb.commands.run("cat /tmp/count").stdout)
+            assert after > before, f"the background loop stopped counting after resume {n} ({before} -> {after})"
+        log("20 pause/connect rounds kept every file and the background process")
+    finally:
+        sb.kill()
+
+
+async def burst():
+    async def one(i):
+        sb = await AsyncSandbox.create(TEMPLATE, timeout=900, **CREATE)
+        try:
+            r = await sb.commands.run("cd /work && python3 -m pytest -q -p no:cacheprovider tests", timeout=600)
+            assert r.exit_code == 0 and "passed" in r.stdout, r.stdout[-400:]
+            return sb.sandbox_id
+        finally:
+            await sb.kill()
+
+    t = time.monotonic()
+    ids = await asyncio.gather(*(one(i) for i in range(32)))
+    assert len(set(ids)) == 32
+    log(f"32 sandboxes ran the workspace's tests in {time.monotonic() - t:.1f}s")
+    left = await AsyncSandbox.list(query=SandboxQuery(metadata={"suite": RUN})).next_items()
+    assert left == [], left
+
+
+def proxy():
+    import urllib.error
+    import urllib.request
+
+    api = os.environ["E2B_SANDBOX_URL"]
+    open_sb = Sandbox.create(TEMPLATE, network={"allow_public_traffic": True}, **CREATE) if VERSION >= "2.63" else None
+    closed = Sandbox.create(TEMPLATE, **CREATE)
+    try:
+        for sb in [s for s in (open_sb, closed) if s]:
+            sb.commands.run("mkdir -p /tmp/www && echo served-from-inside > /tmp/www/index.html")
+            sb.commands.run("cd /tmp/www && exec python3 -m http.server 8000", background=True, timeout=0)
+        time.sleep(2)
+
+        def get(sb):
+            req = urllib.request.Request(api + "/index.html", headers={"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8000"})
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    return r.status, r.read().decode()
+            except urllib.error.HTTPError as e:
+                return e.code, e.read().decode()
+
+        if open_sb:
+            deadline = time.monotonic() + 30
+            while True:
+                status, body = get(open_sb)
+                if status == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert (status, body) == (200, "served-from-inside\n"), (status, body)
+        status, body = get(closed)
+        assert status == 403 and "inbound" in body, (status, body)
+    finally:
+        for sb in (open_sb, closed):
+            if sb:
+                sb.kill()
+
+
+if __name__ == "__main__":
+    {"full": full, "short": short, "pause": pause_rounds, "burst": lambda: asyncio.run(burst()), "proxy": proxy}[SCENARIO]()
+    log("ok")

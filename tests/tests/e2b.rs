@@ -1,0 +1,246 @@
+//! The E2B-compatible API end to end: the real `e2b` SDKs from PyPI (two pinned
+//! releases) and npm (pinned), unmodified, against a `strata serve --e2b-listen` started
+//! here, configured only by E2B_API_URL / E2B_SANDBOX_URL and E2B_API_KEY (a project
+//! token), as a user switching from E2B would. The Python scenarios are in
+//! `tests/e2b/suite.py`; each asserts what the real sandbox did.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use strata_tests::home::{can_run_sandboxes, can_run_vms, CliHome, SampleEnv};
+use strata_tests::service::{e2b_node, e2b_python, Service, E2B_PYTHON};
+use strata_tests::{have_tool, mounts_under};
+
+static ENV: OnceLock<Option<SampleEnv>> = OnceLock::new();
+
+fn env(test: &str) -> Option<&'static SampleEnv> {
+    if !can_run_sandboxes(test) {
+        return None;
+    }
+    ENV.get_or_init(|| Some(SampleEnv::new("e2b-"))).as_ref()
+}
+
+/// A service on a fresh home of the shared store, its E2B API on, and a project token.
+fn service(
+    env: &SampleEnv,
+    prefix: &str,
+    project_flags: &[&str],
+    settings: &str,
+) -> (CliHome, Service, String) {
+    let home = env.cli.sharing_store(prefix);
+    let project = format!("{}{}", prefix.trim_end_matches('-'), std::process::id());
+    let mut args = vec!["project", "create", project.as_str()];
+    args.extend_from_slice(project_flags);
+    home.ok(&args);
+    let out = home.ok(&["token", "create", "--project", &project]);
+    let token = out.lines().last().unwrap_or_default().trim().to_string();
+    assert!(token.starts_with("strata_"), "{out}");
+    let svc = Service::start_e2b(&home, settings);
+    (home, svc, token)
+}
+
+fn suite() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("e2b/suite.py")
+}
+
+/// Runs a scenario of the suite with one SDK release; panics with its output and the
+/// service's log when it fails.
+fn run_suite(svc: &Service, token: &str, version: &str, scenario: &str, backend: &str, template: &str) {
+    let t = Instant::now();
+    let o = Command::new(e2b_python(version))
+        .arg(suite())
+        .args([scenario, backend, template])
+        .env("E2B_API_URL", svc.e2b_url())
+        .env("E2B_SANDBOX_URL", svc.e2b_url())
+        .env("E2B_API_KEY", token)
+        .env("PYTHONUNBUFFERED", "1")
+        .output()
+        .expect("running the e2b suite");
+    let (out, err) = (
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+    );
+    assert!(
+        o.status.success(),
+        "e2b {version} {scenario} on {backend} failed:\n{out}\n{err}\nservice log (tail):\n{}",
+        tail(&svc.log_text())
+    );
+    eprintln!("e2b {version} {scenario} on {backend}: ok in {:.1?}", t.elapsed());
+}
+
+fn tail(s: &str) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(60)..].join("\n")
+}
+
+/// Nothing of the home's sandboxes is left: no record, mount or cgroup.
+fn assert_nothing_left(home: &CliHome) {
+    let sandboxes = home.runtime_dir().join("sandboxes");
+    let left: Vec<_> = std::fs::read_dir(&sandboxes)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| !n.starts_with('.'))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(left.is_empty(), "sandboxes left: {left:?}");
+    let mounts: Vec<_> = mounts_under(&home.runtime_dir().join("sandboxes"));
+    assert!(mounts.is_empty(), "mounts left: {mounts:?}");
+}
+
+#[test]
+fn e2b_python_sdks_drive_container_and_fncall_sandboxes() {
+    // Threat model: "clients with a token" (SECURITY.md): the E2B key is a project token.
+    let Some(env) = env("e2b_python_sdks") else {
+        return;
+    };
+    let (home, svc, token) = service(env, "e2b-full-", &[], "");
+    for version in E2B_PYTHON {
+        for backend in ["container", "fncall"] {
+            run_suite(&svc, &token, version, "full", backend, &env.reference);
+        }
+    }
+    run_suite(&svc, &token, E2B_PYTHON[0], "proxy", "container", &env.reference);
+    assert_nothing_left(&home);
+}
+
+#[test]
+fn e2b_pause_and_connect_twenty_times_keeps_files_and_processes() {
+    let Some(env) = env("e2b_pause_rounds") else {
+        return;
+    };
+    let (home, svc, token) = service(env, "e2b-pause-", &[], "");
+    for version in E2B_PYTHON {
+        run_suite(&svc, &token, version, "pause", "container", &env.reference);
+    }
+    assert_nothing_left(&home);
+}
+
+#[test]
+fn e2b_burst_of_32_async_creates_runs_the_tests_and_leaves_nothing() {
+    let Some(env) = env("e2b_burst") else {
+        return;
+    };
+    let (home, svc, token) = service(env, "e2b-burst-", &[], "");
+    run_suite(&svc, &token, E2B_PYTHON[0], "burst", "container", &env.reference);
+    assert_nothing_left(&home);
+}
+
+#[test]
+fn e2b_python_sdk_drives_microvm_and_vm_sandboxes() {
+    let Some(env) = env("e2b_vms") else {
+        return;
+    };
+    if !can_run_vms("e2b_vms") {
+        return;
+    }
+    let (home, svc, token) = service(env, "e2b-vm-", &[], "");
+    for backend in ["microvm", "vm"] {
+        run_suite(&svc, &token, E2B_PYTHON[0], "short", backend, &env.reference);
+    }
+    assert_nothing_left(&home);
+}
+
+#[test]
+fn e2b_node_sdk_creates_runs_writes_reads_and_kills() {
+    let Some(env) = env("e2b_node") else {
+        return;
+    };
+    if !have_tool("e2b_node", "npm") {
+        return;
+    }
+    let (home, svc, token) = service(env, "e2b-node-", &[], "");
+    let dir = e2b_node();
+    let script = r#"
+const { Sandbox, CommandExitError } = require('e2b');
+(async () => {
+  const sb = await Sandbox.create(process.env.TEMPLATE, {
+    envs: { GREETING: 'hi from node' }, metadata: { 'strata.backend': 'container' },
+    allowInternetAccess: false,
+  });
+  const chunks = [];
+  const r = await sb.commands.run('echo $GREETING; echo err >&2', { onStdout: (d) => chunks.push(d) });
+  if (r.stdout !== 'hi from node\n' || r.stderr !== 'err\n' || chunks.join('') !== r.stdout)
+    throw new Error('run: ' + JSON.stringify(r));
+  let failed = false;
+  try { await sb.commands.run('exit 4'); } catch (e) { failed = e instanceof CommandExitError && e.exitCode === 4; }
+  if (!failed) throw new Error('exit 4 did not raise CommandExitError');
+  await sb.files.write('/tmp/node.txt', 'written by node');
+  const back = await sb.files.read('/tmp/node.txt');
+  if (back !== 'written by node') throw new Error('read back ' + back);
+  const inside = await sb.commands.run('cat /tmp/node.txt');
+  if (inside.stdout !== 'written by node') throw new Error('inside: ' + inside.stdout);
+  if (!(await sb.kill()) && (await sb.isRunning())) throw new Error('kill');
+  if (await sb.isRunning()) throw new Error('still running after kill');
+  console.log('node ok');
+})().catch((e) => { console.error(e); process.exit(1); });
+"#;
+    let o = Command::new("node")
+        .args(["-e", script])
+        .current_dir(&dir)
+        .env("E2B_API_URL", svc.e2b_url())
+        .env("E2B_SANDBOX_URL", svc.e2b_url())
+        .env("E2B_API_KEY", &token)
+        .env("TEMPLATE", &env.reference)
+        .output()
+        .expect("running node");
+    assert!(
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("node ok"),
+        "the Node SDK failed:\n{}\n{}\nservice log:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        tail(&svc.log_text())
+    );
+    assert_nothing_left(&home);
+}
+
+#[test]
+fn e2b_api_refuses_open_internet_unless_the_project_allows_it_and_routes_by_host() {
+    let Some(env) = env("e2b_policy") else {
+        return;
+    };
+    let (_home, svc, token) = service(env, "e2b-policy-", &[], "e2b_domain = \"strata.test\"\n");
+    // The older SDK sends allow_internet_access=True unless told: refused, naming the fix.
+    let script = r#"
+import os, sys
+from e2b import Sandbox, SandboxException
+try:
+    Sandbox.create(sys.argv[1], metadata={"strata.backend": "container"})
+    raise SystemExit("open internet was granted")
+except SandboxException as e:
+    assert "allow_internet_access" in str(e) and "--allow-internet" in str(e), e
+# Host names route like E2B's proxy: <port>-<id>.<domain> reaches envd of that sandbox.
+import http.client
+sb = Sandbox.create(sys.argv[1], metadata={"strata.backend": "container"}, allow_internet_access=False)
+c = http.client.HTTPConnection(os.environ["E2B_HOST"])
+c.request("GET", "/health", headers={"Host": f"49983-{sb.sandbox_id}.strata.test",
+                                      "X-Access-Token": sb._envd_access_token})
+r = c.getresponse()
+assert r.status == 204, (r.status, r.read())
+c.request("GET", "/health", headers={"Host": f"49983-{sb.sandbox_id}.strata.test", "X-Access-Token": "wrong"})
+r = c.getresponse()
+assert r.status == 401, (r.status, r.read())
+r.read()
+sb.kill()
+print("policy ok")
+"#;
+    let e2b_addr = svc.e2b.clone().unwrap_or_default();
+    let o = Command::new(e2b_python(E2B_PYTHON[1]))
+        .args(["-c", script, &env.reference])
+        .env("E2B_API_URL", svc.e2b_url())
+        .env("E2B_SANDBOX_URL", svc.e2b_url())
+        .env("E2B_API_KEY", &token)
+        .env("E2B_HOST", &e2b_addr)
+        .output()
+        .expect("running python");
+    assert!(
+        o.status.success(),
+        "{}\n{}\nservice log:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        tail(&svc.log_text())
+    );
+}
