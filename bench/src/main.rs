@@ -4,6 +4,7 @@
 
 mod build;
 mod datasets;
+mod e2b;
 mod lazy;
 mod machine;
 mod remote;
@@ -51,6 +52,7 @@ fn main() -> Result<()> {
         "vm" => sections.push(vm::run(&rt, &args.scratch, &repo, false)?),
         "remote" => sections.push(remote::run(&rt, &args.scratch, &repo)?),
         "service" => sections.push(service::run(&rt, &args.scratch, &repo)?),
+        "e2b" => sections.push(e2b::run(&rt, &args.scratch, &repo)?),
         "quick" => {
             sections.push(build::run(&rt, &args.scratch)?);
             sections.push(lazy::run(&rt, &args.scratch, &repo)?);
@@ -60,7 +62,7 @@ fn main() -> Result<()> {
         }
         other => {
             anyhow::bail!(
-                "unknown suite `{other}` (build, lazyfs, runtime, datasets, vm, remote, service, quick)"
+                "unknown suite `{other}` (build, lazyfs, runtime, datasets, vm, remote, service, e2b, quick)"
             )
         }
     }

@@ -60,11 +60,13 @@ async def main():
 asyncio.run(main())
 "#;
 
-struct Served {
+pub(crate) struct Served {
     child: Child,
-    url: String,
-    token: String,
+    pub(crate) url: String,
+    pub(crate) token: String,
     home: PathBuf,
+    /// The E2B API's base URL, when served.
+    pub(crate) e2b: Option<String>,
 }
 
 impl Drop for Served {
@@ -92,16 +94,23 @@ fn strata(home: &Path, store: &str, args: &[&str]) -> Result<String> {
     Ok(String::from_utf8_lossy(&o.stdout).into_owned())
 }
 
-/// `strata serve` on its own home sharing the suite's store, with a project and token.
-fn serve(dir: &Path, store: &str) -> Result<Served> {
+/// `strata serve` on its own home sharing the suite's store, with a project and token
+/// (and the E2B API on a free port when `e2b`).
+pub(crate) fn serve(dir: &Path, store: &str, e2b: bool) -> Result<Served> {
     let home = dir.join("service-home");
     let _ = std::fs::remove_dir_all(&home);
     std::fs::create_dir_all(&home)?;
     let port = free_port()?;
+    let e2b_port = if e2b { Some(free_port()?) } else { None };
     // 1,000 idle sandboxes of 32 MiB and a tenth of a CPU: admission must let them in.
     std::fs::write(
         home.join("strata.toml"),
-        format!("listen = \"127.0.0.1:{port}\"\nmemory_overcommit = 4.0\ncpu_overcommit = 100.0\n"),
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nmemory_overcommit = 4.0\ncpu_overcommit = 100.0\n{}",
+            e2b_port
+                .map(|p| format!("e2b_listen = \"127.0.0.1:{p}\"\n"))
+                .unwrap_or_default()
+        ),
     )?;
     let project = format!("bench{}", std::process::id());
     strata(&home, store, &["project", "create", &project])?;
@@ -125,9 +134,14 @@ fn serve(dir: &Path, store: &str) -> Result<Served> {
         url: format!("http://127.0.0.1:{port}"),
         token,
         home,
+        e2b: e2b_port.map(|p| format!("http://127.0.0.1:{p}")),
     };
     let deadline = Instant::now() + Duration::from_secs(60);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    let ports: Vec<u16> = std::iter::once(port).chain(e2b_port).collect();
+    while ports
+        .iter()
+        .any(|p| std::net::TcpStream::connect(("127.0.0.1", *p)).is_err())
+    {
         if Instant::now() > deadline {
             bail!("strata serve did not listen");
         }
@@ -137,7 +151,7 @@ fn serve(dir: &Path, store: &str) -> Result<Served> {
 }
 
 /// A virtual environment with the checkout's SDK.
-fn python(dir: &Path, repo: &Path) -> Result<PathBuf> {
+pub(crate) fn python(dir: &Path, repo: &Path) -> Result<PathBuf> {
     let venv = dir.join("sdk-venv");
     let py = venv.join("bin/python");
     if !py.exists() {
@@ -165,7 +179,7 @@ fn python(dir: &Path, repo: &Path) -> Result<PathBuf> {
     Ok(py)
 }
 
-fn drive<T: serde::de::DeserializeOwned>(
+pub(crate) fn drive<T: serde::de::DeserializeOwned>(
     py: &Path,
     s: &Served,
     reference: &str,
@@ -219,7 +233,7 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
     let s = Arc::new(setup(rt, scratch, repo)?);
     let base = s.rootfs.parent().context("rootfs parent")?.to_path_buf();
     let py = python(&base, repo)?;
-    let served = serve(&base, &s.store_url)?;
+    let served = serve(&base, &s.store_url, false)?;
     let reference = s.spec.catalog_ref.clone();
     let samples = 60;
     let mut rows = Vec::new();

@@ -365,19 +365,26 @@ impl AgentClient {
             }
         }
         let mut writer = writer;
-        drive(rx, env.timeout, req.kept_output(), req.cancel.as_ref(), sink, |why| {
-            let _ = write_control(
-                &mut writer,
-                &HostMsg::Signal {
-                    signal: libc::SIGKILL,
-                },
-            );
-            // On timeout, also what left the process group (setsid, daemons) since the
-            // command began; a cancel spares what other commands started meanwhile.
-            if why == crate::exec::Kill::Timeout {
-                cgroup.kill_except(&before);
-            }
-        })
+        drive(
+            rx,
+            env.timeout,
+            req.kept_output(),
+            req.cancel.as_ref(),
+            sink,
+            |why| {
+                let _ = write_control(
+                    &mut writer,
+                    &HostMsg::Signal {
+                        signal: libc::SIGKILL,
+                    },
+                );
+                // On timeout, also what left the process group (setsid, daemons) since the
+                // command began; a cancel spares what other commands started meanwhile.
+                if why == crate::exec::Kill::Timeout {
+                    cgroup.kill_except(&before);
+                }
+            },
+        )
         .map_err(RuntimeError::AgentGone)
     }
 }

@@ -279,10 +279,7 @@ pub fn process_start(pid: u32) -> Option<u64> {
 /// Connects to `127.0.0.1:port` inside the network namespace `ns`. A namespace switch is
 /// per thread, so it is made on a thread of its own, which ends with it; the socket keeps
 /// the namespace it was made in.
-pub(crate) fn connect_in_netns(
-    ns: &Path,
-    port: u16,
-) -> Result<std::net::TcpStream, RuntimeError> {
+pub(crate) fn connect_in_netns(ns: &Path, port: u16) -> Result<std::net::TcpStream, RuntimeError> {
     let file = std::fs::File::open(ns).map_err(|source| RuntimeError::Io {
         path: ns.display().to_string(),
         source,

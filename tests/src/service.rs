@@ -66,7 +66,10 @@ impl Service {
 
     /// The E2B API's base URL (for E2B_API_URL and E2B_SANDBOX_URL).
     pub fn e2b_url(&self) -> String {
-        format!("http://{}", self.e2b.as_deref().expect("the service serves no E2B API"))
+        format!(
+            "http://{}",
+            self.e2b.as_deref().expect("the service serves no E2B API")
+        )
     }
 
     fn spawn(&mut self) {
@@ -259,9 +262,19 @@ pub fn e2b_python(version: &str) -> PathBuf {
         .arg(&venv)
         .output()
         .expect("python3 -m venv");
-    assert!(o.status.success(), "python3 -m venv: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "python3 -m venv: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let o = Command::new(&py)
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
         .arg(format!("e2b=={version}"))
         .output()
         .expect("pip install e2b");
@@ -285,8 +298,11 @@ pub fn e2b_node() -> PathBuf {
         return dir;
     }
     std::fs::create_dir_all(&dir).expect("npm dir");
-    std::fs::write(dir.join("package.json"), "{\"name\": \"strata-e2b-test\", \"private\": true}\n")
-        .expect("package.json");
+    std::fs::write(
+        dir.join("package.json"),
+        "{\"name\": \"strata-e2b-test\", \"private\": true}\n",
+    )
+    .expect("package.json");
     let o = Command::new("npm")
         .args(["install", "--silent", "--no-audit", "--no-fund"])
         .arg(format!("e2b@{E2B_NODE}"))

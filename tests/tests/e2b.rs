@@ -47,7 +47,14 @@ fn suite() -> PathBuf {
 
 /// Runs a scenario of the suite with one SDK release; panics with its output and the
 /// service's log when it fails.
-fn run_suite(svc: &Service, token: &str, version: &str, scenario: &str, backend: &str, template: &str) {
+fn run_suite(
+    svc: &Service,
+    token: &str,
+    version: &str,
+    scenario: &str,
+    backend: &str,
+    template: &str,
+) {
     let t = Instant::now();
     let o = Command::new(e2b_python(version))
         .arg(suite())
@@ -67,7 +74,10 @@ fn run_suite(svc: &Service, token: &str, version: &str, scenario: &str, backend:
         "e2b {version} {scenario} on {backend} failed:\n{out}\n{err}\nservice log (tail):\n{}",
         tail(&svc.log_text())
     );
-    eprintln!("e2b {version} {scenario} on {backend}: ok in {:.1?}", t.elapsed());
+    eprintln!(
+        "e2b {version} {scenario} on {backend}: ok in {:.1?}",
+        t.elapsed()
+    );
 }
 
 fn tail(s: &str) -> String {
@@ -103,7 +113,14 @@ fn e2b_python_sdks_drive_container_and_fncall_sandboxes() {
             run_suite(&svc, &token, version, "full", backend, &env.reference);
         }
     }
-    run_suite(&svc, &token, E2B_PYTHON[0], "proxy", "container", &env.reference);
+    run_suite(
+        &svc,
+        &token,
+        E2B_PYTHON[0],
+        "proxy",
+        "container",
+        &env.reference,
+    );
     assert_nothing_left(&home);
 }
 
@@ -125,7 +142,14 @@ fn e2b_burst_of_32_async_creates_runs_the_tests_and_leaves_nothing() {
         return;
     };
     let (home, svc, token) = service(env, "e2b-burst-", &[], "");
-    run_suite(&svc, &token, E2B_PYTHON[0], "burst", "container", &env.reference);
+    run_suite(
+        &svc,
+        &token,
+        E2B_PYTHON[0],
+        "burst",
+        "container",
+        &env.reference,
+    );
     assert_nothing_left(&home);
 }
 
@@ -139,7 +163,14 @@ fn e2b_python_sdk_drives_microvm_and_vm_sandboxes() {
     }
     let (home, svc, token) = service(env, "e2b-vm-", &[], "");
     for backend in ["microvm", "vm"] {
-        run_suite(&svc, &token, E2B_PYTHON[0], "short", backend, &env.reference);
+        run_suite(
+            &svc,
+            &token,
+            E2B_PYTHON[0],
+            "short",
+            backend,
+            &env.reference,
+        );
     }
     assert_nothing_left(&home);
 }
@@ -234,6 +265,74 @@ print("policy ok")
         .env("E2B_SANDBOX_URL", svc.e2b_url())
         .env("E2B_API_KEY", &token)
         .env("E2B_HOST", &e2b_addr)
+        .output()
+        .expect("running python");
+    assert!(
+        o.status.success(),
+        "{}\n{}\nservice log:\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        tail(&svc.log_text())
+    );
+}
+
+#[test]
+fn e2b_api_serves_tls_with_a_given_certificate() {
+    let Some(env) = env("e2b_tls") else {
+        return;
+    };
+    if !have_tool("e2b_tls", "openssl") {
+        return;
+    }
+    let home = env.cli.sharing_store("e2b-tls-");
+    let dir = home.home.join("tls");
+    std::fs::create_dir_all(&dir).expect("tls dir");
+    // A private CA and a leaf for 127.0.0.1 (the SDK refuses a CA used as the leaf).
+    let sh = r#"set -e
+openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=strata-test-ca 2>/dev/null
+openssl req -newkey rsa:2048 -nodes -keyout leaf.key -out leaf.csr -subj /CN=127.0.0.1 2>/dev/null
+printf 'subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n' > ext
+openssl x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out leaf.pem -days 2 -extfile ext 2>/dev/null
+"#;
+    let o = Command::new("bash")
+        .args(["-c", sh])
+        .current_dir(&dir)
+        .output()
+        .expect("openssl");
+    assert!(
+        o.status.success(),
+        "openssl: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let project = format!("e2btls{}", std::process::id());
+    home.ok(&["project", "create", &project]);
+    let token = home.ok(&["token", "create", "--project", &project]);
+    let token = token.lines().last().unwrap_or_default().trim().to_string();
+    let svc = Service::start_e2b(
+        &home,
+        &format!(
+            "e2b_tls_cert = \"{}\"\ne2b_tls_key = \"{}\"\n",
+            dir.join("leaf.pem").display(),
+            dir.join("leaf.key").display()
+        ),
+    );
+    let url = svc.e2b_url().replace("http://", "https://");
+    let script = r#"
+import sys
+from e2b import Sandbox
+sb = Sandbox.create(sys.argv[1], metadata={"strata.backend": "container"}, allow_internet_access=False)
+assert sb.commands.run("echo over tls").stdout == "over tls\n"
+sb.files.write("/tmp/t.txt", "tls file")
+assert sb.files.read("/tmp/t.txt") == "tls file"
+assert sb.kill()
+print("tls ok")
+"#;
+    let o = Command::new(e2b_python(E2B_PYTHON[0]))
+        .args(["-c", script, &env.reference])
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", &token)
+        .env("SSL_CERT_FILE", dir.join("ca.pem"))
         .output()
         .expect("running python");
     assert!(

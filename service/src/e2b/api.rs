@@ -33,25 +33,59 @@ pub const BACKEND_LABEL: &str = "strata.backend";
 /// The largest control-plane request body.
 const MAX_BODY: usize = 1 << 20;
 
-fn json_reply(status: StatusCode, v: Value) -> Response {
-    (status, [("content-type", "application/json")], v.to_string()).into_response()
+/// A refused request: the status and message of its `{"code", "message"}` answer.
+struct Refused(StatusCode, String);
+
+impl Refused {
+    fn new(status: StatusCode, message: impl Into<String>) -> Refused {
+        Refused(status, message.into())
+    }
 }
 
-async fn body_json(req: Request) -> Result<Value, Response> {
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        api_error(self.0, self.1)
+    }
+}
+
+fn json_reply(status: StatusCode, v: Value) -> Response {
+    (
+        status,
+        [("content-type", "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+async fn body_json(req: Request) -> Result<Value, Refused> {
     let mut body = req.into_body().into_data_stream();
     let mut raw = Vec::new();
     while let Some(c) = body.next().await {
         match c {
             Ok(c) if raw.len() + c.len() <= MAX_BODY => raw.extend_from_slice(&c),
-            Ok(_) => return Err(api_error(StatusCode::PAYLOAD_TOO_LARGE, "the request body is over 1 MiB")),
-            Err(e) => return Err(api_error(StatusCode::BAD_REQUEST, format!("the request body: {e}"))),
+            Ok(_) => {
+                return Err(Refused::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "the request body is over 1 MiB",
+                ))
+            }
+            Err(e) => {
+                return Err(Refused::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("the request body: {e}"),
+                ))
+            }
         }
     }
     if raw.iter().all(u8::is_ascii_whitespace) {
         return Ok(json!({}));
     }
-    serde_json::from_slice(&raw)
-        .map_err(|e| api_error(StatusCode::BAD_REQUEST, format!("the request body is not JSON: {e}")))
+    serde_json::from_slice(&raw).map_err(|e| {
+        Refused::new(
+            StatusCode::BAD_REQUEST,
+            format!("the request body is not JSON: {e}"),
+        )
+    })
 }
 
 fn iso(ms: u64) -> String {
@@ -59,12 +93,12 @@ fn iso(ms: u64) -> String {
 }
 
 /// The `timeout` field, in seconds, checked.
-fn timeout_of(v: &Value) -> Result<Option<u64>, Response> {
+fn timeout_of(v: &Value) -> Result<Option<u64>, Refused> {
     match v.get("timeout") {
         None | Some(Value::Null) => Ok(None),
         Some(t) => match t.as_u64() {
             Some(s) if (1..=MAX_TIMEOUT).contains(&s) => Ok(Some(s)),
-            _ => Err(api_error(
+            _ => Err(Refused::new(
                 StatusCode::BAD_REQUEST,
                 format!("timeout: give whole seconds from 1 to {MAX_TIMEOUT}"),
             )),
@@ -72,20 +106,23 @@ fn timeout_of(v: &Value) -> Result<Option<u64>, Response> {
     }
 }
 
-fn string_map(v: Option<&Value>) -> Result<BTreeMap<String, String>, Response> {
+fn string_map(v: Option<&Value>) -> Result<BTreeMap<String, String>, Refused> {
     match v {
         None | Some(Value::Null) => Ok(BTreeMap::new()),
         Some(Value::Object(m)) => m
             .iter()
             .map(|(k, v)| match v.as_str() {
                 Some(s) => Ok((k.clone(), s.to_string())),
-                None => Err(api_error(
+                None => Err(Refused::new(
                     StatusCode::BAD_REQUEST,
                     format!("`{k}`: values must be strings"),
                 )),
             })
             .collect(),
-        Some(_) => Err(api_error(StatusCode::BAD_REQUEST, "expected an object of strings")),
+        Some(_) => Err(Refused::new(
+            StatusCode::BAD_REQUEST,
+            "expected an object of strings",
+        )),
     }
 }
 
@@ -111,23 +148,30 @@ fn allow_rules(dest: &str) -> Vec<String> {
 }
 
 /// The egress allowlist and inbound permission a create (or a network update) asks for.
-fn network_of(caller: &Caller, v: &Value) -> Result<(Vec<String>, bool), Response> {
+fn network_of(caller: &Caller, v: &Value) -> Result<(Vec<String>, bool), Refused> {
     let net = v.get("network").filter(|n| !n.is_null());
     let list = |name: &str| -> Vec<String> {
         net.and_then(|n| n.get(name))
             .and_then(Value::as_array)
-            .map(|a| a.iter().filter_map(|x| x.as_str().map(str::to_string)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|x| x.as_str().map(str::to_string))
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let inbound = net
         .and_then(|n| n.get("allowPublicTraffic"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let mut rules: Vec<String> = list("allowOut").iter().flat_map(|d| allow_rules(d)).collect();
+    let mut rules: Vec<String> = list("allowOut")
+        .iter()
+        .flat_map(|d| allow_rules(d))
+        .collect();
     let open = v.get("allow_internet_access").and_then(Value::as_bool) == Some(true);
     if open {
         if !caller.project.allow_internet {
-            return Err(api_error(
+            return Err(Refused::new(
                 StatusCode::FORBIDDEN,
                 format!(
                     "project `{}` may not open sandboxes to the internet: pass allow_internet_access=False and name destinations in network.allowOut (or make the project with `strata project create --allow-internet`)",
@@ -137,7 +181,7 @@ fn network_of(caller: &Caller, v: &Value) -> Result<(Vec<String>, bool), Respons
         }
         let deny = list("denyOut");
         if !deny.is_empty() {
-            return Err(api_error(
+            return Err(Refused::new(
                 StatusCode::BAD_REQUEST,
                 "network.denyOut: Strata's egress is an allowlist; with open internet, name what to allow in allowOut instead",
             ));
@@ -163,9 +207,11 @@ fn sandbox_json(e: &E2b, m: &Meta) -> Value {
 
 /// The `SandboxDetail` / `ListedSandbox` body.
 fn detail_json(e: &E2b, m: &Meta) -> Value {
-    let end = m
-        .expires_ms
-        .unwrap_or_else(|| now_ms() + m.idle_ttl_ms.saturating_sub(e.node.rt.idle_for(&m.local).as_millis() as u64));
+    let end = m.expires_ms.unwrap_or_else(|| {
+        now_ms()
+            + m.idle_ttl_ms
+                .saturating_sub(e.node.rt.idle_for(&m.local).as_millis() as u64)
+    });
     json!({
         "templateID": m.catalog_ref,
         "alias": null,
@@ -243,9 +289,13 @@ fn with(e: &E2b, caller: &Caller, id: &str, f: impl FnOnce(Meta) -> Response) ->
 async fn create(e: &Arc<E2b>, caller: &Caller, req: Request) -> Response {
     let v = match body_json(req).await {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
-    let Some(template) = v.get("templateID").and_then(Value::as_str).filter(|t| !t.is_empty()) else {
+    let Some(template) = v
+        .get("templateID")
+        .and_then(Value::as_str)
+        .filter(|t| !t.is_empty())
+    else {
         return api_error(
             StatusCode::BAD_REQUEST,
             "templateID: give a catalog ID (namespace/name[@version])",
@@ -253,11 +303,11 @@ async fn create(e: &Arc<E2b>, caller: &Caller, req: Request) -> Response {
     };
     let timeout = match timeout_of(&v) {
         Ok(t) => t.unwrap_or(DEFAULT_TIMEOUT),
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let (env, labels) = match (string_map(v.get("envVars")), string_map(v.get("metadata"))) {
         (Ok(a), Ok(b)) => (a, b),
-        (Err(r), _) | (_, Err(r)) => return r,
+        (Err(r), _) | (_, Err(r)) => return r.into_response(),
     };
     let backend = match labels.get(BACKEND_LABEL).map(|b| b.parse::<Backend>()) {
         None => None,
@@ -271,7 +321,7 @@ async fn create(e: &Arc<E2b>, caller: &Caller, req: Request) -> Response {
     };
     let (network, inbound) = match network_of(caller, &v) {
         Ok(n) => n,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let args = CreateArgs {
         catalog_id: catalog_id(template),
@@ -320,7 +370,11 @@ fn list(e: &E2b, caller: &Caller, req: &Request, v1: bool) -> Response {
         .map(|m| serde_urlencoded::from_str(&m).unwrap_or_default())
         .unwrap_or_default();
     let states: Vec<String> = match get("state") {
-        Some(s) => s.split(',').map(|x| x.trim().to_string()).filter(|x| !x.is_empty()).collect(),
+        Some(s) => s
+            .split(',')
+            .map(|x| x.trim().to_string())
+            .filter(|x| !x.is_empty())
+            .collect(),
         None if v1 => vec!["running".into()],
         None => vec![],
     };
@@ -349,7 +403,12 @@ fn list(e: &E2b, caller: &Caller, req: &Request, v1: bool) -> Response {
         Some(t) => metas.iter().position(|m| &m.id == t).unwrap_or(metas.len()),
         None => 0,
     };
-    let page: Vec<Value> = metas.iter().skip(start).take(limit).map(|m| detail_json(e, m)).collect();
+    let page: Vec<Value> = metas
+        .iter()
+        .skip(start)
+        .take(limit)
+        .map(|m| detail_json(e, m))
+        .collect();
     let mut r = json_reply(StatusCode::OK, Value::Array(page));
     if let Some(next) = metas.get(start + limit) {
         if let Ok(v) = next.id.parse() {
@@ -374,7 +433,12 @@ async fn kill(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
 }
 
 /// Sets the lifetime (and idle TTL) to `secs` from now.
-async fn extend(e: &Arc<E2b>, meta: &Meta, secs: u64, only_longer: bool) -> Result<Meta, ServiceError> {
+async fn extend(
+    e: &Arc<E2b>,
+    meta: &Meta,
+    secs: u64,
+    only_longer: bool,
+) -> Result<Meta, ServiceError> {
     let until = now_ms() + secs * 1000;
     if only_longer && meta.expires_ms.is_some_and(|x| x >= until) {
         return Ok(meta.clone());
@@ -399,12 +463,12 @@ async fn set_timeout(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> R
     };
     let v = match body_json(req).await {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let secs = match timeout_of(&v) {
         Ok(Some(s)) => s,
         Ok(None) => return api_error(StatusCode::BAD_REQUEST, "timeout: required, in seconds"),
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     match extend(e, &meta, secs, false).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
@@ -433,7 +497,10 @@ async fn pause(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
         Err(err) => return error_response(&err),
     };
     if meta.paused {
-        return api_error(StatusCode::CONFLICT, format!("sandbox {id} is already paused"));
+        return api_error(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        );
     }
     match set_paused(e, &meta, true).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
@@ -449,11 +516,11 @@ async fn connect(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Respo
     };
     let v = match body_json(req).await {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     let timeout = match timeout_of(&v) {
         Ok(t) => t,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     if meta.paused {
         meta = match set_paused(e, &meta, false).await {
@@ -512,11 +579,14 @@ async fn update_network(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -
     }
     let v = match body_json(req).await {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return r.into_response(),
     };
     // Checked as a create's would be, so the refusal names the real problem first.
-    if let Err(r) = network_of(caller, &json!({"network": v, "allow_internet_access": v.get("allow_internet_access")})) {
-        return r;
+    if let Err(r) = network_of(
+        caller,
+        &json!({"network": v, "allow_internet_access": v.get("allow_internet_access")}),
+    ) {
+        return r.into_response();
     }
     api_error(
         StatusCode::CONFLICT,
@@ -538,7 +608,13 @@ mod tests {
     #[test]
     fn allow_out_without_a_port_opens_web_ports() {
         assert_eq!(allow_rules("pypi.org:443"), vec!["pypi.org:443"]);
-        assert_eq!(allow_rules("10.0.0.0/8"), vec!["10.0.0.0/8:443", "10.0.0.0/8:80"]);
-        assert_eq!(allow_rules("example.com"), vec!["example.com:443", "example.com:80"]);
+        assert_eq!(
+            allow_rules("10.0.0.0/8"),
+            vec!["10.0.0.0/8:443", "10.0.0.0/8:80"]
+        );
+        assert_eq!(
+            allow_rules("example.com"),
+            vec!["example.com:443", "example.com:80"]
+        );
     }
 }

@@ -184,7 +184,9 @@ impl Deframer {
 
 /// The value of a field given in either of proto3 JSON's spellings.
 pub fn field<'a>(v: &'a Value, camel: &str, snake: &str) -> Option<&'a Value> {
-    v.get(camel).or_else(|| v.get(snake)).filter(|v| !v.is_null())
+    v.get(camel)
+        .or_else(|| v.get(snake))
+        .filter(|v| !v.is_null())
 }
 
 pub fn text(v: &Value, name: &str) -> Option<String> {
@@ -256,7 +258,10 @@ mod tests {
             }
             assert_eq!(got.len(), 2, "split at {split}");
             assert_eq!(int(got[0]["start"]["process"].get("pid")), Some(7));
-            assert_eq!(bytes_field(got[1]["data"]["input"].get("stdin")).unwrap(), b"hi");
+            assert_eq!(
+                bytes_field(got[1]["data"]["input"].get("stdin")).unwrap(),
+                b"hi"
+            );
         }
     }
 
@@ -276,7 +281,10 @@ mod tests {
     #[test]
     fn reads_proto3_json_leniently() {
         let v = serde_json::json!({"watcher_id": "w", "depth": "3", "pid": 4});
-        assert_eq!(field(&v, "watcherId", "watcher_id").and_then(Value::as_str), Some("w"));
+        assert_eq!(
+            field(&v, "watcherId", "watcher_id").and_then(Value::as_str),
+            Some("w")
+        );
         assert_eq!(int(v.get("depth")), Some(3));
         assert_eq!(int(v.get("pid")), Some(4));
         assert_eq!(bytes_field(Some(&serde_json::json!("aGk"))).unwrap(), b"hi");

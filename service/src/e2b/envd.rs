@@ -106,7 +106,9 @@ async fn next_message(
         }
         match body.next().await {
             Some(Ok(chunk)) => de.push(&chunk),
-            Some(Err(e)) => return Err(RpcError::new("canceled", format!("the request body: {e}"))),
+            Some(Err(e)) => {
+                return Err(RpcError::new("canceled", format!("the request body: {e}")))
+            }
             None if de.pending() => {
                 return Err(RpcError::invalid("the request ended inside a message"))
             }
@@ -116,8 +118,8 @@ async fn next_message(
 }
 
 async fn rpc(e: &Arc<E2b>, meta: Meta, sb: Sandbox, path: &str, req: Request) -> Response {
-    let streaming = header(req.headers(), "content-type")
-        .is_some_and(|t| t.starts_with(STREAM_CONTENT_TYPE));
+    let streaming =
+        header(req.headers(), "content-type").is_some_and(|t| t.starts_with(STREAM_CONTENT_TYPE));
     let timeout = header(req.headers(), "connect-timeout-ms")
         .and_then(|t| t.parse::<u64>().ok())
         .filter(|ms| *ms > 0)
@@ -138,7 +140,11 @@ async fn rpc(e: &Arc<E2b>, meta: Meta, sb: Sandbox, path: &str, req: Request) ->
             Ok(c) if raw.len() + c.len() <= connect::MAX_MESSAGE + 5 => raw.extend_from_slice(&c),
             Ok(_) => {
                 let err = RpcError::new("resource_exhausted", "the request is over 4 MiB");
-                return if streaming { stream_error(err) } else { err.unary() };
+                return if streaming {
+                    stream_error(err)
+                } else {
+                    err.unary()
+                };
             }
             Err(err) => return RpcError::new("canceled", err.to_string()).unary(),
         }
@@ -155,7 +161,13 @@ async fn rpc(e: &Arc<E2b>, meta: Meta, sb: Sandbox, path: &str, req: Request) ->
     };
     let msg = match msg {
         Ok(m) => m,
-        Err(err) => return if streaming { stream_error(err) } else { err.unary() },
+        Err(err) => {
+            return if streaming {
+                stream_error(err)
+            } else {
+                err.unary()
+            }
+        }
     };
     let out = match method.as_str() {
         "Start" => return start(e, &meta, sb, &msg, timeout, keepalive),
@@ -231,7 +243,11 @@ fn start(
     let args = process
         .get("args")
         .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|v| v.as_str().map(str::to_string))
+                .collect()
+        })
         .unwrap_or_default();
     let config = ProcConfig {
         cmd,
@@ -339,7 +355,8 @@ fn list(e: &E2b, meta: &Meta) -> Value {
         .list(&meta.local)
         .iter()
         .map(|p| {
-            let mut config = json!({"cmd": p.config.cmd, "args": p.config.args, "envs": p.config.envs});
+            let mut config =
+                json!({"cmd": p.config.cmd, "args": p.config.args, "envs": p.config.envs});
             if let Some(cwd) = &p.config.cwd {
                 config["cwd"] = json!(cwd);
             }

@@ -105,11 +105,17 @@ impl Names {
     }
 
     fn user(&self, uid: u32) -> String {
-        self.users.get(&uid).cloned().unwrap_or_else(|| uid.to_string())
+        self.users
+            .get(&uid)
+            .cloned()
+            .unwrap_or_else(|| uid.to_string())
     }
 
     fn group(&self, gid: u32) -> String {
-        self.groups.get(&gid).cloned().unwrap_or_else(|| gid.to_string())
+        self.groups
+            .get(&gid)
+            .cloned()
+            .unwrap_or_else(|| gid.to_string())
     }
 }
 
@@ -210,48 +216,51 @@ pub(super) async fn stat(sb: Sandbox, msg: &Value) -> Result<Value, RpcError> {
 pub(super) async fn list_dir(sb: Sandbox, msg: &Value) -> Result<Value, RpcError> {
     let path = resolve(&sb, &path_of(msg, "path")?)?;
     let depth = connect::int(msg.get("depth")).unwrap_or(1).clamp(1, 64) as usize;
-    let entries = blocking(move || -> Result<Result<Vec<Value>, RpcError>, ServiceError> {
-        match lookup(&sb, &path)? {
-            None => return Ok(Err(not_found(&path))),
-            Some(e) if e.kind != "dir" => {
-                return Ok(Err(RpcError::invalid(format!("{path} is not a directory"))))
-            }
-            Some(_) => {}
-        }
-        let names = Names::load(&sb);
-        let mut out = Vec::new();
-        let mut level = vec![path];
-        for _ in 0..depth {
-            let mut next = Vec::new();
-            for dir in level {
-                let list = match sb.list_dir(&dir) {
-                    Ok(l) => l,
-                    // A directory that went away meanwhile, or one it may not read.
-                    Err(_) => continue,
-                };
-                for e in list {
-                    let p = if dir == "/" {
-                        format!("/{}", e.name)
-                    } else {
-                        format!("{dir}/{}", e.name)
-                    };
-                    if out.len() >= MAX_ENTRIES {
-                        return Ok(Err(RpcError::new(
+    let entries =
+        blocking(
+            move || -> Result<Result<Vec<Value>, RpcError>, ServiceError> {
+                match lookup(&sb, &path)? {
+                    None => return Ok(Err(not_found(&path))),
+                    Some(e) if e.kind != "dir" => {
+                        return Ok(Err(RpcError::invalid(format!("{path} is not a directory"))))
+                    }
+                    Some(_) => {}
+                }
+                let names = Names::load(&sb);
+                let mut out = Vec::new();
+                let mut level = vec![path];
+                for _ in 0..depth {
+                    let mut next = Vec::new();
+                    for dir in level {
+                        let list = match sb.list_dir(&dir) {
+                            Ok(l) => l,
+                            // A directory that went away meanwhile, or one it may not read.
+                            Err(_) => continue,
+                        };
+                        for e in list {
+                            let p = if dir == "/" {
+                                format!("/{}", e.name)
+                            } else {
+                                format!("{dir}/{}", e.name)
+                            };
+                            if out.len() >= MAX_ENTRIES {
+                                return Ok(Err(RpcError::new(
                             "resource_exhausted",
                             format!("more than {MAX_ENTRIES} entries: list with a smaller depth"),
                         )));
+                            }
+                            out.push(entry_info(&e, &p, &names));
+                            if e.kind == "dir" {
+                                next.push(p);
+                            }
+                        }
                     }
-                    out.push(entry_info(&e, &p, &names));
-                    if e.kind == "dir" {
-                        next.push(p);
-                    }
+                    level = next;
                 }
-            }
-            level = next;
-        }
-        Ok(Ok(out))
-    })
-    .await??;
+                Ok(Ok(out))
+            },
+        )
+        .await??;
     Ok(json!({"entries": entries}))
 }
 
@@ -270,7 +279,9 @@ pub(super) async fn make_dir(sb: Sandbox, msg: &Value) -> Result<Value, RpcError
             &format!("making {path}"),
         )?;
         let e = lookup(&sb, &path)?.ok_or_else(|| ServiceError::NotFound(path.clone()))?;
-        Ok(Ok(json!({"entry": entry_info(&e, &path, &Names::load(&sb))})))
+        Ok(Ok(
+            json!({"entry": entry_info(&e, &path, &Names::load(&sb))}),
+        ))
     })
     .await?
 }
@@ -284,7 +295,13 @@ pub(super) async fn rename(sb: Sandbox, msg: &Value) -> Result<Value, RpcError> 
         }
         run_tool(
             &sb,
-            vec!["mv".into(), "-T".into(), "--".into(), from.clone(), to.clone()],
+            vec![
+                "mv".into(),
+                "-T".into(),
+                "--".into(),
+                from.clone(),
+                to.clone(),
+            ],
             &format!("moving {from} to {to}"),
         )?;
         let e = lookup(&sb, &to)?.ok_or_else(|| ServiceError::NotFound(to.clone()))?;
@@ -296,7 +313,9 @@ pub(super) async fn rename(sb: Sandbox, msg: &Value) -> Result<Value, RpcError> 
 pub(super) async fn remove(sb: Sandbox, msg: &Value) -> Result<Value, RpcError> {
     let path = resolve(&sb, &path_of(msg, "path")?)?;
     if path == "/" {
-        return Err(RpcError::invalid("path: will not remove the sandbox's root"));
+        return Err(RpcError::invalid(
+            "path: will not remove the sandbox's root",
+        ));
     }
     blocking(move || -> Result<Result<Value, RpcError>, ServiceError> {
         if lookup(&sb, &path)?.is_none() {
@@ -334,7 +353,10 @@ fn file_error(e: RpcError) -> Response {
 pub(super) async fn download(sb: Sandbox, req: Request) -> Response {
     let q = query(&req);
     let Some(raw) = q.get("path").filter(|p| !p.is_empty()) else {
-        return api_error(StatusCode::BAD_REQUEST, "path: give the file to download (?path=)");
+        return api_error(
+            StatusCode::BAD_REQUEST,
+            "path: give the file to download (?path=)",
+        );
     };
     let path = match resolve(&sb, raw) {
         Ok(p) => p,
@@ -402,12 +424,17 @@ pub(super) async fn upload(e: &Arc<E2b>, sb: Sandbox, req: Request) -> Response 
     let max = e.node.config().max_write_bytes;
     let q = query(&req);
     let query_path = q.get("path").filter(|p| !p.is_empty()).cloned();
-    let content_type = header(req.headers(), "content-type").unwrap_or("").to_string();
+    let content_type = header(req.headers(), "content-type")
+        .unwrap_or("")
+        .to_string();
     let gzip = header(req.headers(), "content-encoding").is_some_and(|c| c.contains("gzip"));
     let too_big = || {
         api_error(
             StatusCode::PAYLOAD_TOO_LARGE,
-            format!("a file over this node's limit of {} MiB for one write (max_write_bytes)", max >> 20),
+            format!(
+                "a file over this node's limit of {} MiB for one write (max_write_bytes)",
+                max >> 20
+            ),
         )
     };
     let mut uploads = Vec::new();
@@ -438,14 +465,19 @@ pub(super) async fn upload(e: &Arc<E2b>, sb: Sandbox, req: Request) -> Response 
                     Ok(Some(c)) if data.len() + c.len() <= max => data.extend_from_slice(&c),
                     Ok(Some(_)) => return too_big(),
                     Ok(None) => break,
-                    Err(err) => return api_error(StatusCode::BAD_REQUEST, format!("multipart: {err}")),
+                    Err(err) => {
+                        return api_error(StatusCode::BAD_REQUEST, format!("multipart: {err}"))
+                    }
                 }
             }
             uploads.push(Upload { path: name, data });
         }
     } else {
         let Some(name) = query_path else {
-            return api_error(StatusCode::BAD_REQUEST, "path: give the file to write (?path=)");
+            return api_error(
+                StatusCode::BAD_REQUEST,
+                "path: give the file to write (?path=)",
+            );
         };
         let mut body = req.into_body().into_data_stream();
         let mut data = Vec::new();
@@ -473,30 +505,32 @@ pub(super) async fn upload(e: &Arc<E2b>, sb: Sandbox, req: Request) -> Response 
     if uploads.is_empty() {
         return api_error(StatusCode::BAD_REQUEST, "no file in the upload");
     }
-    let written = blocking(move || -> Result<Result<Vec<Value>, RpcError>, ServiceError> {
-        let mut out = Vec::new();
-        for u in uploads {
-            let path = match resolve(&sb, &u.path) {
-                Ok(p) => p,
-                Err(e) => return Ok(Err(e)),
-            };
-            if let Err(e) = sb.write_file(&path, &u.data, 0o644) {
-                let full = matches!(&e, RuntimeError::File { source, .. }
+    let written = blocking(
+        move || -> Result<Result<Vec<Value>, RpcError>, ServiceError> {
+            let mut out = Vec::new();
+            for u in uploads {
+                let path = match resolve(&sb, &u.path) {
+                    Ok(p) => p,
+                    Err(e) => return Ok(Err(e)),
+                };
+                if let Err(e) = sb.write_file(&path, &u.data, 0o644) {
+                    let full = matches!(&e, RuntimeError::File { source, .. }
                     if matches!(source.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT)));
-                return Ok(Err(if full {
-                    RpcError::new(
-                        "resource_exhausted",
-                        format!("{path}: the sandbox's disk budget is full"),
-                    )
-                } else {
-                    RpcError::from(ServiceError::from(e))
-                }));
+                    return Ok(Err(if full {
+                        RpcError::new(
+                            "resource_exhausted",
+                            format!("{path}: the sandbox's disk budget is full"),
+                        )
+                    } else {
+                        RpcError::from(ServiceError::from(e))
+                    }));
+                }
+                let name = split(&path).1;
+                out.push(json!({"path": path, "name": name, "type": "file"}));
             }
-            let name = split(&path).1;
-            out.push(json!({"path": path, "name": name, "type": "file"}));
-        }
-        Ok(Ok(out))
-    })
+            Ok(Ok(out))
+        },
+    )
     .await;
     match written {
         Ok(Ok(list)) => (

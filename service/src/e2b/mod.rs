@@ -137,7 +137,12 @@ fn load_key(node: &Node) -> Result<[u8; 32], ServiceError> {
 /// A JSON body the SDK's generated client reads: `{"code": <int>, "message": <str>}`.
 pub(crate) fn api_error(status: StatusCode, message: impl Into<String>) -> Response {
     let body = serde_json::json!({"code": status.as_u16(), "message": message.into()});
-    (status, [("content-type", "application/json")], body.to_string()).into_response()
+    (
+        status,
+        [("content-type", "application/json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 /// The HTTP status of a service error, for the control plane and `/files`.
@@ -209,7 +214,12 @@ fn is_api_path(path: &str) -> bool {
 /// `E2b-Sandbox-Id` header and its port by `E2b-Sandbox-Port`. A port other than envd's
 /// always goes to the sandbox (an app's own `/sandboxes` path included); SDKs that send
 /// the sandbox headers on control-plane calls (2.20 on connect) name envd's port there.
-pub(crate) fn route(host: Option<&str>, path: &str, headers: &HeaderMap, domain: Option<&str>) -> Route {
+pub(crate) fn route(
+    host: Option<&str>,
+    path: &str,
+    headers: &HeaderMap,
+    domain: Option<&str>,
+) -> Route {
     if let (Some(host), Some(domain)) = (host, domain) {
         let name = host.rsplit_once(':').map_or(host, |(h, p)| {
             if p.bytes().all(|b| b.is_ascii_digit()) {
@@ -224,7 +234,8 @@ pub(crate) fn route(host: Option<&str>, path: &str, headers: &HeaderMap, domain:
         }
         if let Some(label) = name.strip_suffix(&format!(".{domain}")) {
             if let Some((port, id)) = label.split_once('-') {
-                if let (Ok(port), false) = (port.parse::<u16>(), id.is_empty() || id.contains('.')) {
+                if let (Ok(port), false) = (port.parse::<u16>(), id.is_empty() || id.contains('.'))
+                {
                     return Route::Sandbox {
                         id: Some(id.to_string()),
                         port,
@@ -336,8 +347,9 @@ pub async fn listen(
             let tls = tls.clone();
             tokio::spawn(async move {
                 let service = hyper_util::service::TowerToHyperService::new(app);
-                let builder =
-                    hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+                let builder = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                );
                 let result = match tls {
                     Some(acceptor) => match acceptor.accept(tcp).await {
                         Ok(stream) => {
@@ -374,17 +386,18 @@ fn tls_acceptor(files: &TlsFiles) -> Result<tokio_rustls::TlsAcceptor, ServiceEr
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let bad = |what: &str, path: &PathBuf, e: String| {
-        ServiceError::invalid(
-            what,
-            format!("{}: {e} (give a PEM file)", path.display()),
-        )
+        ServiceError::invalid(what, format!("{}: {e} (give a PEM file)", path.display()))
     };
     let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(&files.cert)
         .map_err(|e| bad("e2b-tls-cert", &files.cert, e.to_string()))?
         .collect::<Result<_, _>>()
         .map_err(|e| bad("e2b-tls-cert", &files.cert, e.to_string()))?;
     if certs.is_empty() {
-        return Err(bad("e2b-tls-cert", &files.cert, "no certificate in it".into()));
+        return Err(bad(
+            "e2b-tls-cert",
+            &files.cert,
+            "no certificate in it".into(),
+        ));
     }
     let key = PrivateKeyDer::from_pem_file(&files.key)
         .map_err(|e| bad("e2b-tls-key", &files.key, e.to_string()))?;
@@ -400,11 +413,7 @@ fn tls_acceptor(files: &TlsFiles) -> Result<tokio_rustls::TlsAcceptor, ServiceEr
 }
 
 /// A response with `body` streamed.
-pub(crate) fn streamed(
-    status: StatusCode,
-    content_type: &'static str,
-    body: Body,
-) -> Response {
+pub(crate) fn streamed(status: StatusCode, content_type: &'static str, body: Body) -> Response {
     (status, [("content-type", content_type)], body).into_response()
 }
 
@@ -426,39 +435,69 @@ mod tests {
     #[test]
     fn routes_like_e2bs_proxy() {
         let none = HeaderMap::new();
-        assert_eq!(route(Some("127.0.0.1:3000"), "/v2/sandboxes", &none, None), Route::Api);
-        assert_eq!(route(None, "/sandboxes/n-1/connect", &none, None), Route::Api);
+        assert_eq!(
+            route(Some("127.0.0.1:3000"), "/v2/sandboxes", &none, None),
+            Route::Api
+        );
+        assert_eq!(
+            route(None, "/sandboxes/n-1/connect", &none, None),
+            Route::Api
+        );
         // 2.20 sends the sandbox headers on connect: the path wins for envd's port.
         let leaked = headers(&[("e2b-sandbox-id", "n-1"), ("e2b-sandbox-port", "49983")]);
-        assert_eq!(route(None, "/sandboxes/n-1/connect", &leaked, None), Route::Api);
+        assert_eq!(
+            route(None, "/sandboxes/n-1/connect", &leaked, None),
+            Route::Api
+        );
         assert_eq!(
             route(None, "/files", &leaked, None),
-            Route::Sandbox { id: Some("n-1".into()), port: ENVD_PORT }
+            Route::Sandbox {
+                id: Some("n-1".into()),
+                port: ENVD_PORT
+            }
         );
         // Only the access token: the sandbox is found by it.
         assert_eq!(
             route(None, "/process.Process/Start", &none, None),
-            Route::Sandbox { id: None, port: ENVD_PORT }
+            Route::Sandbox {
+                id: None,
+                port: ENVD_PORT
+            }
         );
         // Another port goes to the sandbox, whatever the path.
         let app = headers(&[("e2b-sandbox-id", "n-1"), ("e2b-sandbox-port", "8000")]);
         assert_eq!(
             route(None, "/sandboxes", &app, None),
-            Route::Sandbox { id: Some("n-1".into()), port: 8000 }
+            Route::Sandbox {
+                id: Some("n-1".into()),
+                port: 8000
+            }
         );
         // Wildcard DNS.
         let d = Some("strata.test");
-        assert_eq!(route(Some("api.strata.test"), "/health", &none, d), Route::Api);
+        assert_eq!(
+            route(Some("api.strata.test"), "/health", &none, d),
+            Route::Api
+        );
         assert_eq!(
             route(Some("8000-node-abc.strata.test:443"), "/", &none, d),
-            Route::Sandbox { id: Some("node-abc".into()), port: 8000 }
+            Route::Sandbox {
+                id: Some("node-abc".into()),
+                port: 8000
+            }
         );
         assert_eq!(
             route(Some("49983-node-abc.STRATA.test"), "/files", &none, d),
-            Route::Sandbox { id: Some("node-abc".into()), port: ENVD_PORT }
+            Route::Sandbox {
+                id: Some("node-abc".into()),
+                port: ENVD_PORT
+            }
         );
         // A host of another domain falls back to the path.
-        assert_eq!(route(Some("8000-x.other.test"), "/v2/sandboxes", &none, d), Route::Api);
+        assert_eq!(
+            route(Some("8000-x.other.test"), "/v2/sandboxes", &none, d),
+            Route::Api
+        );
     }
 
     #[test]

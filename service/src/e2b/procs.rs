@@ -43,7 +43,9 @@ impl EndInfo {
     /// What envd reports for a finished command: Go's `ExitCode()` (-1 when signalled)
     /// and `ProcessState.String()`.
     pub fn of(r: &ExecResult) -> EndInfo {
-        let budget = r.budget.map(|b| format!("the sandbox's {b} budget ended it"));
+        let budget = r
+            .budget
+            .map(|b| format!("the sandbox's {b} budget ended it"));
         match (r.exit_code, r.signal) {
             (Some(c), _) => EndInfo {
                 exit_code: c,
@@ -160,7 +162,12 @@ impl Proc {
 
     /// Sends `event` to every subscriber, dropping those that went away.
     fn publish(&self, event: ProcEvent) {
-        let list: Vec<_> = self.subs.lock().unwrap_or_else(|p| p.into_inner()).list.clone();
+        let list: Vec<_> = self
+            .subs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .list
+            .clone();
         let mut gone = false;
         for tx in &list {
             // Waits while this subscriber is behind: back-pressure on the command.
@@ -293,7 +300,10 @@ impl Table {
             });
         if let Err(e) = spawned {
             self.remove(local, proc.pid);
-            return Err(RpcError::new("resource_exhausted", format!("starting a thread: {e}")));
+            return Err(RpcError::new(
+                "resource_exhausted",
+                format!("starting a thread: {e}"),
+            ));
         }
         Ok((proc, rx))
     }
@@ -309,7 +319,12 @@ impl Table {
     }
 
     /// The process a selector names: `{"pid": N}` or `{"tag": "..."}`.
-    pub fn find(&self, local: &str, pid: Option<u32>, tag: Option<&str>) -> Result<Arc<Proc>, RpcError> {
+    pub fn find(
+        &self,
+        local: &str,
+        pid: Option<u32>,
+        tag: Option<&str>,
+    ) -> Result<Arc<Proc>, RpcError> {
         let map = self.lock();
         let procs = map.get(local).map(|sp| &sp.procs);
         let found = match (pid, tag) {
@@ -368,9 +383,15 @@ mod tests {
     #[test]
     fn ends_read_like_envds() {
         let e = EndInfo::of(&result(Some(3), None));
-        assert_eq!((e.exit_code, e.exited, e.status.as_str()), (3, true, "exit status 3"));
+        assert_eq!(
+            (e.exit_code, e.exited, e.status.as_str()),
+            (3, true, "exit status 3")
+        );
         let e = EndInfo::of(&result(None, Some(9)));
-        assert_eq!((e.exit_code, e.exited, e.status.as_str()), (-1, false, "signal: killed"));
+        assert_eq!(
+            (e.exit_code, e.exited, e.status.as_str()),
+            (-1, false, "signal: killed")
+        );
     }
 
     #[test]

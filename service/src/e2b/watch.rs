@@ -60,7 +60,10 @@ fn snapshot(sb: &Sandbox, root: &str, recursive: bool) -> Option<Listing> {
                 format!("{rel}/{}", e.name)
             };
             if recursive && e.kind == "dir" {
-                dirs.push((format!("{}/{}", dir.trim_end_matches('/'), e.name), name.clone()));
+                dirs.push((
+                    format!("{}/{}", dir.trim_end_matches('/'), e.name),
+                    name.clone(),
+                ));
             }
             out.insert(
                 name,
@@ -122,12 +125,19 @@ async fn begin(sb: &Sandbox, msg: &Value) -> Result<(String, bool, Listing), Rpc
         })
     })
     .await?;
-    let first = first.ok_or_else(|| RpcError::not_found(format!("{path}: no such directory in the sandbox")))?;
+    let first = first
+        .ok_or_else(|| RpcError::not_found(format!("{path}: no such directory in the sandbox")))?;
     Ok((path, recursive, first))
 }
 
 /// Polls until `emit` refuses more (its consumer is gone) or the directory goes.
-async fn poll(sb: Sandbox, path: String, recursive: bool, mut last: Listing, mut emit: impl FnMut(Vec<Value>) -> bool) {
+async fn poll(
+    sb: Sandbox,
+    path: String,
+    recursive: bool,
+    mut last: Listing,
+    mut emit: impl FnMut(Vec<Value>) -> bool,
+) {
     loop {
         tokio::time::sleep(POLL).await;
         let (s, p) = (sb.clone(), path.clone());
@@ -144,7 +154,12 @@ async fn poll(sb: Sandbox, path: String, recursive: bool, mut last: Listing, mut
 }
 
 /// `WatchDir`: `start`, then each change as it is seen, keepalives while quiet.
-pub(super) async fn watch_dir(_e: &Arc<E2b>, sb: Sandbox, msg: &Value, keepalive: Duration) -> axum::response::Response {
+pub(super) async fn watch_dir(
+    _e: &Arc<E2b>,
+    sb: Sandbox,
+    msg: &Value,
+    keepalive: Duration,
+) -> axum::response::Response {
     let (path, recursive, first) = match begin(&sb, msg).await {
         Ok(b) => b,
         Err(err) => return stream_error(err),
@@ -222,8 +237,18 @@ impl Table {
     }
 }
 
-pub(super) async fn create(e: &Arc<E2b>, meta: &Meta, sb: Sandbox, msg: &Value) -> Result<Value, RpcError> {
-    let count = e.watchers.lock().values().filter(|w| w.sandbox == meta.local).count();
+pub(super) async fn create(
+    e: &Arc<E2b>,
+    meta: &Meta,
+    sb: Sandbox,
+    msg: &Value,
+) -> Result<Value, RpcError> {
+    let count = e
+        .watchers
+        .lock()
+        .values()
+        .filter(|w| w.sandbox == meta.local)
+        .count();
     if count >= MAX_PER_SANDBOX {
         return Err(RpcError::new(
             "resource_exhausted",
@@ -275,9 +300,16 @@ pub(super) fn events(e: &E2b, meta: &Meta, msg: &Value) -> Result<Value, RpcErro
         .get(&id)
         .filter(|w| w.sandbox == meta.local)
         .ok_or_else(|| RpcError::not_found(format!("watcher {id} not found")))?;
-    let drained: Vec<Value> = w.events.lock().unwrap_or_else(|p| p.into_inner()).drain(..).collect();
+    let drained: Vec<Value> = w
+        .events
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .drain(..)
+        .collect();
     if drained.is_empty() && w.ended.load(std::sync::atomic::Ordering::Acquire) {
-        return Err(RpcError::not_found(format!("watcher {id}: the watched directory is gone")));
+        return Err(RpcError::not_found(format!(
+            "watcher {id}: the watched directory is gone"
+        )));
     }
     Ok(json!({"events": drained}))
 }
@@ -310,11 +342,24 @@ mod tests {
 
     #[test]
     fn listings_differ_as_events() {
-        let before: Listing = [("a".to_string(), seen(1, 0o644)), ("b".to_string(), seen(1, 0o644))].into();
-        let after: Listing = [("a".to_string(), seen(2, 0o600)), ("c".to_string(), seen(0, 0o644))].into();
+        let before: Listing = [
+            ("a".to_string(), seen(1, 0o644)),
+            ("b".to_string(), seen(1, 0o644)),
+        ]
+        .into();
+        let after: Listing = [
+            ("a".to_string(), seen(2, 0o600)),
+            ("c".to_string(), seen(0, 0o644)),
+        ]
+        .into();
         let got: Vec<(String, String)> = diff(&before, &after)
             .into_iter()
-            .map(|v| (v["name"].as_str().unwrap().into(), v["type"].as_str().unwrap().into()))
+            .map(|v| {
+                (
+                    v["name"].as_str().unwrap().into(),
+                    v["type"].as_str().unwrap().into(),
+                )
+            })
             .collect();
         assert_eq!(
             got,
