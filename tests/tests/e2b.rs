@@ -251,6 +251,7 @@ c.request("GET", "/health", headers={"Host": f"49983-{sb.sandbox_id}.strata.test
                                       "X-Access-Token": sb._envd_access_token})
 r = c.getresponse()
 assert r.status == 204, (r.status, r.read())
+r.read()
 c.request("GET", "/health", headers={"Host": f"49983-{sb.sandbox_id}.strata.test", "X-Access-Token": "wrong"})
 r = c.getresponse()
 assert r.status == 401, (r.status, r.read())
