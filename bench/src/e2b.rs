@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::report::{Row, Section};
 use crate::runtime::{percentile, setup};
-use crate::service::{drive, python, serve, Served};
+use crate::service::{drive, python, serve, venv, Served};
 
 /// The `e2b` release measured (the newest the tests pin).
 const E2B: &str = "2.63.0";
@@ -32,31 +32,11 @@ print(json.dumps([once() for _ in range(n)]))
 "#;
 
 fn e2b_python(dir: &Path) -> Result<PathBuf> {
-    let venv = dir.join(format!("e2b-{E2B}"));
-    let py = venv.join("bin/python");
-    if !py.exists() {
-        let ok = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()?;
-        if !ok.success() {
-            bail!("python3 -m venv failed (apt-get install python3-venv)");
-        }
-    }
-    let ok = Command::new(&py)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-        ])
-        .arg(format!("e2b=={E2B}"))
-        .status()?;
-    if !ok.success() {
-        bail!("pip install e2b=={E2B} failed (PyPI must be reachable)");
-    }
-    Ok(py)
+    venv(
+        dir,
+        &format!("e2b-{E2B}"),
+        &[std::ffi::OsStr::new(&format!("e2b=={E2B}"))],
+    )
 }
 
 fn e2b_latency(py: &Path, s: &Served, reference: &str, n: usize) -> Result<Vec<f64>> {

@@ -150,9 +150,10 @@ pub(crate) fn serve(dir: &Path, store: &str, e2b: bool) -> Result<Served> {
     Ok(s)
 }
 
-/// A virtual environment with the checkout's SDK.
-pub(crate) fn python(dir: &Path, repo: &Path) -> Result<PathBuf> {
-    let venv = dir.join("sdk-venv");
+/// The Python of the virtual environment `dir/name`, with `packages` (PyPI names or
+/// paths) installed into it.
+pub(crate) fn venv(dir: &Path, name: &str, packages: &[&std::ffi::OsStr]) -> Result<PathBuf> {
+    let venv = dir.join(name);
     let py = venv.join("bin/python");
     if !py.exists() {
         let ok = Command::new("python3")
@@ -171,12 +172,17 @@ pub(crate) fn python(dir: &Path, repo: &Path) -> Result<PathBuf> {
             "--quiet",
             "--disable-pip-version-check",
         ])
-        .arg(repo.join("sdk/python"))
+        .args(packages)
         .status()?;
     if !ok.success() {
-        bail!("pip install sdk/python failed");
+        bail!("pip install {packages:?} failed (PyPI must be reachable)");
     }
     Ok(py)
+}
+
+/// A virtual environment with the checkout's SDK.
+pub(crate) fn python(dir: &Path, repo: &Path) -> Result<PathBuf> {
+    venv(dir, "sdk-venv", &[repo.join("sdk/python").as_os_str()])
 }
 
 pub(crate) fn drive<T: serde::de::DeserializeOwned>(

@@ -184,37 +184,9 @@ pub fn python_sdk() -> PathBuf {
         let lock = std::fs::File::create(scratch_root().join("sdk-venv.lock")).expect("venv lock");
         strata_host::fs::flock(&lock, strata_host::fs::Lock::Exclusive, true)
             .expect("locking the venv");
-        let py = venv.join("bin/python");
-        if !py.exists() {
-            let o = Command::new("python3")
-                .args(["-m", "venv"])
-                .arg(&venv)
-                .output()
-                .expect("python3 -m venv");
-            assert!(
-                o.status.success(),
-                "python3 -m venv: {}",
-                String::from_utf8_lossy(&o.stderr)
-            );
-        }
+        let py = make_venv(&venv);
         let sdk = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sdk/python");
-        let o = Command::new(&py)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-            ])
-            .arg(&sdk)
-            .output()
-            .expect("pip install sdk/python");
-        assert!(
-            o.status.success(),
-            "pip install sdk/python: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
+        pip_install(&py, &[sdk.as_os_str()]);
         // Reinstalled from the checkout every time: the SDK under test is this one.
         let o = Command::new(&py)
             .args([
@@ -239,6 +211,45 @@ pub fn python_sdk() -> PathBuf {
     .clone()
 }
 
+/// The Python of the virtual environment `venv`, made if missing.
+fn make_venv(venv: &std::path::Path) -> PathBuf {
+    let py = venv.join("bin/python");
+    if !py.exists() {
+        let o = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(venv)
+            .output()
+            .expect("python3 -m venv");
+        assert!(
+            o.status.success(),
+            "python3 -m venv: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    py
+}
+
+/// `pip install` of `what` (from PyPI or a path) into the environment of `py`.
+fn pip_install(py: &std::path::Path, what: &[&std::ffi::OsStr]) {
+    let o = Command::new(py)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+        ])
+        .args(what)
+        .output()
+        .expect("pip install");
+    assert!(
+        o.status.success(),
+        "pip install {what:?}: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
 /// The `e2b` Python SDK releases the E2B tests pin: the newest, and an older 2.2x one
 /// (POST /sandboxes, and envd calls without the sandbox header after connect).
 pub const E2B_PYTHON: [&str; 2] = ["2.63.0", "2.20.0"];
@@ -253,37 +264,11 @@ pub fn e2b_python(version: &str) -> PathBuf {
         .expect("venv lock");
     strata_host::fs::flock(&lock, strata_host::fs::Lock::Exclusive, true)
         .expect("locking the venv");
-    let py = venv.join("bin/python");
     if venv.join(".installed").exists() {
-        return py;
+        return venv.join("bin/python");
     }
-    let o = Command::new("python3")
-        .args(["-m", "venv"])
-        .arg(&venv)
-        .output()
-        .expect("python3 -m venv");
-    assert!(
-        o.status.success(),
-        "python3 -m venv: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let o = Command::new(&py)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-        ])
-        .arg(format!("e2b=={version}"))
-        .output()
-        .expect("pip install e2b");
-    assert!(
-        o.status.success(),
-        "pip install e2b=={version}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
+    let py = make_venv(&venv);
+    pip_install(&py, &[std::ffi::OsStr::new(&format!("e2b=={version}"))]);
     std::fs::write(venv.join(".installed"), version).expect("marking the venv");
     py
 }

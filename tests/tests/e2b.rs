@@ -41,6 +41,27 @@ fn service(
     (home, svc, token)
 }
 
+/// A command of an unmodified E2B client, pointed at `url` (both URLs) with `token`.
+fn e2b_client(program: impl AsRef<std::ffi::OsStr>, url: &str, token: &str) -> Command {
+    let mut c = Command::new(program);
+    c.env("E2B_API_URL", url)
+        .env("E2B_SANDBOX_URL", url)
+        .env("E2B_API_KEY", token)
+        .env("PYTHONUNBUFFERED", "1");
+    c
+}
+
+/// Asserts a client run succeeded, showing its output and the service's log if not.
+fn assert_client_ok(o: &std::process::Output, what: &str, svc: &Service) {
+    assert!(
+        o.status.success(),
+        "{what} failed:\n{}\n{}\nservice log (tail):\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        tail(&svc.log_text())
+    );
+}
+
 fn suite() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("e2b/suite.py")
 }
@@ -56,24 +77,12 @@ fn run_suite(
     template: &str,
 ) {
     let t = Instant::now();
-    let o = Command::new(e2b_python(version))
+    let o = e2b_client(e2b_python(version), &svc.e2b_url(), token)
         .arg(suite())
         .args([scenario, backend, template])
-        .env("E2B_API_URL", svc.e2b_url())
-        .env("E2B_SANDBOX_URL", svc.e2b_url())
-        .env("E2B_API_KEY", token)
-        .env("PYTHONUNBUFFERED", "1")
         .output()
         .expect("running the e2b suite");
-    let (out, err) = (
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-    );
-    assert!(
-        o.status.success(),
-        "e2b {version} {scenario} on {backend} failed:\n{out}\n{err}\nservice log (tail):\n{}",
-        tail(&svc.log_text())
-    );
+    assert_client_ok(&o, &format!("e2b {version} {scenario} on {backend}"), svc);
     eprintln!(
         "e2b {version} {scenario} on {backend}: ok in {:.1?}",
         t.elapsed()
@@ -209,22 +218,14 @@ const { Sandbox, CommandExitError } = require('e2b');
   console.log('node ok');
 })().catch((e) => { console.error(e); process.exit(1); });
 "#;
-    let o = Command::new("node")
+    let o = e2b_client("node", &svc.e2b_url(), &token)
         .args(["-e", script])
         .current_dir(&dir)
-        .env("E2B_API_URL", svc.e2b_url())
-        .env("E2B_SANDBOX_URL", svc.e2b_url())
-        .env("E2B_API_KEY", &token)
         .env("TEMPLATE", &env.reference)
         .output()
         .expect("running node");
-    assert!(
-        o.status.success() && String::from_utf8_lossy(&o.stdout).contains("node ok"),
-        "the Node SDK failed:\n{}\n{}\nservice log:\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-        tail(&svc.log_text())
-    );
+    assert_client_ok(&o, "the Node SDK", &svc);
+    assert!(String::from_utf8_lossy(&o.stdout).contains("node ok"));
     assert_nothing_left(&home);
 }
 
@@ -260,21 +261,12 @@ sb.kill()
 print("policy ok")
 "#;
     let e2b_addr = svc.e2b.clone().unwrap_or_default();
-    let o = Command::new(e2b_python(E2B_PYTHON[1]))
+    let o = e2b_client(e2b_python(E2B_PYTHON[1]), &svc.e2b_url(), &token)
         .args(["-c", script, &env.reference])
-        .env("E2B_API_URL", svc.e2b_url())
-        .env("E2B_SANDBOX_URL", svc.e2b_url())
-        .env("E2B_API_KEY", &token)
         .env("E2B_HOST", &e2b_addr)
         .output()
         .expect("running python");
-    assert!(
-        o.status.success(),
-        "{}\n{}\nservice log:\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-        tail(&svc.log_text())
-    );
+    assert_client_ok(&o, "the policy and routing checks", &svc);
 }
 
 #[test]
@@ -328,19 +320,10 @@ assert sb.files.read("/tmp/t.txt") == "tls file"
 assert sb.kill()
 print("tls ok")
 "#;
-    let o = Command::new(e2b_python(E2B_PYTHON[0]))
+    let o = e2b_client(e2b_python(E2B_PYTHON[0]), &url, &token)
         .args(["-c", script, &env.reference])
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", &token)
         .env("SSL_CERT_FILE", dir.join("ca.pem"))
         .output()
         .expect("running python");
-    assert!(
-        o.status.success(),
-        "{}\n{}\nservice log:\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr),
-        tail(&svc.log_text())
-    );
+    assert_client_ok(&o, "the E2B SDK over TLS", &svc);
 }
