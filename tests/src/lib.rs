@@ -115,6 +115,18 @@ pub fn strata(store: &str, args: &[&str]) -> Output {
         .expect("running strata")
 }
 
+/// Runs `cmd`, panicking with `what` and its output if it fails; its stdout.
+pub fn run_ok(cmd: &mut Command, what: &str) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 /// Runs a shell command, panicking with its output if it fails.
 pub fn sh(script: &str) -> String {
     let out = Command::new("bash")

@@ -215,15 +215,9 @@ pub fn python_sdk() -> PathBuf {
 fn make_venv(venv: &std::path::Path) -> PathBuf {
     let py = venv.join("bin/python");
     if !py.exists() {
-        let o = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(venv)
-            .output()
-            .expect("python3 -m venv");
-        assert!(
-            o.status.success(),
-            "python3 -m venv: {}",
-            String::from_utf8_lossy(&o.stderr)
+        crate::run_ok(
+            Command::new("python3").args(["-m", "venv"]).arg(venv),
+            "python3 -m venv",
         );
     }
     py
@@ -231,22 +225,17 @@ fn make_venv(venv: &std::path::Path) -> PathBuf {
 
 /// `pip install` of `what` (from PyPI or a path) into the environment of `py`.
 fn pip_install(py: &std::path::Path, what: &[&std::ffi::OsStr]) {
-    let o = Command::new(py)
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-        ])
-        .args(what)
-        .output()
-        .expect("pip install");
-    assert!(
-        o.status.success(),
-        "pip install {what:?}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
+    crate::run_ok(
+        Command::new(py)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .args(what),
+        &format!("pip install {what:?}"),
     );
 }
 
@@ -288,17 +277,12 @@ pub fn e2b_node() -> PathBuf {
         "{\"name\": \"strata-e2b-test\", \"private\": true}\n",
     )
     .expect("package.json");
-    let o = Command::new("npm")
-        .args(["install", "--silent", "--no-audit", "--no-fund"])
-        .arg(format!("e2b@{E2B_NODE}"))
-        .current_dir(&dir)
-        .output()
-        .expect("npm install e2b");
-    assert!(
-        o.status.success(),
-        "npm install e2b@{E2B_NODE}: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
+    crate::run_ok(
+        Command::new("npm")
+            .args(["install", "--silent", "--no-audit", "--no-fund"])
+            .arg(format!("e2b@{E2B_NODE}"))
+            .current_dir(&dir),
+        &format!("npm install e2b@{E2B_NODE}"),
     );
     std::fs::write(dir.join(".installed"), E2B_NODE).expect("marking the npm dir");
     dir
