@@ -311,6 +311,33 @@ pub fn drive(
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_cancel_kills_the_command_once_and_is_not_a_timeout() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let cancel = ExecCancel::new();
+        let switch = cancel.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            switch.cancel();
+        });
+        let mut kills = Vec::new();
+        let got = drive(
+            rx,
+            Duration::from_secs(60),
+            10,
+            Some(&cancel),
+            &mut |_, _| {},
+            |why| {
+                kills.push(why);
+                let _ = tx.send(exited(137));
+            },
+        )
+        .unwrap();
+        assert_eq!(kills, vec![Kill::Cancel]);
+        assert!(!got.timed_out);
+        assert_eq!(got.exit.code, Some(137));
+    }
+
     fn exited(code: i32) -> Event {
         Event::Exited(RawExit {
             code: Some(code),

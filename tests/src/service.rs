@@ -188,23 +188,13 @@ pub fn python_sdk() -> PathBuf {
         let sdk = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../sdk/python");
         pip_install(&py, &[sdk.as_os_str()]);
         // Reinstalled from the checkout every time: the SDK under test is this one.
-        let o = Command::new(&py)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--no-deps",
-                "--force-reinstall",
-            ])
-            .arg(&sdk)
-            .output()
-            .expect("pip install sdk/python");
-        assert!(
-            o.status.success(),
-            "pip reinstall: {}",
-            String::from_utf8_lossy(&o.stderr)
+        pip_install(
+            &py,
+            &[
+                std::ffi::OsStr::new("--no-deps"),
+                std::ffi::OsStr::new("--force-reinstall"),
+                sdk.as_os_str(),
+            ],
         );
         py
     })
