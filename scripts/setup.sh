@@ -2,7 +2,8 @@
 # Installs what Strata needs on a fresh Debian 12 machine: build tools, the kernel-side
 # userspace (FUSE, erofs-utils for fsck), the container engines (crun, runc, catatonit as
 # init), the VM engine (QEMU) and the guest kernel for microVMs and VMs, the S3 test
-# server (Ceph radosgw), and the Rust toolchain's components. Idempotent: a second run
+# server (Ceph radosgw), Node.js and npm and openssl for the E2B tests, and the Rust
+# toolchain's components. Idempotent: a second run
 # only checks.
 set -euo pipefail
 
@@ -13,7 +14,7 @@ PKGS=(
   python3 python3-venv
   mmdebstrap docker-registry skopeo
   crun runc catatonit e2fsprogs util-linux python3-pip nftables iproute2 podman
-  qemu-system-x86 prometheus
+  qemu-system-x86 prometheus openssl nodejs
 )
 
 missing=()
@@ -26,6 +27,13 @@ if [ "${#missing[@]}" -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The E2B tests' Node SDK needs npm: Debian ships it apart from nodejs (other nodejs
+# builds, e.g. NodeSource's, carry their own).
+if ! command -v npm >/dev/null 2>&1; then
+  echo "setup: installing npm" >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm >/dev/null
 fi
 
 # The guest kernel (Debian's, as an uncompressed vmlinux) and its modules for VM sandboxes.

@@ -267,6 +267,39 @@ impl Node {
         Ok(m)
     }
 
+    /// Pauses or resumes the sandbox behind `meta`, and records which it is (blocking).
+    pub fn set_paused(&self, meta: &Meta, paused: bool) -> Result<Meta, ServiceError> {
+        let sb = self.sandbox(meta)?;
+        if paused {
+            sb.pause()?;
+        } else {
+            sb.resume()?;
+        }
+        self.update(&meta.local, |m| m.paused = paused)
+    }
+
+    /// Sets the idle TTL, and the lifetime to end `lifetime` from now, where given
+    /// (blocking).
+    pub fn extend(
+        &self,
+        meta: &Meta,
+        idle_ttl: Option<Duration>,
+        lifetime: Option<Duration>,
+    ) -> Result<Meta, ServiceError> {
+        let mut sb = self.sandbox(meta)?;
+        if let Some(t) = idle_ttl {
+            sb.set_idle_ttl(t)?;
+        }
+        self.update(&meta.local, |m| {
+            if let Some(l) = lifetime {
+                m.expires_ms = Some(now_ms() + l.as_millis() as u64);
+            }
+            if let Some(t) = idle_ttl {
+                m.idle_ttl_ms = t.as_millis() as u64;
+            }
+        })
+    }
+
     /// Resolves, admits and creates a sandbox for `caller`.
     pub async fn create(
         self: &Arc<Self>,

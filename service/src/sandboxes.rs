@@ -17,7 +17,7 @@ use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::ServiceError;
-use crate::node::{now_ms, CreateArgs, Node};
+use crate::node::{CreateArgs, Node};
 use crate::node_api::caller;
 use crate::proto;
 use crate::proto::sandboxes_server;
@@ -129,18 +129,10 @@ impl SandboxesApi {
         req: Request<proto::SandboxRef>,
         paused: bool,
     ) -> Result<Response<proto::SandboxInfo>, Status> {
-        let id = req.get_ref().id.clone();
-        let (meta, sb) = self.open(&req, &id).await?;
+        let who = caller(&self.0, &req).await?;
+        let meta = self.0.meta_for(&who, &req.get_ref().id)?;
         let node = self.0.clone();
-        let m = blocking(move || {
-            if paused {
-                sb.pause()?;
-            } else {
-                sb.resume()?;
-            }
-            node.update(&meta.local, |m| m.paused = paused)
-        })
-        .await?;
+        let m = blocking(move || node.set_paused(&meta, paused)).await?;
         Ok(Response::new(info(&self.0, &m)))
     }
 
@@ -605,26 +597,13 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         &self,
         req: Request<proto::ExtendRequest>,
     ) -> Result<Response<proto::SandboxInfo>, Status> {
-        let id = req.get_ref().id.clone();
-        let (meta, mut sb) = self.open(&req, &id).await?;
+        let who = caller(&self.0, &req).await?;
+        let meta = self.0.meta_for(&who, &req.get_ref().id)?;
         let r = req.into_inner();
         let idle = duration("idle_ttl", &r.idle_ttl)?;
         let lifetime = duration("lifetime", &r.lifetime)?;
         let node = self.0.clone();
-        let m = blocking(move || {
-            if let Some(t) = idle {
-                sb.set_idle_ttl(t)?;
-            }
-            node.update(&meta.local, |m| {
-                if let Some(l) = lifetime {
-                    m.expires_ms = Some(now_ms() + l.as_millis() as u64);
-                }
-                if let Some(t) = idle {
-                    m.idle_ttl_ms = t.as_millis() as u64;
-                }
-            })
-        })
-        .await?;
+        let m = blocking(move || node.extend(&meta, idle, lifetime)).await?;
         Ok(Response::new(info(&self.0, &m)))
     }
 

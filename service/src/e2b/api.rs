@@ -433,27 +433,20 @@ async fn kill(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
 }
 
 /// Sets the lifetime (and idle TTL) to `secs` from now.
+/// Sets the lifetime (and idle TTL) to `secs` from now; with `only_longer`, never
+/// shortens a lifetime.
 async fn extend(
     e: &Arc<E2b>,
     meta: &Meta,
     secs: u64,
     only_longer: bool,
 ) -> Result<Meta, ServiceError> {
-    let until = now_ms() + secs * 1000;
-    if only_longer && meta.expires_ms.is_some_and(|x| x >= until) {
+    if only_longer && meta.expires_ms.is_some_and(|x| x >= now_ms() + secs * 1000) {
         return Ok(meta.clone());
     }
-    let node = e.node.clone();
-    let m = meta.clone();
-    blocking(move || {
-        let mut sb = node.sandbox(&m)?;
-        sb.set_idle_ttl(Duration::from_secs(secs))?;
-        node.update(&m.local, |x| {
-            x.expires_ms = Some(until);
-            x.idle_ttl_ms = secs * 1000;
-        })
-    })
-    .await
+    let (node, m) = (e.node.clone(), meta.clone());
+    let t = Some(Duration::from_secs(secs));
+    blocking(move || node.extend(&m, t, t)).await
 }
 
 async fn set_timeout(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
@@ -477,18 +470,8 @@ async fn set_timeout(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> R
 }
 
 async fn set_paused(e: &Arc<E2b>, meta: &Meta, paused: bool) -> Result<Meta, ServiceError> {
-    let node = e.node.clone();
-    let m = meta.clone();
-    blocking(move || {
-        let sb = node.sandbox(&m)?;
-        if paused {
-            sb.pause()?;
-        } else {
-            sb.resume()?;
-        }
-        node.update(&m.local, |x| x.paused = paused)
-    })
-    .await
+    let (node, m) = (e.node.clone(), meta.clone());
+    blocking(move || node.set_paused(&m, paused)).await
 }
 
 async fn pause(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {

@@ -172,7 +172,7 @@ async fn rpc(e: &Arc<E2b>, meta: Meta, sb: Sandbox, path: &str, req: Request) ->
     let out = match method.as_str() {
         "Start" => return start(e, &meta, sb, &msg, timeout, keepalive),
         "Connect" => return attach(e, &meta, &msg, keepalive),
-        "WatchDir" => return watch::watch_dir(e, sb, &msg, keepalive).await,
+        "WatchDir" => return watch::watch_dir(sb, &msg, keepalive).await,
         "List" => Ok(list(e, &meta)),
         "SendInput" => send_input(e, &meta, &msg).await,
         "SendSignal" => select(e, &meta, &msg).map(|p| {

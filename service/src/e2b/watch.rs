@@ -155,7 +155,6 @@ async fn poll(
 
 /// `WatchDir`: `start`, then each change as it is seen, keepalives while quiet.
 pub(super) async fn watch_dir(
-    _e: &Arc<E2b>,
     sb: Sandbox,
     msg: &Value,
     keepalive: Duration,
