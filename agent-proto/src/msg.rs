@@ -96,6 +96,12 @@ pub enum HostMsg {
     },
     /// Budget counters inside a VM guest. Answered with `Stats`.
     Stats,
+    /// Joins the conversation to a TCP connection to `port` on the sandbox's loopback (a
+    /// server a command started). Answered with `Connected`; after it, both directions
+    /// carry the connection's bytes as they are, no frames, until either side ends.
+    Connect {
+        port: u16,
+    },
 }
 
 /// One layer of a guest's root: the serial of its metadata image's disk and of its data
@@ -355,6 +361,8 @@ pub enum AgentMsg {
     },
     Stats(GuestStats),
     Done,
+    /// The port answered: raw bytes follow (see `HostMsg::Connect`).
+    Connected,
 }
 
 impl From<AgentError> for AgentMsg {

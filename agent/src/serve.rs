@@ -198,6 +198,7 @@ pub(crate) fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
         HostMsg::ListDir { path } => reply(result(
             list_dir(&path).map(|list| AgentMsg::Entries { list }),
         )),
+        HostMsg::Connect { port } => relay_port(port, reader, &writer),
         HostMsg::Reseed(r) => reply(result(
             crate::guest::reseed(r.time_ns, &r.seed)
                 .and_then(|()| SandboxKey::from_hex(&r.key).map_err(bad_key))
@@ -214,6 +215,38 @@ pub(crate) fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
             ),
         ))),
     }
+}
+
+/// Joins the conversation to a TCP connection to `port` on the loopback, byte for byte,
+/// until either side ends (the agent shares the sandbox's network: a VM guest's own, or
+/// the namespace a function-call sandbox's agent entered).
+fn relay_port(
+    port: u16,
+    mut from_host: UnixStream,
+    writer: &Mutex<UnixStream>,
+) -> std::io::Result<()> {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let tcp = match std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+        Ok(t) => t,
+        Err(e) => {
+            return send(
+                writer,
+                &AgentError::new(ErrorKind::of_io(&e), format!("port {port}: {e}")).into(),
+            )
+        }
+    };
+    send(writer, &AgentMsg::Connected)?;
+    let mut to_port = tcp.try_clone()?;
+    // Ends when the host ends the conversation (its side of the stream closes).
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut from_host, &mut to_port);
+        let _ = to_port.shutdown(std::net::Shutdown::Write);
+    });
+    // Nothing else writes in this conversation from here on.
+    let mut to_host = writer.lock().unwrap_or_else(|p| p.into_inner());
+    let mut from_port = tcp;
+    let _ = std::io::copy(&mut from_port, &mut *to_host);
+    to_host.shutdown(std::net::Shutdown::Write)
 }
 
 pub(crate) fn bad_key(e: strata_agent_proto::HandshakeError) -> AgentError {

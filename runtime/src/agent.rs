@@ -103,12 +103,24 @@ impl Conversation {
         request: &HostMsg,
         timeout: Option<Duration>,
     ) -> Result<Conversation, RuntimeError> {
+        Conversation::open_with(socket, key, request, timeout, 8 << 10)
+    }
+
+    /// As [`Conversation::open`], reading through a buffer of `buffer` bytes (0: none, so
+    /// nothing past a reply is ever read ahead).
+    fn open_with(
+        socket: &Path,
+        key: Option<&SandboxKey>,
+        request: &HostMsg,
+        timeout: Option<Duration>,
+        buffer: usize,
+    ) -> Result<Conversation, RuntimeError> {
         let conn = strata_host::unix::connect(socket).map_err(|e| {
             RuntimeError::AgentGone(format!("connecting to {}: {e}", socket.display()))
         })?;
         conn.set_read_timeout(timeout).ok();
         let mut writer = conn.try_clone().map_err(lost("sandbox agent"))?;
-        let mut reader = BufReader::new(conn);
+        let mut reader = BufReader::with_capacity(buffer, conn);
         let (hello, opening) = handshake::hello(key)?;
         write_control(&mut writer, &HostMsg::Hello(hello)).map_err(lost("sandbox agent"))?;
         // An agent that refuses the hello closes the connection at once, which can break
@@ -256,6 +268,31 @@ impl AgentClient {
             AgentMsg::Processes { list } => Ok(list),
             other => Err(unexpected("ps", &other)),
         }
+    }
+
+    /// A connection to `port` on the sandbox's loopback, relayed by the agent: the
+    /// conversation's own stream, past the agent's `Connected`, carrying the bytes as
+    /// they are.
+    pub(crate) fn connect_port(&self, port: u16) -> Result<UnixStream, RuntimeError> {
+        // Unbuffered: bytes the server sends at once must not be read into a buffer that
+        // is dropped with the conversation.
+        let mut c = Conversation::open_with(
+            &self.socket,
+            self.key.as_ref(),
+            &HostMsg::Connect { port },
+            Some(REQUEST_TIMEOUT),
+            0,
+        )?;
+        match c.reply() {
+            Ok(AgentMsg::Connected) => {}
+            Ok(other) => return Err(unexpected("connect", &other)),
+            Err(e) => return Err(e),
+        }
+        let stream = c.reader.into_inner();
+        stream
+            .set_read_timeout(None)
+            .map_err(lost("sandbox agent"))?;
+        Ok(stream)
     }
 
     pub(crate) fn stats(&self) -> Result<strata_agent_proto::GuestStats, RuntimeError> {

@@ -17,10 +17,10 @@ use crate::audit::AuditLog;
 use crate::cgroup::{Cgroup, Counters};
 use crate::exec::{Collected, Event, ExecEnv, ExecRequest, Stream};
 use crate::files::{self, FileEntry};
-use crate::network::Networks;
+use crate::network::{self, Networks};
 use crate::quota::Uppers;
 use crate::record::SandboxRecord;
-use crate::spec::SandboxSpec;
+use crate::spec::{NetRule, SandboxSpec};
 use crate::{LazyfsAccess, RuntimeError};
 
 /// What the runtime lends a backend to build a sandbox.
@@ -68,6 +68,15 @@ pub struct ProcessInfo {
     pub state: String,
     pub rss_bytes: u64,
     pub cmdline: String,
+}
+
+/// A connection to a port a sandbox listens on.
+#[derive(Debug)]
+pub enum PortStream {
+    /// Made from inside the sandbox's network namespace.
+    Tcp(std::net::TcpStream),
+    /// Relayed by the sandbox's agent (a VM guest's ports are behind its own kernel).
+    Relayed(std::os::unix::net::UnixStream),
 }
 
 /// What a snapshot took.
@@ -132,15 +141,24 @@ pub(crate) trait SandboxBackend: Send + Sync {
         files::list_dir(&sb.rootfs(), path)
     }
 
-    /// A TCP connection to `port` on the sandbox's own loopback, made from its network
-    /// namespace (that of its init), so nothing needs a route into the sandbox.
-    fn connect_port(
+    /// Replaces the sandbox's egress allowlist while it runs: the host's rules for its
+    /// network namespace (one created without an allowlist is wired now), and the
+    /// allowed names in its /etc/hosts.
+    fn set_network(
         &self,
         sb: &SandboxRef,
-        port: u16,
-    ) -> Result<std::net::TcpStream, RuntimeError> {
+        networks: &Networks,
+        rules: &[NetRule],
+    ) -> Result<(), RuntimeError> {
+        let net = network::update(networks, &sb.record.id, sb.record.init_pid, rules)?;
+        crate::hostroot::write_hosts(&sb.rootfs(), &net.hosts)
+    }
+
+    /// A TCP connection to `port` on the sandbox's own loopback, made from its network
+    /// namespace (that of its init), so nothing needs a route into the sandbox.
+    fn connect_port(&self, sb: &SandboxRef, port: u16) -> Result<PortStream, RuntimeError> {
         let ns = PathBuf::from(format!("/proc/{}/ns/net", sb.record.init_pid));
-        connect_in_netns(&ns, port)
+        connect_in_netns(&ns, port).map(PortStream::Tcp)
     }
 
     /// Every process in the sandbox, from its cgroup.

@@ -80,6 +80,8 @@ pub(crate) trait Hierarchy: Send + Sync + fmt::Debug {
     fn freeze(&self, name: &str, frozen: bool) -> Result<(), RuntimeError>;
     fn counters(&self, name: &str) -> Counters;
     fn memory_usage(&self, name: &str) -> u64;
+    /// CPU time the cgroup's processes used, dead ones included, in nanoseconds.
+    fn cpu_usage_ns(&self, name: &str) -> u64;
     /// Moves cgroup `from` (and every process in it) to `to`.
     fn rename(&self, from: &str, to: &str) -> Result<(), RuntimeError>;
     /// Kills every process at once, if the kernel can (`cgroup.kill`); false otherwise.
@@ -90,6 +92,9 @@ pub(crate) trait Hierarchy: Send + Sync + fmt::Debug {
 
 /// The v1 controllers a sandbox is limited by.
 const V1_CONTROLLERS: [&str; 4] = ["memory", "cpu", "pids", "freezer"];
+/// The v1 controller that counts CPU time; its own hierarchy on some hosts, mounted with
+/// `cpu` on others.
+const V1_CPUACCT: &str = "cpuacct";
 /// The v2 controllers the runtime delegates to its subtree; `memory` and `pids` are
 /// required, `cpu` and `io` used where the host has them.
 const V2_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "io"];
@@ -98,6 +103,9 @@ const V2_CONTROLLERS: [&str; 4] = ["memory", "pids", "cpu", "io"];
 pub(crate) struct V1 {
     root: PathBuf,
     hybrid: bool,
+    /// The hierarchies a sandbox's cgroup has a directory in: the limiting ones, and
+    /// `cpuacct` where it is a hierarchy apart from `cpu`.
+    controllers: Vec<&'static str>,
 }
 
 impl V1 {
@@ -116,7 +124,7 @@ impl Hierarchy for V1 {
     }
 
     fn dirs(&self, name: &str) -> Vec<PathBuf> {
-        V1_CONTROLLERS.iter().map(|c| self.dir(c, name)).collect()
+        self.controllers.iter().map(|c| self.dir(c, name)).collect()
     }
 
     fn members(&self, name: &str) -> PathBuf {
@@ -179,9 +187,15 @@ impl Hierarchy for V1 {
         read_number(&self.dir("memory", name).join("memory.usage_in_bytes"))
     }
 
+    fn cpu_usage_ns(&self, name: &str) -> u64 {
+        // Through the `cpuacct` name whether it is its own hierarchy or a link to the
+        // combined `cpu,cpuacct` one.
+        read_number(&self.dir(V1_CPUACCT, name).join("cpuacct.usage"))
+    }
+
     fn rename(&self, from: &str, to: &str) -> Result<(), RuntimeError> {
         // v1 renames a cgroup within its parent; processes inside stay inside.
-        for c in V1_CONTROLLERS {
+        for c in &self.controllers {
             let (src, dest) = (self.dir(c, from), self.dir(c, to));
             std::fs::rename(&src, &dest).map_err(RuntimeError::io(&src))?;
         }
@@ -292,6 +306,11 @@ impl Hierarchy for V2 {
         read_number(&self.dir(name).join("memory.current"))
     }
 
+    fn cpu_usage_ns(&self, name: &str) -> u64 {
+        // cpu.stat's usage is there in every cgroup2 group, cpu controller or not.
+        read_field(&self.dir(name).join("cpu.stat"), "usage_usec").saturating_mul(1000)
+    }
+
     fn rename(&self, from: &str, to: &str) -> Result<(), RuntimeError> {
         // cgroup2 has no rename: make the new group and move the processes over.
         let (src, dest) = (self.dir(from), self.dir(to));
@@ -352,9 +371,17 @@ impl Cgroups {
                     root = root.display()
                 )));
             }
+            let mut controllers = V1_CONTROLLERS.to_vec();
+            let (cpu, cpuacct) = (root.join("cpu"), root.join(V1_CPUACCT));
+            let apart = cpuacct.join("cpuacct.usage").exists()
+                && std::fs::canonicalize(&cpu).ok() != std::fs::canonicalize(&cpuacct).ok();
+            if apart {
+                controllers.push(V1_CPUACCT);
+            }
             Arc::new(V1 {
                 root: root.to_path_buf(),
                 hybrid: root.join("unified").join("cgroup.controllers").exists(),
+                controllers,
             })
         };
         Ok(Cgroups { h, parent })
@@ -483,6 +510,12 @@ impl Cgroup {
 
     pub fn memory_usage(&self) -> u64 {
         self.h.memory_usage(&self.name)
+    }
+
+    /// CPU time used so far by every process the sandbox had (0 where the host does
+    /// not count it).
+    pub fn cpu_usage(&self) -> Duration {
+        Duration::from_nanos(self.h.cpu_usage_ns(&self.name))
     }
 
     /// Every process in the sandbox, by host PID.
@@ -773,5 +806,39 @@ mod tests {
             .unwrap()
             .sandbox("none");
         assert_eq!(fresh.counters(), Counters::default());
+    }
+
+    #[test]
+    fn both_layouts_read_cpu_time_and_v1_joins_a_cpuacct_apart() {
+        let (v1, v2) = (v1_host(true), v2_host("memory pids cpu\n"));
+        // cpuacct as its own hierarchy (this kind of host): sandboxes get a directory
+        // there too, so their CPU time is counted.
+        put(&v1.path().join("cpuacct/cpuacct.usage"), "0\n");
+        let g1 = Cgroups::probe(v1.path(), "p".into()).unwrap();
+        let c1 = g1.sandbox("s");
+        c1.create(1 << 30, None, 10).unwrap();
+        assert!(v1.path().join("cpuacct/p/s").is_dir());
+        put(&v1.path().join("cpuacct/p/s/cpuacct.usage"), "1500000000\n");
+        let c2 = Cgroups::probe(v2.path(), "p".into()).unwrap().sandbox("s");
+        put(
+            &v2.path().join("p/s/cpu.stat"),
+            "usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\n",
+        );
+        assert_eq!(c1.cpu_usage(), Duration::from_millis(1500));
+        assert_eq!(c2.cpu_usage(), Duration::from_millis(1500));
+        assert!(c1
+            .procs_files()
+            .contains(&v1.path().join("cpuacct/p/s/cgroup.procs")));
+        // cpu and cpuacct mounted together: one directory, read through either name.
+        let both = v1_host(false);
+        std::os::unix::fs::symlink(both.path().join("cpu"), both.path().join("cpuacct")).unwrap();
+        put(&both.path().join("cpu/cpuacct.usage"), "0\n");
+        let c = Cgroups::probe(both.path(), "p".into())
+            .unwrap()
+            .sandbox("s");
+        c.create(1 << 30, None, 10).unwrap();
+        assert_eq!(c.procs_files().len(), 4);
+        put(&both.path().join("cpu/p/s/cpuacct.usage"), "7\n");
+        assert_eq!(c.cpu_usage(), Duration::from_nanos(7));
     }
 }

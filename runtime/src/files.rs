@@ -45,15 +45,6 @@ fn root_dir(root: &Path) -> Result<File, RuntimeError> {
     File::open(root).map_err(RuntimeError::io(root))
 }
 
-pub fn read_file(root: &Path, path: &str) -> Result<Vec<u8>, RuntimeError> {
-    let mut data = Vec::new();
-    read_file_with(root, path, &mut |part| {
-        data.extend_from_slice(part);
-        Ok(())
-    })?;
-    Ok(data)
-}
-
 /// How much of a file one call of a reader's sink carries.
 pub const READ_PART: usize = 1 << 20;
 
@@ -188,6 +179,15 @@ pub fn list_dir(root: &Path, path: &str) -> Result<Vec<FileEntry>, RuntimeError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn read_file(root: &Path, path: &str) -> Result<Vec<u8>, RuntimeError> {
+        let mut data = Vec::new();
+        read_file_with(root, path, &mut |part| {
+            data.extend_from_slice(part);
+            Ok(())
+        })?;
+        Ok(data)
+    }
 
     #[test]
     fn symlinks_resolve_inside_the_root() {

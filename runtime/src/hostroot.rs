@@ -3,7 +3,8 @@
 //! under it, and the network namespace of an allowlist with the allowed names in its
 //! /etc/hosts.
 
-use std::path::PathBuf;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
 
 use crate::backend::{Host, NewSandbox};
 use crate::{files, network, rootfs, RuntimeError};
@@ -38,11 +39,7 @@ pub(crate) fn prepare(host: &Host, new: &NewSandbox) -> Result<HostRoot, Runtime
     } else {
         let net = network::setup(host.networks, new.id, &new.spec.network)?;
         if !net.hosts.is_empty() {
-            let mut hosts = files::read_file(&paths.merged, "/etc/hosts").unwrap_or_default();
-            for (addr, name) in &net.hosts {
-                hosts.extend_from_slice(format!("{addr}\t{name}\n").as_bytes());
-            }
-            files::write_file(&paths.merged, "/etc/hosts", &hosts, 0o644)?;
+            write_hosts(&paths.merged, &net.hosts)?;
         }
         Some(net.netns)
     };
@@ -56,6 +53,42 @@ pub(crate) fn prepare(host: &Host, new: &NewSandbox) -> Result<HostRoot, Runtime
         rootfs: paths.merged,
         netns,
     })
+}
+
+/// Marks the lines of /etc/hosts the runtime wrote, so a new allowlist replaces them.
+const HOSTS_MARK: &str = "# strata allowlist";
+/// The most of the sandbox's own /etc/hosts kept when the allowed names are rewritten.
+const HOSTS_MAX: usize = 1 << 20;
+
+/// Names the allowed hosts in the /etc/hosts of the root `merged`, in place of the names
+/// an earlier allowlist put there; the sandbox's own lines stay.
+pub(crate) fn write_hosts(merged: &Path, hosts: &[(Ipv4Addr, String)]) -> Result<(), RuntimeError> {
+    let mut old = Vec::new();
+    let read = files::read_file_with(merged, "/etc/hosts", &mut |part| {
+        if old.len() + part.len() > HOSTS_MAX {
+            return Err(RuntimeError::Invalid(format!(
+                "the sandbox's /etc/hosts is over {HOSTS_MAX} bytes: the allowed names are not written into it"
+            )));
+        }
+        old.extend_from_slice(part);
+        Ok(())
+    });
+    match read {
+        Ok(()) => {}
+        Err(RuntimeError::File { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            old.clear()
+        }
+        Err(e) => return Err(e),
+    }
+    let mut text: String = String::from_utf8_lossy(&old)
+        .lines()
+        .filter(|l| !l.ends_with(HOSTS_MARK))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    for (addr, name) in hosts {
+        text.push_str(&format!("{addr}\t{name}\t{HOSTS_MARK}\n"));
+    }
+    files::write_file(merged, "/etc/hosts", text.as_bytes(), 0o644)
 }
 
 /// What the runtime writes into a host root's upper itself: the allowed hosts' names.

@@ -39,11 +39,12 @@ use strata_catalog::Backend;
 use strata_lazyfs::{connect_or_start, Client, LazyError, Paths};
 
 pub use audit::AuditLog;
-pub use backend::{process_start, ProcessInfo, SnapshotInfo};
+pub use backend::{process_start, PortStream, ProcessInfo, SnapshotInfo};
 pub use cgroup::CgroupMode;
 pub use container::{static_agent_for, OciRuntime};
 pub use exec::{Budget, ExecCancel, ExecRequest, ExecResult, Stdin, StdinFeed, Stream};
 pub use files::FileEntry;
+pub use network::public_ranges;
 pub use record::{EndReason, SandboxRecord, RECORD_FORMAT};
 pub use sandbox::Sandbox;
 pub use spec::{base_env, local_identity, Limits, NetRule, Overrides, SandboxSpec};
@@ -409,6 +410,10 @@ impl Runtime {
 
     pub(crate) fn uppers(&self) -> &quota::Uppers {
         &self.inner.uppers
+    }
+
+    pub(crate) fn networks(&self) -> &network::Networks {
+        &self.inner.networks
     }
 
     pub fn sandbox_dir(&self, id: &str) -> PathBuf {
@@ -828,8 +833,10 @@ impl Runtime {
             Err(e) => return Err(e),
         };
         self.inner.container.forget(id);
-        let networked = record.is_none_or(|r| !r.spec.network.is_empty());
-        if networked && (self.inner.networks.netns_path(id).exists() || record.is_some()) {
+        // A namespace of ours, or a record that says there is one (a network changed
+        // while the sandbox ran may have one with an empty allowlist, or be half-wired).
+        let networked = record.is_some_and(|r| !r.spec.network.is_empty());
+        if networked || self.inner.networks.netns_path(id).exists() {
             let refused = network::refused(id);
             if !refused.is_empty() {
                 let _ = self

@@ -5,6 +5,8 @@
 //! everything else, the host's own addresses and private ranges included, is dropped, and
 //! each dropped destination is remembered in a per-sandbox set for the audit record.
 //! Host names are resolved when the sandbox is created and written to its /etc/hosts.
+//! The allowlist of a running sandbox can be replaced ([`update`]); one created without
+//! a network gets its veth then, into the namespace its init already has.
 //!
 //! Several runtime homes may share a host: namespaces are named after the home
 //! (`strata-<home tag>-<id>`), so one home's reap never sees another's, and the /30
@@ -201,9 +203,60 @@ pub fn setup(nets: &Networks, id: &str, rules: &[NetRule]) -> Result<Network, Ru
     let dests = resolve(rules)?;
     ensure_table()?;
     let slot = allocate_slot(nets, id)?;
+    run("ip", &["netns", "add", &nets.netns_name(id)], None)?;
+    wire(nets, id, slot, &dests)
+}
+
+/// Replaces the allowlist of running sandbox `id` with `rules`, at once (one nft
+/// transaction). A sandbox without a network yet gets one: the namespace of its init
+/// (`init_pid`) is named and wired as [`setup`] wires a new one. The caller records that
+/// the sandbox is networked before, so a crash in between leaves nothing untracked.
+pub fn update(
+    nets: &Networks,
+    id: &str,
+    init_pid: u32,
+    rules: &[NetRule],
+) -> Result<Network, RuntimeError> {
+    let dests = resolve(rules)?;
+    if nets.netns_path(id).exists() {
+        let mut script = format!("flush set {TABLE} allow_{id}\n");
+        script.push_str(&add_elements(id, &dests));
+        run("nft", &["-f", "-"], Some(&script))?;
+        return Ok(Network {
+            netns: nets.netns_path(id),
+            hosts: hosts_of(&dests),
+        });
+    }
+    ensure_table()?;
+    let slot = allocate_slot(nets, id)?;
+    let wired = run(
+        "ip",
+        &[
+            "netns",
+            "attach",
+            &nets.netns_name(id),
+            &init_pid.to_string(),
+        ],
+        None,
+    )
+    .and_then(|_| wire(nets, id, slot, &dests));
+    if wired.is_err() {
+        // Half a network is none: the sandbox stays as it was.
+        teardown(nets, id);
+    }
+    wired
+}
+
+/// The veth pair into the named namespace of `id`, its addresses and route, and its
+/// rules allowing `dests`.
+fn wire(
+    nets: &Networks,
+    id: &str,
+    slot: u32,
+    dests: &[Destination],
+) -> Result<Network, RuntimeError> {
     let (host_ip, sandbox_ip) = slot_addrs(slot);
     let (ns, v) = (nets.netns_name(id), veth(id));
-    run("ip", &["netns", "add", &ns], None)?;
     run(
         "ip",
         &["-b", "-"],
@@ -223,21 +276,12 @@ pub fn setup(nets: &Networks, id: &str, rules: &[NetRule]) -> Result<Network, Ru
              route add default via {host_ip}\n"
         )),
     )?;
-    let elements: Vec<String> = dests
-        .iter()
-        .map(|d| format!("{} . {}", d.net, d.port))
-        .collect();
     let mut script = format!(
         "add set {TABLE} allow_{id} {{ type ipv4_addr . inet_service; flags interval; }}\n\
          add set {TABLE} tried_{id} {{ type ipv4_addr . inet_service; flags dynamic; size 4096; }}\n\
          add chain {TABLE} sb_{id}\n"
     );
-    if !elements.is_empty() {
-        script.push_str(&format!(
-            "add element {TABLE} allow_{id} {{ {} }}\n",
-            elements.join(", ")
-        ));
-    }
+    script.push_str(&add_elements(id, dests));
     script.push_str(&format!(
         "add rule {TABLE} sb_{id} ip daddr . tcp dport @allow_{id} accept\n\
          add rule {TABLE} sb_{id} ip daddr . udp dport @allow_{id} accept\n\
@@ -246,14 +290,119 @@ pub fn setup(nets: &Networks, id: &str, rules: &[NetRule]) -> Result<Network, Ru
          add element {TABLE} sandboxes {{ \"{v}\" : jump sb_{id} }}\n"
     ));
     run("nft", &["-f", "-"], Some(&script))?;
-    let hosts = dests
-        .iter()
-        .filter_map(|d| Some((d.net.parse().ok()?, d.name.clone()?)))
-        .collect();
     Ok(Network {
         netns: nets.netns_path(id),
-        hosts,
+        hosts: hosts_of(dests),
     })
+}
+
+fn hosts_of(dests: &[Destination]) -> Vec<(Ipv4Addr, String)> {
+    dests
+        .iter()
+        .filter_map(|d| Some((d.net.parse().ok()?, d.name.clone()?)))
+        .collect()
+}
+
+/// The nft line adding `dests` to the allow set of `id` (none when empty). A range
+/// inside another of the same port is left out: an interval set refuses overlaps.
+fn add_elements(id: &str, dests: &[Destination]) -> String {
+    let ranges: Vec<Option<(u32, u8)>> = dests.iter().map(|d| parse_cidr(&d.net)).collect();
+    let mut elements: Vec<String> = Vec::new();
+    for (i, d) in dests.iter().enumerate() {
+        let covered = ranges[i].is_some_and(|r| {
+            dests.iter().enumerate().any(|(j, o)| {
+                j != i
+                    && o.port == d.port
+                    && ranges[j].is_some_and(|q| contains(q, r) && (q != r || j < i))
+            })
+        });
+        if !covered {
+            elements.push(format!("{} . {}", d.net, d.port));
+        }
+    }
+    if elements.is_empty() {
+        return String::new();
+    }
+    format!(
+        "add element {TABLE} allow_{id} {{ {} }}\n",
+        elements.join(", ")
+    )
+}
+
+/// `a.b.c.d` or `a.b.c.d/m` as (network address, prefix length).
+fn parse_cidr(text: &str) -> Option<(u32, u8)> {
+    let (addr, len) = match text.split_once('/') {
+        Some((a, m)) => (a, m.parse::<u8>().ok().filter(|m| *m <= 32)?),
+        None => (text, 32),
+    };
+    let a = u32::from(addr.parse::<Ipv4Addr>().ok()?);
+    Some((a & mask(len), len))
+}
+
+fn mask(len: u8) -> u32 {
+    if len == 0 {
+        0
+    } else {
+        u32::MAX << (32 - u32::from(len))
+    }
+}
+
+/// Whether range `outer` holds all of range `inner`.
+fn contains(outer: (u32, u8), inner: (u32, u8)) -> bool {
+    outer.1 <= inner.1 && inner.0 & mask(outer.1) == outer.0
+}
+
+/// Ranges no sandbox reaches through "the internet": this network, private, shared
+/// (carrier NAT), loopback, link-local (cloud metadata services), protocol
+/// assignments, documentation, benchmarking, multicast and reserved (RFC 6890).
+const NOT_PUBLIC: [&str; 14] = [
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.0.2.0/24",
+    "192.168.0.0/16",
+    "198.18.0.0/15",
+    "198.51.100.0/24",
+    "203.0.113.0/24",
+    "224.0.0.0/4",
+    "240.0.0.0/4",
+];
+
+/// The public IPv4 internet, less the addresses and ranges in `except`, as CIDR ranges
+/// (what "open internet" allows: never the host's network, its neighbours or a cloud's
+/// metadata service).
+pub fn public_ranges(except: &[String]) -> Result<Vec<String>, RuntimeError> {
+    let mut holes: Vec<(u32, u8)> = NOT_PUBLIC.iter().filter_map(|c| parse_cidr(c)).collect();
+    for e in except {
+        holes.push(parse_cidr(e).ok_or_else(|| {
+            RuntimeError::Invalid(format!(
+                "`{e}` is not an IPv4 address or range (a.b.c.d or a.b.c.d/len)"
+            ))
+        })?);
+    }
+    let mut out = Vec::new();
+    let mut todo = vec![(0u32, 0u8)];
+    while let Some(r) = todo.pop() {
+        if holes.iter().any(|h| contains(*h, r)) {
+            continue;
+        }
+        if holes.iter().any(|h| contains(r, *h)) {
+            let half = 1u32 << (31 - u32::from(r.1));
+            todo.push((r.0 | half, r.1 + 1));
+            todo.push((r.0, r.1 + 1));
+            continue;
+        }
+        out.push(r);
+    }
+    out.sort();
+    Ok(out
+        .into_iter()
+        .map(|(a, l)| format!("{}/{l}", Ipv4Addr::from(a)))
+        .collect())
 }
 
 /// Destinations the sandbox tried and was refused (`address:port`).
@@ -400,6 +549,71 @@ mod tests {
             (h, s),
             (Ipv4Addr::new(10, 231, 0, 5), Ipv4Addr::new(10, 231, 0, 6))
         );
+    }
+
+    #[test]
+    fn the_public_internet_leaves_out_private_and_metadata_ranges() {
+        let public = public_ranges(&[]).unwrap();
+        let ranges: Vec<(u32, u8)> = public.iter().map(|c| parse_cidr(c).unwrap()).collect();
+        let inside = |a: &str| {
+            let a = parse_cidr(a).unwrap();
+            ranges.iter().any(|r| contains(*r, a))
+        };
+        for private in [
+            "10.1.2.3",
+            "172.20.0.1",
+            "192.168.1.1",
+            "169.254.169.254",
+            "127.0.0.1",
+            "100.100.0.1",
+            "224.0.0.251",
+            "255.255.255.255",
+        ] {
+            assert!(!inside(private), "{private} counts as public");
+        }
+        for open in [
+            "1.1.1.1",
+            "8.8.8.8",
+            "151.101.0.223",
+            "172.15.255.255",
+            "11.0.0.0",
+        ] {
+            assert!(inside(open), "{open} is left out");
+        }
+        // Disjoint, so nft's interval set takes them.
+        for (i, a) in ranges.iter().enumerate() {
+            for b in &ranges[i + 1..] {
+                assert!(!contains(*a, *b) && !contains(*b, *a), "{a:?} {b:?}");
+            }
+        }
+        let less = public_ranges(&["8.8.8.8".into(), "1.0.0.0/8".into()]).unwrap();
+        assert!(less.len() > public.len());
+        assert!(!less.iter().any(|c| c.starts_with("1.0.0.0/")));
+        assert!(public_ranges(&["example.com".into()]).is_err());
+    }
+
+    #[test]
+    fn contained_ranges_of_one_port_are_added_once() {
+        let d = |net: &str, port| Destination {
+            net: net.into(),
+            port,
+            name: None,
+        };
+        let line = add_elements(
+            "x",
+            &[
+                d("0.0.0.0/0", 443),
+                d("151.101.0.223", 443),
+                d("151.101.0.223", 80),
+                d("151.101.0.223", 80),
+                d("10.0.0.0/8", 22),
+            ],
+        );
+        assert_eq!(
+            line,
+            "add element inet strata allow_x { 0.0.0.0/0 . 443, 151.101.0.223 . 80, 10.0.0.0/8 . 22 }\n"
+        );
+        assert_eq!(add_elements("x", &[]), "");
     }
 
     #[test]

@@ -370,7 +370,7 @@ impl Sandbox {
 
     /// A TCP connection to a port the sandbox listens on (its loopback), for proxying a
     /// server an agent started inside.
-    pub fn connect_port(&self, port: u16) -> Result<std::net::TcpStream, RuntimeError> {
+    pub fn connect_port(&self, port: u16) -> Result<crate::PortStream, RuntimeError> {
         self.rt.touch(&self.record.id);
         self.with_backend(|b, sb| b.connect_port(sb, port))
     }
@@ -405,14 +405,60 @@ impl Sandbox {
 
     /// Sets the idle time after which the reaper destroys the sandbox; also restarts it.
     pub fn set_idle_ttl(&mut self, ttl: std::time::Duration) -> Result<(), RuntimeError> {
+        self.update_record(|r| r.spec.limits.idle_ttl = ttl)?;
+        self.rt.touch(&self.record.id);
+        Ok(())
+    }
+
+    /// Replaces the sandbox's egress allowlist while it runs (empty: nothing but its own
+    /// loopback). Host names are resolved now. A VM's network is fixed when its machine
+    /// starts: Unsupported.
+    pub fn set_network(&mut self, rules: Vec<crate::NetRule>) -> Result<(), RuntimeError> {
+        let before = self.record.spec.network.clone();
+        // Recorded first: a crash while the network is wired leaves a record that says
+        // there is one, which is what destroy and the reaper go by.
+        if !rules.is_empty() {
+            self.update_record(|r| r.spec.network = rules.clone())?;
+        }
+        let networks = self.rt.networks().clone();
+        match self.with_backend(|b, sb| b.set_network(sb, &networks, &rules)) {
+            Ok(()) => {
+                self.update_record(|r| r.spec.network = rules.clone())?;
+                self.rt.touch(&self.record.id);
+                self.rt.audit(&self.record.id).record(
+                    "network-changed",
+                    json!({"allow": rules.iter().map(|r| format!("{}:{}", r.host, r.port)).collect::<Vec<_>>()}),
+                )
+            }
+            Err(e) => {
+                let _ = self.update_record(|r| r.spec.network = before);
+                Err(e)
+            }
+        }
+    }
+
+    /// Changes the stored record under its own lock (commands keep running meanwhile:
+    /// they share the directory's lock).
+    fn update_record(
+        &mut self,
+        change: impl FnOnce(&mut SandboxRecord),
+    ) -> Result<(), RuntimeError> {
         let dir = self.dir();
         let _lock = DirLock::take(&dir, false, true)?;
         let path = dir.join("sandbox.json");
+        let guard = dir.join("record.lock");
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&guard)
+            .map_err(RuntimeError::io(&guard))?;
+        strata_host::fs::flock(&file, strata_host::fs::Lock::Exclusive, true)
+            .map_err(RuntimeError::io(&guard))?;
         let mut record = SandboxRecord::load(&path)?;
-        record.spec.limits.idle_ttl = ttl;
+        change(&mut record);
         record.save(&path)?;
         self.record = record;
-        self.rt.touch(&self.record.id);
         Ok(())
     }
 }

@@ -278,6 +278,18 @@ impl Node {
         self.update(&meta.local, |m| m.paused = paused)
     }
 
+    /// Replaces a running sandbox's egress allowlist (`HOST:PORT` rules; blocking).
+    pub fn set_network(&self, meta: &Meta, rules: &[String]) -> Result<(), ServiceError> {
+        let rules = rules
+            .iter()
+            .map(|r| strata_runtime::NetRule::parse(r))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ServiceError::invalid("network", e.to_string()))?;
+        let mut sb = self.sandbox(meta)?;
+        sb.set_network(rules)?;
+        Ok(())
+    }
+
     /// Sets the idle TTL, and the lifetime to end `lifetime` from now, where given
     /// (blocking).
     pub fn extend(

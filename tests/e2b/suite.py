@@ -202,6 +202,51 @@ async def async_suite():
         assert await sb.kill() is True
 
 
+def metrics(sb):
+    """CPU, memory and disk as the sandbox's cgroup and upper count them."""
+    sb.commands.run("timeout 2 sh -c 'while :; do :; done' || true", timeout=60)
+    first = sb.get_metrics()
+    assert first, first
+    m = first[-1]
+    assert m.cpu_count >= 1 and 0 < m.mem_used <= m.mem_total and m.disk_total > 0, m
+    assert 0 < m.cpu_used_pct <= 100, m
+    # The next sample covers the time since this one: an idle second reads as less.
+    time.sleep(1.5)
+    idle = sb.get_metrics()[-1]
+    assert idle.cpu_used_pct < m.cpu_used_pct, (idle, m)
+
+
+PROBE = """import socket, sys
+host, port = sys.argv[1].rsplit(":", 1)
+try:
+    s = socket.create_connection((host, int(port)), timeout=2)
+    print("open", s.recv(64).decode().strip())
+except OSError:
+    print("blocked")
+"""
+
+
+def network_update(sb):
+    """update_network replaces the live sandbox's egress policy, both ways."""
+    dest = os.environ.get("HOST_PROBE")
+    if not dest or not hasattr(sb, "update_network"):
+        return
+    sb.files.write("/tmp/probe.py", PROBE)
+    probe = lambda: sb.commands.run(f"python3 /tmp/probe.py {dest}", timeout=60).stdout.strip()
+    assert probe() == "blocked", "reached the host before any allowlist"
+    sb.update_network({"allow_out": [dest]})
+    assert probe() == "open hello from the host", probe()
+    # An update replaces everything: what it leaves out is closed again.
+    sb.update_network({})
+    assert probe() == "blocked", "still open after the allowlist was cleared"
+    try:
+        sb.update_network({"allow_internet_access": True})
+        raise AssertionError("open internet was granted to a project without it")
+    except SandboxException as e:
+        assert "allow-internet" in str(e), e
+    log("update_network opened and closed", dest)
+
+
 def full():
     sb = Sandbox.create(TEMPLATE, envs={"GREETING": "hello from strata"}, timeout=600, **CREATE)
     log("created", sb.sandbox_id)
@@ -210,6 +255,8 @@ def full():
         commands_full(sb)
         files_round_trip(sb)
         control_plane_full(sb)
+        metrics(sb)
+        network_update(sb)
     finally:
         assert sb.kill() is True
     assert not sb.is_running()
@@ -224,6 +271,12 @@ def short():
     try:
         streamed_run(sb)
         files_round_trip(sb, big=False)
+        if hasattr(sb, "update_network"):
+            try:
+                sb.update_network({"allow_out": ["pypi.org"]})
+                raise AssertionError("a VM's network changed while it ran")
+            except SandboxException as e:
+                assert "fixed when its machine starts" in str(e), e
     finally:
         assert sb.kill() is True
 

@@ -28,7 +28,9 @@ use strata_agent_proto::{
 use strata_lazyfs::Attached;
 
 use crate::agent::{read_key, socket_path, write_key, AgentClient};
-use crate::backend::{Host, NewSandbox, ProcessInfo, SandboxBackend, SandboxRef, SnapshotInfo};
+use crate::backend::{
+    Host, NewSandbox, PortStream, ProcessInfo, SandboxBackend, SandboxRef, SnapshotInfo,
+};
 use crate::cgroup::Cgroup;
 use crate::cgroup::Counters;
 use crate::files::FileEntry;
@@ -948,14 +950,23 @@ impl SandboxBackend for VmBackend {
             .collect())
     }
 
-    /// A guest's ports are behind its own kernel and the agent relays no TCP yet.
-    fn connect_port(
+    /// A guest's ports are behind its own kernel: its agent relays the connection over
+    /// the machine's agent channel.
+    fn connect_port(&self, sb: &SandboxRef, port: u16) -> Result<PortStream, RuntimeError> {
+        self.agent(sb)?.connect_port(port).map(PortStream::Relayed)
+    }
+
+    /// QEMU's user network takes its forwarders when the machine starts, and a guest
+    /// created without an allowlist has no network card at all.
+    fn set_network(
         &self,
         _sb: &SandboxRef,
-        port: u16,
-    ) -> Result<std::net::TcpStream, RuntimeError> {
+        _networks: &crate::network::Networks,
+        _rules: &[crate::NetRule],
+    ) -> Result<(), RuntimeError> {
         Err(RuntimeError::Unsupported(format!(
-            "port {port}: connections into a VM guest are not relayed yet; serve it from a container or fncall sandbox"
+            "a {} sandbox's network is fixed when its machine starts (QEMU's user network takes no new forwarders): create a new sandbox with the allowlist it needs",
+            self.machine.as_str()
         )))
     }
 

@@ -179,15 +179,16 @@ fn network_of(caller: &Caller, v: &Value) -> Result<(Vec<String>, bool), Refused
                 ),
             ));
         }
-        let deny = list("denyOut");
-        if !deny.is_empty() {
-            return Err(Refused::new(
-                StatusCode::BAD_REQUEST,
-                "network.denyOut: Strata's egress is an allowlist; with open internet, name what to allow in allowOut instead",
-            ));
+        // The public internet on the web ports, less what denyOut names (allowOut wins
+        // over it, as in E2B); never the host's network or a metadata service.
+        let public = strata_runtime::public_ranges(&list("denyOut"))
+            .map_err(|e| Refused::new(StatusCode::BAD_REQUEST, format!("network.denyOut: {e}")))?;
+        for range in public {
+            rules.extend([format!("{range}:443"), format!("{range}:80")]);
         }
-        rules.extend(["0.0.0.0/0:443".to_string(), "0.0.0.0/0:80".to_string()]);
     }
+    // Without open internet everything not allowed is denied already: denyOut adds
+    // nothing.
     Ok((rules, inbound))
 }
 
@@ -527,23 +528,36 @@ async fn metrics(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
     };
     let node = e.node.clone();
     let m = meta.clone();
+    let seen = e.cpu_seen.clone();
+    let cpus = meta.cpus.ceil().max(1.0) as u64;
     let sample = blocking(move || {
         let sb = node.sandbox(&m)?;
         let mem = sb.cgroup().memory_usage();
+        let cpu = sb.cgroup().cpu_usage();
         let (disk_used, disk_total) = sb.disk_usage().unwrap_or((0, m.disk_bytes));
-        Ok((mem, disk_used, disk_total))
+        // Over the time since the last call; at the first, since the sandbox started.
+        let now = std::time::Instant::now();
+        let started = Duration::from_millis(now_ms().saturating_sub(m.created_ms));
+        let pct = match seen.get(&m.id) {
+            Some((at, before)) if now - at >= Duration::from_millis(100) => {
+                cpu_used_pct(cpu.saturating_sub(before), now - at, cpus)
+            }
+            _ => cpu_used_pct(cpu, started, cpus),
+        };
+        seen.insert(m.id.clone(), (now, cpu));
+        Ok((mem, pct, disk_used, disk_total))
     })
     .await;
     match sample {
-        Ok((mem, disk_used, disk_total)) => {
+        Ok((mem, pct, disk_used, disk_total)) => {
             let now = now_ms();
             json_reply(
                 StatusCode::OK,
                 json!([{
                     "timestamp": iso(now),
                     "timestampUnix": now / 1000,
-                    "cpuCount": meta.cpus.ceil().max(1.0) as u64,
-                    "cpuUsedPct": 0.0,
+                    "cpuCount": cpus,
+                    "cpuUsedPct": pct,
                     "memUsed": mem,
                     "memTotal": meta.memory_bytes,
                     "memCache": 0,
@@ -556,25 +570,39 @@ async fn metrics(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
     }
 }
 
-async fn update_network(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
-    if let Err(err) = e.node.meta_for(caller, id) {
-        return error_response(&err);
+/// CPU time `used` over `wall` as a percentage of `cpus` whole CPUs (E2B's
+/// `cpuUsedPct`), rounded to two decimals and capped at 100.
+fn cpu_used_pct(used: Duration, wall: Duration, cpus: u64) -> f64 {
+    if wall.is_zero() || cpus == 0 {
+        return 0.0;
     }
+    let pct = used.as_secs_f64() / (wall.as_secs_f64() * cpus as f64) * 100.0;
+    (pct.min(100.0) * 100.0).round() / 100.0
+}
+
+/// Replaces a running sandbox's egress policy, checked as a create's would be; the
+/// body holds everything (what it leaves out is no longer allowed).
+async fn update_network(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
+    let meta = match e.node.meta_for(caller, id) {
+        Ok(m) => m,
+        Err(err) => return error_response(&err),
+    };
     let v = match body_json(req).await {
         Ok(v) => v,
         Err(r) => return r.into_response(),
     };
-    // Checked as a create's would be, so the refusal names the real problem first.
-    if let Err(r) = network_of(
+    let (rules, _) = match network_of(
         caller,
         &json!({"network": v, "allow_internet_access": v.get("allow_internet_access")}),
     ) {
-        return r.into_response();
+        Ok(n) => n,
+        Err(r) => return r.into_response(),
+    };
+    let node = e.node.clone();
+    match blocking(move || node.set_network(&meta, &rules)).await {
+        Ok(()) => StatusCode::NO_CONTENT.into_response(),
+        Err(err) => error_response(&err),
     }
-    api_error(
-        StatusCode::CONFLICT,
-        "a live sandbox's network policy is fixed at create in Strata: create a new sandbox with the network you need",
-    )
 }
 
 #[cfg(test)]
@@ -586,6 +614,16 @@ mod tests {
         assert_eq!(catalog_id("datasets/sample"), "datasets/sample");
         assert_eq!(catalog_id("datasets/sample:3"), "datasets/sample@3");
         assert_eq!(catalog_id("datasets/sample@3"), "datasets/sample@3");
+    }
+
+    #[test]
+    fn cpu_use_is_a_share_of_the_sandbox_cpus() {
+        let s = Duration::from_secs;
+        assert_eq!(cpu_used_pct(s(1), s(2), 1), 50.0);
+        assert_eq!(cpu_used_pct(s(1), s(2), 2), 25.0);
+        assert_eq!(cpu_used_pct(s(9), s(2), 2), 100.0);
+        assert_eq!(cpu_used_pct(s(1), Duration::ZERO, 1), 0.0);
+        assert_eq!(cpu_used_pct(Duration::from_millis(1), s(3), 1), 0.03);
     }
 
     #[test]

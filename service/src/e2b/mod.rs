@@ -20,6 +20,7 @@ mod watch;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -61,6 +62,9 @@ pub(crate) struct E2b {
     key: [u8; 32],
     procs: Arc<procs::Table>,
     watchers: watch::Table,
+    /// Each sandbox's CPU time at its last metrics call, so `cpuUsedPct` is over the
+    /// interval between two calls (bounded; entries of gone sandboxes age out).
+    cpu_seen: moka::sync::Cache<String, (std::time::Instant, Duration)>,
 }
 
 impl E2b {
@@ -326,6 +330,10 @@ pub async fn listen(
         key,
         procs: Arc::new(procs::Table::default()),
         watchers: watch::Table::default(),
+        cpu_seen: moka::sync::Cache::builder()
+            .max_capacity(100_000)
+            .time_to_idle(Duration::from_secs(3600))
+            .build(),
     });
     // Bodies are bounded where they are read (uploads by max_write_bytes).
     let app = axum::Router::new()

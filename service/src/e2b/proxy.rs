@@ -11,6 +11,9 @@ use axum::extract::Request;
 use axum::http::{HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 
+use strata_runtime::PortStream;
+use tokio::io::{AsyncRead, AsyncWrite};
+
 use super::{api_error, blocking, E2b};
 use crate::state::Meta;
 
@@ -47,12 +50,12 @@ pub(super) async fn handle(e: &Arc<E2b>, meta: Meta, port: u16, req: Request) ->
     }
     let node = e.node.clone();
     let m = meta.clone();
-    let tcp = blocking(move || {
+    let conn = blocking(move || {
         let sb = node.sandbox(&m)?;
         Ok(sb.connect_port(port)?)
     })
     .await;
-    let tcp = match tcp {
+    let conn = match conn {
         Ok(t) => t,
         Err(err) => {
             // The phrase the SDK maps to "sandbox unreachable".
@@ -66,23 +69,28 @@ pub(super) async fn handle(e: &Arc<E2b>, meta: Meta, port: u16, req: Request) ->
                 .into_response();
         }
     };
-    let stream = match tcp
-        .set_nonblocking(true)
-        .and_then(|()| tokio::net::TcpStream::from_std(tcp))
-    {
-        Ok(s) => s,
-        Err(err) => return api_error(StatusCode::BAD_GATEWAY, format!("port {port}: {err}")),
-    };
-    let (mut sender, conn) =
-        match hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await {
-            Ok(c) => c,
-            Err(err) => return api_error(StatusCode::BAD_GATEWAY, format!("port {port}: {err}")),
-        };
-    tokio::spawn(async move {
-        if let Err(err) = conn.await {
-            tracing::debug!("proxied connection: {err}");
+    let sender = match conn {
+        PortStream::Tcp(s) => {
+            handshake(
+                port,
+                s.set_nonblocking(true)
+                    .and_then(|()| tokio::net::TcpStream::from_std(s)),
+            )
+            .await
         }
-    });
+        PortStream::Relayed(s) => {
+            handshake(
+                port,
+                s.set_nonblocking(true)
+                    .and_then(|()| tokio::net::UnixStream::from_std(s)),
+            )
+            .await
+        }
+    };
+    let mut sender = match sender {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
     let (mut parts, body) = req.into_parts();
     for h in HOP {
         parts.headers.remove(HeaderName::from_static(h));
@@ -107,4 +115,28 @@ pub(super) async fn handle(e: &Arc<E2b>, meta: Meta, port: u16, req: Request) ->
         Ok(resp) => resp.map(Body::new),
         Err(err) => api_error(StatusCode::BAD_GATEWAY, format!("port {port}: {err}")),
     }
+}
+
+/// An HTTP/1.1 client connection over `stream`, driven on a task of its own.
+async fn handshake<S>(
+    port: u16,
+    stream: std::io::Result<S>,
+) -> Result<hyper::client::conn::http1::SendRequest<Body>, Response>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let bad = |err: &dyn std::fmt::Display| {
+        api_error(StatusCode::BAD_GATEWAY, format!("port {port}: {err}"))
+    };
+    let stream = stream.map_err(|e| bad(&e))?;
+    let (sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| bad(&e))?;
+    tokio::spawn(async move {
+        if let Err(err) = conn.await {
+            tracing::debug!("proxied connection: {err}");
+        }
+    });
+    Ok(sender)
 }
