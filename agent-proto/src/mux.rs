@@ -1,15 +1,28 @@
 //! Many conversations over one byte stream (a VM's virtio-serial port, which has no
 //! notion of connections). Each envelope names a conversation and carries an opening,
-//! a piece of its bytes, or its end; the bytes are ordinary frames, so both ends run
-//! the same conversation code as over a Unix socket.
+//! a piece of its bytes, credit for more, or its end; the bytes are ordinary frames, so
+//! both ends run the same conversation code as over a Unix socket.
+//!
+//! Flow control is per conversation and direction: a side sends at most [`WINDOW`] bytes
+//! the other has not yet passed on, and the other grants more (`CREDIT`) as it writes
+//! them to its socket. So one slow reader holds up only its own conversation, and a peer
+//! that sends past its window (a hostile guest) has the conversation ended instead of
+//! growing the other side's memory.
 
 use std::io::{self, Read, Write};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 pub const OPEN: u8 = 1;
 pub const DATA: u8 = 2;
 pub const CLOSE: u8 = 3;
+/// Four bytes (little-endian): how many more bytes the sender of this envelope takes.
+pub const CREDIT: u8 = 4;
 /// Largest piece of a conversation carried in one envelope.
 pub const MAX_PIECE: usize = 64 << 10;
+/// The most bytes of one conversation in flight in one direction: sent, and not yet
+/// written to the receiver's socket.
+pub const WINDOW: usize = 1 << 20;
 
 /// One envelope: conversation, kind, bytes.
 pub type Envelope = (u32, u8, Vec<u8>);
@@ -26,49 +39,149 @@ pub fn write(w: &mut impl Write, conn: u32, kind: u8, data: &[u8]) -> io::Result
     w.flush()
 }
 
-/// What the reader of the shared stream hands one conversation: its next bytes, or
-/// `None` when the other end closed it.
-pub type Inbox = std::sync::mpsc::Sender<Option<Vec<u8>>>;
+/// How much a conversation may still send, and whether it ended.
+#[derive(Default)]
+struct Credit {
+    bytes: Mutex<(usize, bool)>,
+    more: Condvar,
+}
+
+impl Credit {
+    /// Waits for credit; how much there is, or `None` once the conversation ended.
+    fn wait(&self) -> Option<usize> {
+        let mut g = self.bytes.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            match *g {
+                (_, true) => return None,
+                (0, false) => g = self.more.wait(g).unwrap_or_else(|p| p.into_inner()),
+                (n, false) => return Some(n),
+            }
+        }
+    }
+
+    fn take(&self, n: usize) {
+        let mut g = self.bytes.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 = g.0.saturating_sub(n);
+    }
+
+    fn grant(&self, n: usize) {
+        let mut g = self.bytes.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 = (g.0 + n).min(WINDOW);
+        self.more.notify_all();
+    }
+
+    fn end(&self) {
+        self.bytes.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+        self.more.notify_all();
+    }
+}
+
+/// One conversation, as the reader of the shared stream sees it: where the peer's bytes
+/// for it go, and where the peer's credit for it goes.
+pub struct Conversation {
+    to_socket: std::sync::mpsc::Sender<Option<Vec<u8>>>,
+    /// Bytes handed over and not yet written to the socket.
+    held: Arc<AtomicUsize>,
+    credit: Arc<Credit>,
+}
+
+impl Conversation {
+    /// Passes on bytes the peer sent. `false` when the peer sent past its window: the
+    /// caller ends the conversation (see [`Conversation::end`]).
+    #[must_use]
+    pub fn deliver(&self, data: Vec<u8>) -> bool {
+        let n = data.len();
+        if self.held.fetch_add(n, Ordering::SeqCst) + n > WINDOW {
+            return false;
+        }
+        let _ = self.to_socket.send(Some(data));
+        true
+    }
+
+    /// Takes a `CREDIT` envelope's bytes; `false` when they are not four.
+    #[must_use]
+    pub fn credit(&self, data: &[u8]) -> bool {
+        match <[u8; 4]>::try_from(data) {
+            Ok(b) => {
+                self.credit.grant(u32::from_le_bytes(b) as usize);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    /// The conversation is over (the peer closed it, or broke its rules): the socket is
+    /// shut once what was handed over is written, and nothing more is sent.
+    pub fn end(self) {
+        self.credit.end();
+        let _ = self.to_socket.send(None);
+    }
+}
 
 /// Joins conversation `conn` to the local socket `stream`: bytes read from the socket
-/// go out on the shared stream `out` as envelopes (and a `CLOSE` at its end); bytes
-/// for it are written to the socket by a thread of its own, so one slow reader never
-/// stalls the others sharing the stream. Returns where to deliver its bytes.
+/// go out on the shared stream `out` as envelopes (and a `CLOSE` at its end) as the
+/// peer's credit allows; bytes for it are written to the socket by a thread of its own,
+/// which grants the peer credit for each piece written.
 pub fn join<W: Write + Send + 'static>(
     conn: u32,
     stream: std::os::unix::net::UnixStream,
-    out: std::sync::Arc<std::sync::Mutex<W>>,
-) -> io::Result<Inbox> {
+    out: Arc<Mutex<W>>,
+) -> io::Result<Conversation> {
     let mut reader = stream.try_clone()?;
     let mut writer = stream;
-    std::thread::spawn(move || {
-        let mut buf = vec![0u8; MAX_PIECE];
-        loop {
-            let n = match reader.read(&mut buf) {
-                Ok(0) | Err(_) => 0,
-                Ok(n) => n,
-            };
-            let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
-            let sent = if n == 0 {
-                write(&mut *w, conn, CLOSE, b"")
-            } else {
-                write(&mut *w, conn, DATA, &buf[..n])
-            };
-            if n == 0 || sent.is_err() {
-                return;
-            }
-        }
+    let credit = Arc::new(Credit {
+        bytes: Mutex::new((WINDOW, false)),
+        more: Condvar::new(),
     });
+    let held = Arc::new(AtomicUsize::new(0));
+    {
+        let (out, credit) = (out.clone(), credit.clone());
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; MAX_PIECE];
+            loop {
+                let n = match credit.wait() {
+                    None => return,
+                    Some(c) => match reader.read(&mut buf[..c.min(MAX_PIECE)]) {
+                        Ok(0) | Err(_) => 0,
+                        Ok(n) => n,
+                    },
+                };
+                credit.take(n);
+                let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
+                let sent = if n == 0 {
+                    write(&mut *w, conn, CLOSE, b"")
+                } else {
+                    write(&mut *w, conn, DATA, &buf[..n])
+                };
+                if n == 0 || sent.is_err() {
+                    return;
+                }
+            }
+        });
+    }
     let (tx, rx) = std::sync::mpsc::channel::<Option<Vec<u8>>>();
-    std::thread::spawn(move || {
-        while let Ok(Some(data)) = rx.recv() {
-            if writer.write_all(&data).is_err() {
-                break;
+    {
+        let held = held.clone();
+        std::thread::spawn(move || {
+            while let Ok(Some(data)) = rx.recv() {
+                if writer.write_all(&data).is_err() {
+                    break;
+                }
+                held.fetch_sub(data.len(), Ordering::SeqCst);
+                let grant = (data.len() as u32).to_le_bytes();
+                let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
+                if write(&mut *w, conn, CREDIT, &grant).is_err() {
+                    break;
+                }
             }
-        }
-        let _ = writer.shutdown(std::net::Shutdown::Both);
-    });
-    Ok(tx)
+            let _ = writer.shutdown(std::net::Shutdown::Both);
+        });
+    }
+    Ok(Conversation {
+        to_socket: tx,
+        held,
+        credit,
+    })
 }
 
 /// The next envelope; `Ok(None)` at end of stream.
@@ -83,7 +196,7 @@ pub fn read(r: &mut impl Read) -> io::Result<Option<Envelope>> {
     let conn = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
     let kind = head[4];
     let len = u32::from_le_bytes([head[5], head[6], head[7], head[8]]) as usize;
-    if !(OPEN..=CLOSE).contains(&kind) || len > MAX_PIECE {
+    if !(OPEN..=CREDIT).contains(&kind) || len > MAX_PIECE {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("bad envelope (kind {kind}, {len} bytes): the stream is out of step"),
@@ -113,5 +226,69 @@ mod tests {
         assert!(read(&mut &bad_kind[..]).is_err());
         let too_big = [0u8, 0, 0, 0, DATA, 0xff, 0xff, 0, 0];
         assert!(read(&mut &too_big[..]).is_err());
+    }
+
+    /// What went out on the shared stream, by kind: data bytes, credit granted, closes.
+    fn sent(out: &Mutex<Vec<u8>>) -> (usize, usize, usize) {
+        let buf = out.lock().unwrap().clone();
+        let mut r = &buf[..];
+        let (mut data, mut credit, mut closes) = (0, 0, 0);
+        while let Some((_, kind, bytes)) = read(&mut r).unwrap() {
+            match kind {
+                DATA => data += bytes.len(),
+                CREDIT => credit += u32::from_le_bytes(bytes[..4].try_into().unwrap()) as usize,
+                CLOSE => closes += 1,
+                _ => {}
+            }
+        }
+        (data, credit, closes)
+    }
+
+    fn until(what: &str, f: impl Fn() -> bool) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !f() {
+            assert!(std::time::Instant::now() < deadline, "never: {what}");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    #[test]
+    fn a_conversation_sends_within_its_window_and_a_peer_past_it_is_cut_off() {
+        use std::os::unix::net::UnixStream;
+        let out = Arc::new(Mutex::new(Vec::new()));
+        let (local, ours) = UnixStream::pair().unwrap();
+        let conv = join(5, ours, out.clone()).unwrap();
+        // The local side has 3 MiB to send: one window goes out, then it waits.
+        let mut writer = local.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let _ = writer.write_all(&vec![7u8; 3 << 20]);
+        });
+        until("a window sent", || sent(&out).0 == WINDOW);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert_eq!(sent(&out).0, WINDOW, "sent past the window without credit");
+        // Credit for one piece lets one more piece out.
+        assert!(conv.credit(&(MAX_PIECE as u32).to_le_bytes()));
+        until("a credited piece sent", || {
+            sent(&out).0 == WINDOW + MAX_PIECE
+        });
+        assert!(!conv.credit(b"xx"), "credit that is not four bytes");
+        // Bytes for the local side are written to it and credited back, as they are.
+        let mut reader = local.try_clone().unwrap();
+        assert!(conv.deliver(b"hello".to_vec()));
+        let mut got = [0u8; 5];
+        reader.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hello");
+        until("credit for what was written", || sent(&out).1 == 5);
+        // A peer that sends past its window while the local side reads nothing: refused.
+        let piece = vec![0u8; MAX_PIECE];
+        let mut refused = false;
+        for _ in 0..(2 * WINDOW / MAX_PIECE) {
+            if !conv.deliver(piece.clone()) {
+                refused = true;
+                break;
+            }
+        }
+        assert!(refused, "took more than a window the local side never read");
+        conv.end();
     }
 }

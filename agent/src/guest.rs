@@ -156,7 +156,7 @@ fn serve_port(path: &Path) -> Result<(), String> {
     ));
     let mut input = std::io::BufReader::with_capacity(256 << 10, port);
     let shared = crate::serve::start_reaper();
-    let mut conns: HashMap<u32, mux::Inbox> = HashMap::new();
+    let mut conns: HashMap<u32, mux::Conversation> = HashMap::new();
     loop {
         match mux::read(&mut input) {
             Ok(Some((id, mux::OPEN, _))) => {
@@ -166,20 +166,32 @@ fn serve_port(path: &Path) -> Result<(), String> {
                     let _ = crate::serve::handle(theirs, shared);
                 });
                 match mux::join(id, ours, out.clone()) {
-                    Ok(inbox) => {
-                        conns.insert(id, inbox);
+                    Ok(conv) => {
+                        conns.insert(id, conv);
                     }
                     Err(e) => console(&format!("strata-agent: conversation {id}: {e}")),
                 }
             }
-            Ok(Some((id, mux::DATA, data))) => {
-                if let Some(inbox) = conns.get(&id) {
-                    let _ = inbox.send(Some(data));
+            Ok(Some((id, kind @ (mux::DATA | mux::CREDIT), data))) => {
+                let kept = match conns.get(&id) {
+                    Some(conv) if kind == mux::DATA => conv.deliver(data),
+                    Some(conv) => conv.credit(&data),
+                    None => true,
+                };
+                if !kept {
+                    if let Some(conv) = conns.remove(&id) {
+                        conv.end();
+                    }
+                    let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
+                    let _ = mux::write(&mut *w, id, mux::CLOSE, b"");
+                    console(&format!(
+                        "strata-agent: conversation {id}: the host broke flow control; ended"
+                    ));
                 }
             }
             Ok(Some((id, _, _))) => {
-                if let Some(inbox) = conns.remove(&id) {
-                    let _ = inbox.send(None);
+                if let Some(conv) = conns.remove(&id) {
+                    conv.end();
                 }
             }
             Ok(None) => {
@@ -200,9 +212,9 @@ fn serve_port(path: &Path) -> Result<(), String> {
     }
 }
 
-fn end_all(conns: &mut HashMap<u32, mux::Inbox>) {
-    for (_, inbox) in conns.drain() {
-        let _ = inbox.send(None);
+fn end_all(conns: &mut HashMap<u32, mux::Conversation>) {
+    for (_, conv) in conns.drain() {
+        conv.end();
     }
 }
 

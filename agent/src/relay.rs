@@ -46,7 +46,7 @@ pub fn main(args: &[String]) -> Result<(), String> {
     let out = Arc::new(Mutex::new(
         stream.try_clone().map_err(|e| format!("port: {e}"))?,
     ));
-    let conns: Arc<Mutex<HashMap<u32, mux::Inbox>>> = Arc::default();
+    let conns: Arc<Mutex<HashMap<u32, mux::Conversation>>> = Arc::default();
     {
         let (out, conns) = (out.clone(), conns.clone());
         // Conversation numbers start somewhere new each time, so a guest restored from a
@@ -63,11 +63,11 @@ pub fn main(args: &[String]) -> Result<(), String> {
                         std::process::exit(0);
                     }
                 }
-                if let Ok(inbox) = mux::join(id, client, out.clone()) {
+                if let Ok(conv) = mux::join(id, client, out.clone()) {
                     conns
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
-                        .insert(id, inbox);
+                        .insert(id, conv);
                 }
             }
         });
@@ -75,16 +75,28 @@ pub fn main(args: &[String]) -> Result<(), String> {
     let mut input = std::io::BufReader::with_capacity(256 << 10, stream);
     loop {
         match mux::read(&mut input) {
-            Ok(Some((id, mux::DATA, data))) => {
-                let conns = conns.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(inbox) = conns.get(&id) {
-                    let _ = inbox.send(Some(data));
+            Ok(Some((id, kind @ (mux::DATA | mux::CREDIT), data))) => {
+                let mut conns = conns.lock().unwrap_or_else(|p| p.into_inner());
+                let kept = match conns.get(&id) {
+                    Some(conv) if kind == mux::DATA => conv.deliver(data),
+                    Some(conv) => conv.credit(&data),
+                    None => true,
+                };
+                // The guest broke the conversation's rules (sent past its window, or
+                // credit that is not a count): it ends here, not in our memory.
+                if !kept {
+                    if let Some(conv) = conns.remove(&id) {
+                        conv.end();
+                    }
+                    let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
+                    let _ = mux::write(&mut *w, id, mux::CLOSE, b"");
+                    eprintln!("strata-agent relay: conversation {id}: the guest broke flow control; ended");
                 }
             }
             Ok(Some((id, _, _))) => {
-                let inbox = conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-                if let Some(inbox) = inbox {
-                    let _ = inbox.send(None);
+                let conv = conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+                if let Some(conv) = conv {
+                    conv.end();
                 }
             }
             // QEMU closed the port: the VM is gone, and so is every conversation.

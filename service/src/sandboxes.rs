@@ -607,6 +607,19 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         Ok(Response::new(info(&self.0, &m)))
     }
 
+    async fn set_network(
+        &self,
+        req: Request<proto::SetNetworkRequest>,
+    ) -> Result<Response<proto::SandboxInfo>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let meta = self.0.meta_for(&who, &req.get_ref().id)?;
+        let rules = req.into_inner().network;
+        let node = self.0.clone();
+        let m = meta.clone();
+        blocking(move || node.set_network(&m, &rules)).await?;
+        Ok(Response::new(info(&self.0, &meta)))
+    }
+
     async fn destroy(
         &self,
         req: Request<proto::SandboxRef>,

@@ -360,6 +360,11 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
                 .await
                 .map_err(&err)?;
         }
+        SandboxCommand::Network { id, net } => {
+            sbs.set_network(remote.req(proto::SetNetworkRequest { id, network: net }))
+                .await
+                .map_err(&err)?;
+        }
         SandboxCommand::Audit { id } => {
             let a = sbs
                 .audit(remote.req(proto::SandboxRef { id }))

@@ -155,6 +155,13 @@ pub enum SandboxCommand {
     Pause { id: String },
     /// Continue a paused sandbox.
     Resume { id: String },
+    /// Replace a running sandbox's allowed network destinations (container and fncall).
+    Network {
+        id: String,
+        /// HOST:PORT, comma-separated; none: nothing but the sandbox's own loopback.
+        #[arg(long, value_delimiter = ',')]
+        net: Vec<String>,
+    },
     /// Save a microvm or vm sandbox (memory, processes, files) into DIR; it keeps running.
     Snapshot {
         id: String,
@@ -481,6 +488,14 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
             }
             SandboxCommand::Resume { id } => {
                 rt.get(&id)?.resume()?;
+                Ok(0)
+            }
+            SandboxCommand::Network { id, net } => {
+                let rules = net
+                    .iter()
+                    .map(|r| strata_runtime::NetRule::parse(r))
+                    .collect::<Result<Vec<_>, _>>()?;
+                rt.get(&id)?.set_network(rules)?;
                 Ok(0)
             }
             SandboxCommand::Snapshot { id, dir, json } => {

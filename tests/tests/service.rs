@@ -573,7 +573,45 @@ fn cli_subset(how: &str, sample: &str, cli: &Cli) -> String {
     assert!(text(&o).0.contains(&id), "{how}: {:?}", text(&o));
     let o = cli(&["sandbox", "ps", &id], None);
     assert!(text(&o).0.contains("PID"), "{how}");
+    // The allowlist of a running sandbox replaced, both ways: a server on the host's
+    // address is out of reach, then reachable, then out of reach again.
+    let server = strata_tests::HostServer::start();
+    let host_ip = strata_tests::sh(
+        "ip -4 -o addr show scope global | awk '{print $4}' | cut -d/ -f1 | head -1",
+    );
+    let dest = format!("{}:{}", host_ip.trim(), server.port);
+    let probe = |want: &str| {
+        let script = "import socket, sys\nh, p = sys.argv[1].rsplit(':', 1)\ntry:\n    s = socket.create_connection((h, int(p)), timeout=2)\n    print('open', s.recv(64).decode().strip())\nexcept OSError:\n    print('blocked')\n";
+        let o = cli(
+            &["sandbox", "exec", &id, "--", "python3", "-c", script, &dest],
+            None,
+        );
+        assert_eq!(text(&o).0.trim(), want, "{how}: {:?}", text(&o));
+    };
+    probe("blocked");
+    let o = cli(&["sandbox", "network", &id, "--net", &dest], None);
+    assert!(o.status.success(), "{how}: {:?}", text(&o));
+    probe("open hello from the host");
+    let o = cli(&["sandbox", "network", &id], None);
+    assert!(o.status.success(), "{how}: {:?}", text(&o));
+    probe("blocked");
+    let o = cli(&["sandbox", "network", &id, "--net", "nowhere"], None);
+    assert_eq!(o.status.code(), Some(1), "{how}: {:?}", text(&o));
+    assert!(text(&o).1.contains("HOST:PORT"), "{how}: {:?}", text(&o));
     assert!(cli(&["sandbox", "rm", &id], None).status.success(), "{how}");
+    // The network it was given while it ran went with it.
+    assert!(
+        !strata_tests::sh("ip -br link").contains(&format!("sv{id}")),
+        "{how}: veth left"
+    );
+    assert!(
+        !strata_tests::sh("nft list table inet strata 2>/dev/null || true").contains(&id),
+        "{how}: rules left"
+    );
+    assert!(
+        !strata_tests::sh("ls /run/netns 2>/dev/null || true").contains(&id),
+        "{how}: netns left"
+    );
     let o = cli(&["sandbox", "audit", &id], None);
     let last = text(&o).0.lines().last().unwrap_or_default().to_string();
     assert!(last.contains("\"reason\":\"destroyed\""), "{how}: {last}");

@@ -447,6 +447,14 @@ class AsyncSandbox:
             pb.ExtendRequest(id=self.id, idle_ttl=_secs(idle_ttl), lifetime=_secs(lifetime)),
         )
 
+    async def set_network(self, network: Sequence[str]) -> None:
+        """Replaces the allowed ``HOST:PORT`` destinations while the sandbox runs
+        (``[]``: nothing but its own loopback). Container and fncall sandboxes."""
+        self._info = await self._client._call(
+            self._client._sandboxes.SetNetwork,
+            pb.SetNetworkRequest(id=self.id, network=list(network)),
+        )
+
     async def audit(self) -> str:
         """The sandbox's audit record, JSON lines (also after it is gone)."""
         r = await self._client._call(self._client._sandboxes.Audit, self._ref())
@@ -571,6 +579,9 @@ class Sandbox:
 
     def extend(self, **kw: Any) -> None:
         self._loop.run(self._sb.extend(**kw))
+
+    def set_network(self, network: Sequence[str]) -> None:
+        self._loop.run(self._sb.set_network(network))
 
     def audit(self) -> str:
         return self._loop.run(self._sb.audit())

@@ -313,6 +313,14 @@ class ExtendRequest(_message.Message):
     lifetime: str
     def __init__(self, id: _Optional[str] = ..., idle_ttl: _Optional[str] = ..., lifetime: _Optional[str] = ...) -> None: ...
 
+class SetNetworkRequest(_message.Message):
+    __slots__ = ("id", "network")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    network: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., network: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class AuditReply(_message.Message):
     __slots__ = ("jsonl",)
     JSONL_FIELD_NUMBER: _ClassVar[int]

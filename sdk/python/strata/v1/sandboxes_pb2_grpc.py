@@ -114,6 +114,11 @@ class SandboxesStub:
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.ExtendRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
                 _registered_method=True)
+        self.SetNetwork = channel.unary_unary(
+                '/strata.v1.Sandboxes/SetNetwork',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.SetNetworkRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
+                _registered_method=True)
         self.Destroy = channel.unary_unary(
                 '/strata.v1.Sandboxes/Destroy',
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
@@ -232,6 +237,14 @@ class SandboxesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetNetwork(self, request, context):
+        """Replaces a running container's or fncall sandbox's egress allowlist (microvm and vm:
+        INVALID_ARGUMENT, their network is fixed when the machine starts).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Destroy(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -326,6 +339,11 @@ def add_SandboxesServicer_to_server(servicer, server):
             'Extend': grpc.unary_unary_rpc_method_handler(
                     servicer.Extend,
                     request_deserializer=strata_dot_v1_dot_sandboxes__pb2.ExtendRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.SerializeToString,
+            ),
+            'SetNetwork': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetNetwork,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SetNetworkRequest.FromString,
                     response_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.SerializeToString,
             ),
             'Destroy': grpc.unary_unary_rpc_method_handler(
@@ -770,6 +788,33 @@ class Sandboxes:
             target,
             '/strata.v1.Sandboxes/Extend',
             strata_dot_v1_dot_sandboxes__pb2.ExtendRequest.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetNetwork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/SetNetwork',
+            strata_dot_v1_dot_sandboxes__pb2.SetNetworkRequest.SerializeToString,
             strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
             options,
             channel_credentials,
