@@ -9,6 +9,7 @@
 //! that sends past its window (a hostile guest) has the conversation ended instead of
 //! growing the other side's memory.
 
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -116,6 +117,37 @@ impl Conversation {
         self.credit.end();
         let _ = self.to_socket.send(None);
     }
+}
+
+/// Hands an envelope other than an opening to its conversation in `conns`: bytes,
+/// credit, or its end. When the peer broke the conversation's rules (sent past its
+/// window, or credit that is not a count) the conversation ends here, the peer is sent a
+/// `CLOSE`, and its number is returned for the log.
+pub fn dispatch<W: Write>(
+    conns: &mut HashMap<u32, Conversation>,
+    out: &Mutex<W>,
+    (id, kind, data): Envelope,
+) -> Option<u32> {
+    let kept = match conns.get(&id) {
+        Some(conv) if kind == DATA => conv.deliver(data),
+        Some(conv) if kind == CREDIT => conv.credit(&data),
+        Some(_) => {
+            if let Some(conv) = conns.remove(&id) {
+                conv.end();
+            }
+            true
+        }
+        None => true,
+    };
+    if kept {
+        return None;
+    }
+    if let Some(conv) = conns.remove(&id) {
+        conv.end();
+    }
+    let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
+    let _ = write(&mut *w, id, CLOSE, b"");
+    Some(id)
 }
 
 /// Joins conversation `conn` to the local socket `stream`: bytes read from the socket
@@ -279,16 +311,25 @@ mod tests {
         reader.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"hello");
         until("credit for what was written", || sent(&out).1 == 5);
-        // A peer that sends past its window while the local side reads nothing: refused.
-        let piece = vec![0u8; MAX_PIECE];
-        let mut refused = false;
+        // A peer that sends past its window while the local side reads nothing: the
+        // conversation is ended and the peer told so.
+        let mut conns = HashMap::from([(5, conv)]);
+        let closes = sent(&out).2;
+        let mut cut = None;
         for _ in 0..(2 * WINDOW / MAX_PIECE) {
-            if !conv.deliver(piece.clone()) {
-                refused = true;
+            cut = dispatch(&mut conns, &out, (5, DATA, vec![0u8; MAX_PIECE]));
+            if cut.is_some() {
                 break;
             }
         }
-        assert!(refused, "took more than a window the local side never read");
-        conv.end();
+        assert_eq!(
+            cut,
+            Some(5),
+            "took more than a window the local side never read"
+        );
+        assert!(conns.is_empty());
+        until("a close sent", || sent(&out).2 > closes);
+        // Envelopes of conversations that are gone are dropped.
+        assert_eq!(dispatch(&mut conns, &out, (9, DATA, b"x".to_vec())), None);
     }
 }

@@ -172,26 +172,11 @@ fn serve_port(path: &Path) -> Result<(), String> {
                     Err(e) => console(&format!("strata-agent: conversation {id}: {e}")),
                 }
             }
-            Ok(Some((id, kind @ (mux::DATA | mux::CREDIT), data))) => {
-                let kept = match conns.get(&id) {
-                    Some(conv) if kind == mux::DATA => conv.deliver(data),
-                    Some(conv) => conv.credit(&data),
-                    None => true,
-                };
-                if !kept {
-                    if let Some(conv) = conns.remove(&id) {
-                        conv.end();
-                    }
-                    let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
-                    let _ = mux::write(&mut *w, id, mux::CLOSE, b"");
+            Ok(Some(envelope)) => {
+                if let Some(id) = mux::dispatch(&mut conns, &*out, envelope) {
                     console(&format!(
                         "strata-agent: conversation {id}: the host broke flow control; ended"
                     ));
-                }
-            }
-            Ok(Some((id, _, _))) => {
-                if let Some(conv) = conns.remove(&id) {
-                    conv.end();
                 }
             }
             Ok(None) => {

@@ -75,28 +75,12 @@ pub fn main(args: &[String]) -> Result<(), String> {
     let mut input = std::io::BufReader::with_capacity(256 << 10, stream);
     loop {
         match mux::read(&mut input) {
-            Ok(Some((id, kind @ (mux::DATA | mux::CREDIT), data))) => {
+            // Bytes, credit or an end; a guest that breaks a conversation's flow control
+            // has it ended here, not held in our memory.
+            Ok(Some(envelope)) => {
                 let mut conns = conns.lock().unwrap_or_else(|p| p.into_inner());
-                let kept = match conns.get(&id) {
-                    Some(conv) if kind == mux::DATA => conv.deliver(data),
-                    Some(conv) => conv.credit(&data),
-                    None => true,
-                };
-                // The guest broke the conversation's rules (sent past its window, or
-                // credit that is not a count): it ends here, not in our memory.
-                if !kept {
-                    if let Some(conv) = conns.remove(&id) {
-                        conv.end();
-                    }
-                    let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
-                    let _ = mux::write(&mut *w, id, mux::CLOSE, b"");
+                if let Some(id) = mux::dispatch(&mut conns, &*out, envelope) {
                     eprintln!("strata-agent relay: conversation {id}: the guest broke flow control; ended");
-                }
-            }
-            Ok(Some((id, _, _))) => {
-                let conv = conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
-                if let Some(conv) = conv {
-                    conv.end();
                 }
             }
             // QEMU closed the port: the VM is gone, and so is every conversation.

@@ -76,12 +76,6 @@ impl Drop for Served {
     }
 }
 
-fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 fn strata(home: &Path, store: &str, args: &[&str]) -> Result<String> {
     let o = Command::new(bin("strata")?)
         .env("STRATA_HOME", home)
@@ -100,8 +94,8 @@ pub(crate) fn serve(dir: &Path, store: &str, e2b: bool) -> Result<Served> {
     let home = dir.join("service-home");
     let _ = std::fs::remove_dir_all(&home);
     std::fs::create_dir_all(&home)?;
-    let port = free_port()?;
-    let e2b_port = if e2b { Some(free_port()?) } else { None };
+    let port = strata_tests::service::free_port();
+    let e2b_port = e2b.then(strata_tests::service::free_port);
     // 1,000 idle sandboxes of 32 MiB and a tenth of a CPU: admission must let them in.
     std::fs::write(
         home.join("strata.toml"),

@@ -73,19 +73,27 @@ pub struct DirLock {
 
 impl DirLock {
     pub fn take(dir: &Path, exclusive: bool, wait: bool) -> Result<Option<DirLock>, RuntimeError> {
-        let path = dir.join("lock");
+        DirLock::take_file(&dir.join("lock"), exclusive, wait)
+    }
+
+    /// The same lock on another file of the directory (`path`, created if missing).
+    fn take_file(
+        path: &Path,
+        exclusive: bool,
+        wait: bool,
+    ) -> Result<Option<DirLock>, RuntimeError> {
         let file = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
-            .open(&path)
-            .map_err(RuntimeError::io(&path))?;
+            .open(path)
+            .map_err(RuntimeError::io(path))?;
         let lock = if exclusive {
             strata_host::fs::Lock::Exclusive
         } else {
             strata_host::fs::Lock::Shared
         };
-        if !strata_host::fs::flock(&file, lock, wait).map_err(RuntimeError::io(&path))? {
+        if !strata_host::fs::flock(&file, lock, wait).map_err(RuntimeError::io(path))? {
             return Ok(None);
         }
         Ok(Some(DirLock { _file: file }))
@@ -446,15 +454,7 @@ impl Sandbox {
         let dir = self.dir();
         let _lock = DirLock::take(&dir, false, true)?;
         let path = dir.join("sandbox.json");
-        let guard = dir.join("record.lock");
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&guard)
-            .map_err(RuntimeError::io(&guard))?;
-        strata_host::fs::flock(&file, strata_host::fs::Lock::Exclusive, true)
-            .map_err(RuntimeError::io(&guard))?;
+        let _record = DirLock::take_file(&dir.join("record.lock"), true, true)?;
         let mut record = SandboxRecord::load(&path)?;
         change(&mut record);
         record.save(&path)?;

@@ -13,10 +13,20 @@ use crate::home::CliHome;
 use crate::{scratch_root, strata_bin};
 
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    // The kernel may hand a just-released port out again: one service's API and metrics
+    // listeners once got the same one. A port is given out once per test process.
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free loopback port");
+        if given.insert(port) {
+            return port;
+        }
+    }
 }
 
 /// A running node service of one home.
