@@ -199,9 +199,11 @@ STRATA_STATIC_AGENT = "/opt/strata/static/strata-agent"
         assert_eq!(code, Some(137), "{backend} memory: {out}{err}");
         assert!(err.contains("budget exceeded: memory"), "{backend}: {err}");
         // Processes: more processes than the budget, each staying (a bomb of short-lived
-        // forks can end before it reaches the budget in an emulated guest).
+        // forks can end before it reaches the budget in an emulated guest). The wall clock
+        // ends the command once the budget is hit; under TCG on a loaded 2-core host 64
+        // forks took more than 5 s once, so it is 20 s (the sleeps outlast it).
         let (out, err, code) = run(
-            "--pids 64 --timeout 5s",
+            "--pids 64 --timeout 20s",
             "-- sh -c 'for i in $(seq 100); do sleep 30 & done; wait'",
         );
         if !err.contains("budget exceeded: pids") {
