@@ -90,20 +90,14 @@ pub fn resolve(rules: &[NetRule]) -> Result<Vec<Destination>, RuntimeError> {
     let mut out = Vec::new();
     for r in rules {
         let host = r.host.as_str();
-        let cidr = host.split_once('/').and_then(|(a, m)| {
-            let a: Ipv4Addr = a.parse().ok()?;
-            let m: u8 = m.parse().ok()?;
-            (m <= 32).then_some((a, m))
-        });
-        if let Some((a, m)) = cidr {
+        if let Some((a, m)) = parse_cidr(host) {
+            let a = Ipv4Addr::from(a);
             out.push(Destination {
-                net: format!("{a}/{m}"),
-                port: r.port,
-                name: None,
-            });
-        } else if let Ok(a) = host.parse::<Ipv4Addr>() {
-            out.push(Destination {
-                net: a.to_string(),
+                net: if host.contains('/') {
+                    format!("{a}/{m}")
+                } else {
+                    a.to_string()
+                },
                 port: r.port,
                 name: None,
             });

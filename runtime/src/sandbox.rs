@@ -431,7 +431,9 @@ impl Sandbox {
         let networks = self.rt.networks().clone();
         match self.with_backend(|b, sb| b.set_network(sb, &networks, &rules)) {
             Ok(()) => {
-                self.update_record(|r| r.spec.network = rules.clone())?;
+                if rules.is_empty() {
+                    self.update_record(|r| r.spec.network.clear())?;
+                }
                 self.rt.touch(&self.record.id);
                 self.rt.audit(&self.record.id).record(
                     "network-changed",
