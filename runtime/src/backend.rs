@@ -188,6 +188,24 @@ pub(crate) trait SandboxBackend: Send + Sync {
         )))
     }
 
+    /// Holds what the sandbox changed still and readable on the host at `upper` (its
+    /// overlayfs upper); how to give it back. By default the upper is already a host
+    /// directory: the sandbox is frozen meanwhile (unless it is paused already).
+    fn hold_changes(
+        &self,
+        sb: &SandboxRef,
+        upper: &Path,
+    ) -> Result<(PathBuf, crate::changes::Release), RuntimeError> {
+        if sb.cgroup.is_frozen() {
+            return Ok((upper.to_path_buf(), crate::changes::Release::Nothing));
+        }
+        sb.cgroup.freeze(true)?;
+        Ok((
+            upper.to_path_buf(),
+            crate::changes::Release::Thaw(sb.cgroup.clone()),
+        ))
+    }
+
     /// Paths (relative to the root) the runtime itself writes into the writable layer, not
     /// the sandbox's commands (a step build leaves them out of its layer).
     fn runtime_written_paths(&self, _spec: &SandboxSpec) -> Vec<String> {

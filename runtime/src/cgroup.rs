@@ -78,6 +78,8 @@ pub(crate) trait Hierarchy: Send + Sync + fmt::Debug {
         pids: u32,
     ) -> Result<(), RuntimeError>;
     fn freeze(&self, name: &str, frozen: bool) -> Result<(), RuntimeError>;
+    /// Whether cgroup `name` is frozen (or freezing).
+    fn frozen(&self, name: &str) -> bool;
     fn counters(&self, name: &str) -> Counters;
     fn memory_usage(&self, name: &str) -> u64;
     /// CPU time the cgroup's processes used, dead ones included, in nanoseconds.
@@ -172,6 +174,11 @@ impl Hierarchy for V1 {
             &self.dir("freezer", name).join("freezer.state"),
             if frozen { "FROZEN" } else { "THAWED" },
         )
+    }
+
+    fn frozen(&self, name: &str) -> bool {
+        std::fs::read_to_string(self.dir("freezer", name).join("freezer.state"))
+            .is_ok_and(|s| s.trim() != "THAWED")
     }
 
     fn counters(&self, name: &str) -> Counters {
@@ -290,6 +297,10 @@ impl Hierarchy for V2 {
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
+    }
+
+    fn frozen(&self, name: &str) -> bool {
+        std::fs::read_to_string(self.dir(name).join("cgroup.freeze")).is_ok_and(|s| s.trim() == "1")
     }
 
     fn counters(&self, name: &str) -> Counters {
@@ -494,6 +505,10 @@ impl Cgroup {
     /// Stops (`true`) or resumes every process inside through the freezer.
     pub fn freeze(&self, frozen: bool) -> Result<(), RuntimeError> {
         self.h.freeze(&self.name, frozen)
+    }
+
+    pub fn is_frozen(&self) -> bool {
+        self.h.frozen(&self.name)
     }
 
     /// Moves a process in (costs an RCU grace period per hierarchy).

@@ -16,6 +16,7 @@ mod agent;
 mod audit;
 mod backend;
 mod cgroup;
+mod changes;
 mod container;
 pub mod doctor;
 mod exec;
@@ -41,6 +42,7 @@ use strata_lazyfs::{connect_or_start, Client, LazyError, Paths};
 pub use audit::AuditLog;
 pub use backend::{process_start, PortStream, ProcessInfo, SnapshotInfo};
 pub use cgroup::CgroupMode;
+pub use changes::Changes;
 pub use container::{static_agent_for, OciRuntime};
 pub use exec::{Budget, ExecCancel, ExecRequest, ExecResult, Stdin, StdinFeed, Stream};
 pub use files::FileEntry;
@@ -846,6 +848,7 @@ impl Runtime {
             network::teardown(&self.inner.networks, id);
         }
         cgroup.remove()?;
+        changes::remove_copies(&dir)?;
         rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;
         self.uppers().remove(id)?;
         let _ = self

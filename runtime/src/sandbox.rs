@@ -162,9 +162,31 @@ impl Sandbox {
             .runtime_written_paths(&self.record.spec)
     }
 
+    /// What the sandbox changed over its layers, held still and readable on the host until
+    /// the view is dropped (see [`crate::Changes`]): to commit it as a new layer.
+    pub fn changes(&self) -> Result<crate::Changes, RuntimeError> {
+        if !self.dir().join("sandbox.json").exists() {
+            return Err(RuntimeError::NotFound(self.record.id.clone()));
+        }
+        let upper = self.upper_dir();
+        let (upper, release) = self.with_backend(|b, sb| b.hold_changes(sb, &upper))?;
+        self.rt.touch(&self.record.id);
+        Ok(crate::Changes {
+            upper,
+            lowers: self.layer_dirs(),
+            runtime_paths: self.runtime_written_paths(),
+            release,
+        })
+    }
+
     /// The host directories of the sandbox's layers, top-most first (read-only).
     pub fn layer_dirs(&self) -> Vec<PathBuf> {
         self.rootfs_paths().layers
+    }
+
+    /// The sandbox's audit record, to add what a caller did with it.
+    pub fn audit(&self) -> crate::AuditLog {
+        self.rt.audit(&self.record.id)
     }
 
     pub fn cgroup(&self) -> Cgroup {

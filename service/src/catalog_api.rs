@@ -30,7 +30,7 @@ fn entry_reply(reg: &strata_catalog::Registered) -> Result<proto::CatalogEntry, 
 }
 
 impl CatalogApi {
-    fn check_namespace(caller: &crate::Caller, id: &str) -> Result<(), ServiceError> {
+    pub(crate) fn check_namespace(caller: &crate::Caller, id: &str) -> Result<(), ServiceError> {
         let ns = namespace_of(id);
         if caller.project.owns_namespace(ns) {
             return Ok(());

@@ -7,6 +7,7 @@
 
 pub mod admission;
 mod catalog_api;
+pub mod commit;
 pub mod e2b;
 pub mod error;
 mod layers_api;

@@ -593,6 +593,52 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         }))
     }
 
+    async fn commit(
+        &self,
+        req: Request<proto::CommitRequest>,
+    ) -> Result<Response<proto::CommitReply>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let id = req.get_ref().id.clone();
+        let (_, sb) = self.open(&req, &id).await?;
+        let r = req.into_inner();
+        let kind = match r.kind.as_str() {
+            "" => strata_builder::LayerKind::Workspace,
+            k => match k.parse() {
+                Ok(strata_builder::LayerKind::Base) | Err(_) => {
+                    return Err(ServiceError::invalid(
+                        "kind",
+                        format!("`{k}`: a commit is a workspace or a toolkit layer"),
+                    )
+                    .into())
+                }
+                Ok(kind) => kind,
+            },
+        };
+        let register = text(r.register);
+        if let Some(entry) = &register {
+            crate::catalog_api::CatalogApi::check_namespace(&who, entry)?;
+        }
+        let done = crate::commit::commit(
+            self.0.store(),
+            &sb,
+            &crate::commit::CommitRequest {
+                kind,
+                register,
+                registrant: self.0.registrant(&who),
+            },
+        )
+        .await?;
+        Ok(Response::new(proto::CommitReply {
+            layer: done.layer.to_string(),
+            registered: done.registered.unwrap_or_default(),
+            files: done.files,
+            logical_bytes: done.logical_bytes,
+            uploaded_bytes: done.uploaded_bytes,
+            created: done.created,
+            seconds: done.seconds,
+        }))
+    }
+
     async fn extend(
         &self,
         req: Request<proto::ExtendRequest>,

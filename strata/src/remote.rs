@@ -373,6 +373,37 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
                 .into_inner();
             print!("{}", a.jsonl);
         }
+        SandboxCommand::Commit {
+            id,
+            kind,
+            register,
+            json,
+        } => {
+            let kind = crate::sandbox::commit_kind(&kind)?;
+            let r = sbs
+                .commit(remote.req(proto::CommitRequest {
+                    id,
+                    kind: kind.to_string(),
+                    register: register.unwrap_or_default(),
+                }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            let done = strata_service::commit::Committed {
+                layer: r
+                    .layer
+                    .parse()
+                    .with_context(|| format!("the service answered layer `{}`", r.layer))?,
+                kind,
+                files: r.files,
+                logical_bytes: r.logical_bytes,
+                uploaded_bytes: r.uploaded_bytes,
+                created: r.created,
+                registered: (!r.registered.is_empty()).then_some(r.registered),
+                seconds: r.seconds,
+            };
+            crate::sandbox::print_committed(&done, json)?;
+        }
         SandboxCommand::Snapshot { .. }
         | SandboxCommand::Restore { .. }
         | SandboxCommand::Pool { .. }

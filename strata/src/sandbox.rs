@@ -162,6 +162,21 @@ pub enum SandboxCommand {
         #[arg(long, value_delimiter = ',')]
         net: Vec<String>,
     },
+    /// Make what a sandbox changed over its layers a new layer (and with --register a
+    /// catalog entry: the sandbox's entry with the layer on top); prints the layer ID
+    /// last, after the registered `namespace/name@version`. The sandbox is held still
+    /// while its changes are read, then runs on.
+    Commit {
+        id: String,
+        /// workspace | toolkit.
+        #[arg(long, default_value = "workspace")]
+        kind: String,
+        /// Register the result as NAMESPACE/NAME.
+        #[arg(long)]
+        register: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Save a microvm or vm sandbox (memory, processes, files) into DIR; it keeps running.
     Snapshot {
         id: String,
@@ -370,6 +385,36 @@ pub async fn run(store: &Store, settings: &Settings, args: RunArgs) -> Result<i3
     .await?
 }
 
+/// `--kind` of a commit: a workspace or a toolkit layer.
+pub(crate) fn commit_kind(text: &str) -> Result<strata_builder::LayerKind> {
+    match text.parse::<strata_builder::LayerKind>() {
+        Ok(strata_builder::LayerKind::Base) | Err(_) => {
+            bail!("--kind {text}: a commit is a `workspace` or a `toolkit` layer")
+        }
+        Ok(kind) => Ok(kind),
+    }
+}
+
+/// What `sandbox commit` prints: the registered entry, then the layer ID last.
+pub(crate) fn print_committed(done: &strata_service::commit::Committed, json: bool) -> Result<()> {
+    if json {
+        print_json(done)?;
+    } else {
+        eprintln!(
+            "committed {} files ({}), {} new in the store, in {}",
+            done.files,
+            human_bytes(done.logical_bytes),
+            human_bytes(done.uploaded_bytes),
+            humantime::format_duration(Duration::from_millis((done.seconds * 1e3) as u64))
+        );
+        if let Some(r) = &done.registered {
+            println!("{r}");
+        }
+    }
+    println!("{}", done.layer);
+    Ok(())
+}
+
 pub(crate) fn split_remote(arg: &str) -> Option<(&str, &str)> {
     let (id, path) = arg.split_once(':')?;
     (path.starts_with('/') && !id.is_empty() && !id.contains('/')).then_some((id, path))
@@ -397,10 +442,37 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
         })
         .await?;
     }
+    if let SandboxCommand::Commit {
+        id,
+        kind,
+        register,
+        json,
+    } = &cmd
+    {
+        let kind = commit_kind(kind)?;
+        let (id, s2) = (id.clone(), settings.clone());
+        let sb =
+            tokio::task::spawn_blocking(move || -> Result<_> { Ok(open_runtime(&s2)?.get(&id)?) })
+                .await??;
+        let done = strata_service::commit::commit(
+            store,
+            &sb,
+            &strata_service::commit::CommitRequest {
+                kind,
+                register: register.clone(),
+                registrant: settings.registrant.clone(),
+            },
+        )
+        .await?;
+        print_committed(&done, *json)?;
+        return Ok(0);
+    }
     tokio::task::spawn_blocking(move || -> Result<i32> {
         let rt = open_runtime(&settings)?;
         match cmd {
-            SandboxCommand::Create { .. } => unreachable!("handled above"),
+            SandboxCommand::Create { .. } | SandboxCommand::Commit { .. } => {
+                unreachable!("handled above")
+            }
             SandboxCommand::Exec {
                 id,
                 timeout,

@@ -986,6 +986,54 @@ impl SandboxBackend for VmBackend {
             .collect()
     }
 
+    /// The guest flushes its page cache (`sync`), the machine stops for a sparse copy of
+    /// its upper image and runs on; the copy is mounted on the host.
+    fn hold_changes(
+        &self,
+        sb: &SandboxRef,
+        _upper: &Path,
+    ) -> Result<(PathBuf, crate::changes::Release), RuntimeError> {
+        let flush = crate::exec::ExecEnv {
+            argv: vec!["sync".into()],
+            env: Default::default(),
+            cwd: "/".into(),
+            uid: 0,
+            gid: 0,
+            timeout: Duration::from_secs(120),
+        };
+        let req = crate::ExecRequest {
+            argv: flush.argv.clone(),
+            keep_output: Some(4096),
+            ..Default::default()
+        };
+        let flushed = self.exec(sb, &flush, &req, &mut |_, _| {})?;
+        if flushed.exit.code != Some(0) {
+            return Err(RuntimeError::Exec(format!(
+                "the guest could not flush its disk (`sync` ended {:?}: {}); the base needs a `sync` command",
+                flushed.exit.code,
+                String::from_utf8_lossy(&flushed.stderr).trim()
+            )));
+        }
+        let mut qmp = qemu::Qmp::connect(&sb.dir.join("qmp.sock"), Duration::from_secs(5))?;
+        let was_running = qmp.status()? == "running";
+        if was_running {
+            qmp.execute("stop", serde_json::Value::Null)?;
+        }
+        let dir = crate::changes::copy_dir(sb.dir);
+        let copied = crate::changes::take_copy(&sb.uppers.image(&sb.record.id), &dir);
+        if was_running {
+            qmp.execute("cont", serde_json::Value::Null)?;
+        }
+        let mounted = match copied.and_then(|()| crate::changes::mount_copy(&dir)) {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = crate::changes::remove_copy(&dir);
+                return Err(e);
+            }
+        };
+        Ok((mounted.join("upper"), crate::changes::Release::Copy(dir)))
+    }
+
     fn pause(&self, sb: &SandboxRef, paused: bool) -> Result<(), RuntimeError> {
         let dir = sb.dir;
         let mut qmp = qemu::Qmp::connect(&dir.join("qmp.sock"), Duration::from_secs(5))?;
