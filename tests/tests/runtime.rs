@@ -707,3 +707,65 @@ fn two_homes_on_one_host_keep_each_others_networked_sandboxes() {
         other.assert_sandbox_gone(&b2, &[]);
     }
 }
+
+#[test]
+fn a_commit_becomes_a_layer_and_an_entry_a_fresh_home_starts_from() {
+    let Some(env) = env("runtime_commit") else {
+        return;
+    };
+    for backend in BACKENDS {
+        let id = env.create(&["--backend", backend]);
+        // An installed package (a module where Python finds it), a deleted base file and a
+        // directory replaced whole (opaque), as an agent's work leaves them.
+        let changed = env.sh(
+            &id,
+            "set -e; d=/usr/local/lib/python3.11/dist-packages; mkdir -p $d/committed_pkg; \
+             echo 'VALUE = 42' > $d/committed_pkg/__init__.py; \
+             test -e /etc/issue; rm /etc/issue; \
+             rm -rf /etc/apt; mkdir /etc/apt; echo only > /etc/apt/only",
+        );
+        assert!(changed.status.success(), "{:?}", text(&changed));
+        let entry = format!("datasets/committed-{backend}");
+        let out = env.ok(&["sandbox", "commit", &id, "--register", &entry]);
+        let lines: Vec<&str> = out.lines().collect();
+        let layer = lines.last().copied().unwrap_or_default().to_string();
+        assert_eq!(layer.len(), 64, "the layer ID comes last: {out}");
+        let reference = lines[lines.len() - 2];
+        assert!(
+            reference.starts_with(&format!("{entry}@v")),
+            "the registered entry comes before the layer: {out}"
+        );
+        // Nothing changed since: the same layer, already in the store.
+        let again = env.ok(&["sandbox", "commit", &id, "--json"]);
+        let (json, last) = again
+            .trim_end()
+            .rsplit_once('\n')
+            .expect("JSON, then the ID");
+        assert_eq!(last, layer, "{again}");
+        let again: serde_json::Value = serde_json::from_str(json).expect("commit --json");
+        assert_eq!(again["layer"], layer.as_str(), "{again}");
+        assert_eq!(again["created"], false, "{again}");
+        // The sandbox runs on after its changes were read.
+        assert_eq!(
+            env.ok(&["sandbox", "exec", &id, "--", "cat", "/etc/apt/only"]),
+            "only\n"
+        );
+        // Another home sharing the store, which never saw the sandbox.
+        let other = env.cli.sharing_store("runtime-commit-");
+        let seen = other.ok(&[
+            "run",
+            "--backend",
+            backend,
+            reference,
+            "--",
+            "sh",
+            "-c",
+            "python3 -c 'import committed_pkg; print(committed_pkg.VALUE)'; \
+             test ! -e /etc/issue && echo issue-gone; ls /etc/apt",
+        ]);
+        assert_eq!(seen, "42\nissue-gone\nonly\n", "{seen}");
+        let pid = env.init_pid(&id) as u32;
+        env.ok(&["sandbox", "rm", &id]);
+        env.assert_gone(&id, &[pid]);
+    }
+}
