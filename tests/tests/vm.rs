@@ -568,3 +568,58 @@ fn a_full_vm_boots_a_whole_disk_image_under_the_sample_layers() {
     env.refused_run(&["--backend", "container"], &entries[0], "--backend vm");
     env.refused_run(&[], &entries[2], "no partition 3 (it has 1)");
 }
+
+#[test]
+fn a_microvms_commit_is_what_its_guest_wrote_and_leaves_no_copy() {
+    let Some(env) = env("vm_commit") else {
+        return;
+    };
+    let id = env.create(&["--backend", "microvm"]);
+    // Written just before the commit: only the guest's page cache has it until its flush.
+    let changed = env.sh(&id, "echo from-the-guest > /work/vm.txt; rm /etc/issue");
+    assert!(changed.status.success(), "{:?}", text(&changed));
+    let out = env.ok(&[
+        "sandbox",
+        "commit",
+        &id,
+        "--register",
+        "datasets/vm-committed",
+    ]);
+    let lines: Vec<&str> = out.lines().collect();
+    let (reference, layer) = (lines[lines.len() - 2], lines[lines.len() - 1]);
+    let again = env.ok(&["sandbox", "commit", &id]);
+    assert_eq!(
+        again.lines().last(),
+        Some(layer),
+        "same changes, same layer"
+    );
+    // The guest runs on; the copy its changes were read from is gone.
+    assert_eq!(
+        env.ok(&["sandbox", "exec", &id, "--", "cat", "/work/vm.txt"]),
+        "from-the-guest\n"
+    );
+    let copies = env
+        .cli
+        .runtime_dir()
+        .join("sandboxes")
+        .join(&id)
+        .join("changes");
+    let left: Vec<_> = std::fs::read_dir(&copies)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "copies left: {left:?}");
+    // A container from the registered entry has the guest's files.
+    let seen = env.ok(&[
+        "run",
+        "--backend",
+        "container",
+        reference,
+        "--",
+        "sh",
+        "-c",
+        "cat /work/vm.txt; test ! -e /etc/issue && echo issue-gone",
+    ]);
+    assert_eq!(seen, "from-the-guest\nissue-gone\n");
+    env.ok(&["sandbox", "rm", &id]);
+    assert!(qemu_processes(&id).is_empty(), "QEMU of {id} still runs");
+}
