@@ -598,6 +598,21 @@ fn cli_subset(how: &str, sample: &str, cli: &Cli) -> String {
     let o = cli(&["sandbox", "network", &id, "--net", "nowhere"], None);
     assert_eq!(o.status.code(), Some(1), "{how}: {:?}", text(&o));
     assert!(text(&o).1.contains("HOST:PORT"), "{how}: {:?}", text(&o));
+    // What the sandbox changed (in.txt, copied.txt) committed twice: one layer ID, last.
+    let commit = |what: &str| {
+        let o = cli(&["sandbox", "commit", &id, "--kind", "workspace"], None);
+        assert!(o.status.success(), "{how} {what}: {:?}", text(&o));
+        let layer = text(&o).0.lines().last().unwrap_or_default().to_string();
+        assert!(
+            layer.len() == 64 && layer.chars().all(|c| c.is_ascii_hexdigit()),
+            "{how} {what}: {layer}"
+        );
+        layer
+    };
+    assert_eq!(commit("first"), commit("again"), "{how}");
+    let o = cli(&["sandbox", "commit", &id, "--kind", "base"], None);
+    assert_eq!(o.status.code(), Some(1), "{how}: {:?}", text(&o));
+    assert!(text(&o).1.contains("workspace"), "{how}: {:?}", text(&o));
     assert!(cli(&["sandbox", "rm", &id], None).status.success(), "{how}");
     // The network it was given while it ran went with it.
     assert!(
