@@ -439,8 +439,12 @@ import asyncio, strata
 async def main():
     async with strata.AsyncClient() as c:
         sb = await c.create("{sample}", backend="container")
-        r = await sb.exec("cat /work/src/wordfreq/*.py > /dev/null; echo ok")
-        assert r.stdout == "ok\n", r
+        r = await sb.exec("cat /work/src/wordfreq/*.py > /dev/null; echo ok > /work/ok")
+        assert r.exit_code == 0, r
+        first = await sb.commit()
+        again = await sb.commit(kind="workspace")
+        assert len(first.layer) == 64 and first.layer == again.layer, (first, again)
+        assert not again.created and first.registered == "", (first, again)
         try:
             await c.create("{sample}", backend="container")
         except strata.QuotaExceeded:

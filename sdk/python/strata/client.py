@@ -455,6 +455,16 @@ class AsyncSandbox:
             pb.SetNetworkRequest(id=self.id, network=list(network)),
         )
 
+    async def commit(self, kind: str = "workspace", register: Optional[str] = None) -> "pb.CommitReply":
+        """Makes what the sandbox changed over its layers a new layer in the store; with
+        ``register="namespace/name"`` also a catalog entry (the sandbox's entry with the
+        layer on top). The reply has ``layer`` (its ID) and ``registered``
+        (``namespace/name@version``, empty when none). The sandbox runs on."""
+        return await self._client._call(
+            self._client._sandboxes.Commit,
+            pb.CommitRequest(id=self.id, kind=kind, register=register or ""),
+        )
+
     async def audit(self) -> str:
         """The sandbox's audit record, JSON lines (also after it is gone)."""
         r = await self._client._call(self._client._sandboxes.Audit, self._ref())
@@ -582,6 +592,9 @@ class Sandbox:
 
     def set_network(self, network: Sequence[str]) -> None:
         self._loop.run(self._sb.set_network(network))
+
+    def commit(self, kind: str = "workspace", register: Optional[str] = None) -> "pb.CommitReply":
+        return self._loop.run(self._sb.commit(kind, register))
 
     def audit(self) -> str:
         return self._loop.run(self._sb.audit())

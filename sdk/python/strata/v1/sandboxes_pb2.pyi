@@ -303,6 +303,34 @@ class SnapshotReply(_message.Message):
     millis: float
     def __init__(self, state_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., millis: _Optional[float] = ...) -> None: ...
 
+class CommitRequest(_message.Message):
+    __slots__ = ("id", "kind", "register")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    kind: str
+    register: str
+    def __init__(self, id: _Optional[str] = ..., kind: _Optional[str] = ..., register: _Optional[str] = ...) -> None: ...
+
+class CommitReply(_message.Message):
+    __slots__ = ("layer", "registered", "files", "logical_bytes", "uploaded_bytes", "created", "seconds")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    LOGICAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    layer: str
+    registered: str
+    files: int
+    logical_bytes: int
+    uploaded_bytes: int
+    created: bool
+    seconds: float
+    def __init__(self, layer: _Optional[str] = ..., registered: _Optional[str] = ..., files: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., uploaded_bytes: _Optional[int] = ..., created: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class ExtendRequest(_message.Message):
     __slots__ = ("id", "idle_ttl", "lifetime")
     ID_FIELD_NUMBER: _ClassVar[int]

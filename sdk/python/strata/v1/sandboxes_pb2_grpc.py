@@ -109,6 +109,11 @@ class SandboxesStub:
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotReply.FromString,
                 _registered_method=True)
+        self.Commit = channel.unary_unary(
+                '/strata.v1.Sandboxes/Commit',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.CommitRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.CommitReply.FromString,
+                _registered_method=True)
         self.Extend = channel.unary_unary(
                 '/strata.v1.Sandboxes/Extend',
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.ExtendRequest.SerializeToString,
@@ -230,6 +235,15 @@ class SandboxesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Commit(self, request, context):
+        """Makes what the sandbox changed over its layers a new layer in the store (and, with
+        `register`, a catalog entry: the sandbox's entry with the layer on top). The sandbox
+        is held still while its changes are read, then runs on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Extend(self, request, context):
         """Moves the idle TTL and/or the end of the lifetime.
         """
@@ -335,6 +349,11 @@ def add_SandboxesServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotRequest.FromString,
                     response_serializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotReply.SerializeToString,
+            ),
+            'Commit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Commit,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.CommitRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.CommitReply.SerializeToString,
             ),
             'Extend': grpc.unary_unary_rpc_method_handler(
                     servicer.Extend,
@@ -762,6 +781,33 @@ class Sandboxes:
             '/strata.v1.Sandboxes/Snapshot',
             strata_dot_v1_dot_sandboxes__pb2.SnapshotRequest.SerializeToString,
             strata_dot_v1_dot_sandboxes__pb2.SnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Commit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/Commit',
+            strata_dot_v1_dot_sandboxes__pb2.CommitRequest.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.CommitReply.FromString,
             options,
             channel_credentials,
             insecure,
