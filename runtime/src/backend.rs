@@ -180,6 +180,11 @@ pub(crate) trait SandboxBackend: Send + Sync {
         sb.cgroup.freeze(paused)
     }
 
+    /// Whether every process of the sandbox is stopped ([`SandboxBackend::pause`]).
+    fn paused(&self, sb: &SandboxRef) -> bool {
+        sb.cgroup.is_frozen()
+    }
+
     /// Saves the whole sandbox to `dest`, to be restored into a new one.
     fn snapshot(&self, sb: &SandboxRef, _dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
         Err(RuntimeError::Invalid(format!(

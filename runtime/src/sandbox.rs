@@ -300,6 +300,15 @@ impl Sandbox {
         self.set_paused(true)
     }
 
+    /// `running` or `paused` (every process stopped where it is).
+    pub fn state(&self) -> &'static str {
+        if self.with_backend(|b, sb| Ok(b.paused(sb))).unwrap_or(false) {
+            "paused"
+        } else {
+            "running"
+        }
+    }
+
     pub fn resume(&self) -> Result<(), RuntimeError> {
         self.set_paused(false)
     }

@@ -526,7 +526,17 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
             SandboxCommand::Ls { json } => {
                 let list = rt.list();
                 if json {
-                    print_json(&list)?;
+                    // Each record with its state (`running`, `paused`).
+                    let rows = list
+                        .iter()
+                        .map(|r| {
+                            let mut row = serde_json::to_value(r)?;
+                            let state = rt.get(&r.id).map_or("running", |sb| sb.state());
+                            row["state"] = state.into();
+                            Ok(row)
+                        })
+                        .collect::<Result<Vec<_>, serde_json::Error>>()?;
+                    print_json(&rows)?;
                 } else {
                     println!("{:<14} {:<10} {:>8}  CATALOG", "ID", "BACKEND", "IDLE");
                     for r in list {

@@ -745,6 +745,21 @@ fn a_commit_becomes_a_layer_and_an_entry_a_fresh_home_starts_from() {
         let again: serde_json::Value = serde_json::from_str(json).expect("commit --json");
         assert_eq!(again["layer"], layer.as_str(), "{again}");
         assert_eq!(again["created"], false, "{again}");
+        // A paused sandbox stays paused through a commit; `ls --json` says which.
+        let state = |id: &str| {
+            env.sandboxes()
+                .into_iter()
+                .find(|s| s["id"] == id)
+                .map(|s| s["state"].as_str().unwrap_or_default().to_string())
+        };
+        assert_eq!(state(&id).as_deref(), Some("running"));
+        env.ok(&["sandbox", "pause", &id]);
+        assert_eq!(state(&id).as_deref(), Some("paused"));
+        let paused = env.ok(&["sandbox", "commit", &id]);
+        assert_eq!(paused.lines().last(), Some(layer.as_str()));
+        assert_eq!(state(&id).as_deref(), Some("paused"), "a commit thawed it");
+        env.ok(&["sandbox", "resume", &id]);
+        assert_eq!(state(&id).as_deref(), Some("running"));
         // The sandbox runs on after its changes were read.
         assert_eq!(
             env.ok(&["sandbox", "exec", &id, "--", "cat", "/etc/apt/only"]),

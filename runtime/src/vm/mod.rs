@@ -1034,6 +1034,13 @@ impl SandboxBackend for VmBackend {
         Ok((mounted.join("upper"), crate::changes::Release::Copy(dir)))
     }
 
+    /// The machine is stopped (QMP), whether by a pause or a snapshot under way.
+    fn paused(&self, sb: &SandboxRef) -> bool {
+        qemu::Qmp::connect(&sb.dir.join("qmp.sock"), Duration::from_secs(2))
+            .and_then(|mut q| q.status())
+            .is_ok_and(|s| s != "running")
+    }
+
     fn pause(&self, sb: &SandboxRef, paused: bool) -> Result<(), RuntimeError> {
         let dir = sb.dir;
         let mut qmp = qemu::Qmp::connect(&dir.join("qmp.sock"), Duration::from_secs(5))?;
