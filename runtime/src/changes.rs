@@ -6,8 +6,9 @@
 //! writes to the upper as it is read, and thawed when the view is dropped (unless it was
 //! paused before). A VM's upper is an ext4 image its guest has mounted: the guest flushes
 //! its page cache, the machine stops for a sparse copy of the image, runs on, and the copy
-//! is mounted on the host under the sandbox's `changes/` (which teardown unmounts, so a
-//! commit that died midway leaks nothing past the sandbox's end).
+//! is checked (`e2fsck`: the guest wrote it) and mounted read-only on the host under the
+//! sandbox's `changes/` (which teardown unmounts, so a commit that died midway leaks
+//! nothing past the sandbox's end).
 
 use std::path::{Path, PathBuf};
 
@@ -83,20 +84,50 @@ pub(crate) fn take_copy(image: &Path, dir: &Path) -> Result<(), RuntimeError> {
     crate::quota::copy_sparse(image, &dir.join("upper.img"), len)
 }
 
-/// Mounts the copy [`take_copy`] made on `dir/mnt`; the mounted directory. It is mounted
-/// read-write so ext4 replays its journal (the guest's last transactions); nothing else
-/// writes to it.
+/// Mounts the copy [`take_copy`] made on `dir/mnt`, read-only; the mounted directory.
+///
+/// The image was written by the guest's kernel, which the sandbox may control: before the
+/// host's ext4 driver sees it, `e2fsck -fy` replays its journal (the guest's last
+/// transactions) and repairs whatever is inconsistent, or refuses it.
 pub(crate) fn mount_copy(dir: &Path) -> Result<PathBuf, RuntimeError> {
     let (copy, mnt) = (dir.join("upper.img"), dir.join("mnt"));
+    let checked = std::process::Command::new("e2fsck")
+        .args(["-f", "-y"])
+        .arg(&copy)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| {
+            RuntimeError::Setup(format!(
+                "cannot run e2fsck: {e} (install e2fsprogs with scripts/setup.sh)"
+            ))
+        })?;
+    // 0: clean, 1: errors corrected, 2: corrected (a mounted root would reboot).
+    if !matches!(checked.status.code(), Some(0..=2)) {
+        return Err(RuntimeError::Invalid(format!(
+            "the guest's writable disk is damaged beyond repair (e2fsck {:?}: {}); its changes cannot be read",
+            checked.status.code(),
+            String::from_utf8_lossy(&checked.stderr).trim()
+        )));
+    }
     std::fs::create_dir_all(&mnt).map_err(RuntimeError::io(&mnt))?;
-    let device = strata_host::loopdev::attach(&copy, Default::default())
-        .map_err(|e| RuntimeError::Setup(format!("loop device for {}: {e}", copy.display())))?;
+    let device = strata_host::loopdev::attach(
+        &copy,
+        strata_host::loopdev::Options {
+            read_only: true,
+            ..Default::default()
+        },
+    )
+    .map_err(|e| RuntimeError::Setup(format!("loop device for {}: {e}", copy.display())))?;
     use nix::mount::MsFlags;
     nix::mount::mount(
         Some(&device.path),
         &mnt,
         Some("ext4"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC | MsFlags::MS_NOATIME,
+        MsFlags::MS_RDONLY
+            | MsFlags::MS_NOSUID
+            | MsFlags::MS_NODEV
+            | MsFlags::MS_NOEXEC
+            | MsFlags::MS_NOATIME,
         None::<&str>,
     )
     .map_err(|e| {
