@@ -55,11 +55,13 @@ pub async fn commit(
 ) -> Result<Committed, ServiceError> {
     let catalog_ref = sandbox.spec().catalog_ref.clone();
     // The entry first: a registration that cannot happen fails before any work.
-    let base_entry = match &req.register {
+    let target = match &req.register {
         Some(id) => {
             strata_catalog::entry::validate_id(id)
                 .map_err(|e| ServiceError::invalid("register", e.to_string()))?;
-            Some(Catalog::open(store).await?.get(&catalog_ref).await?)
+            let catalog = Catalog::open(store).await?;
+            let reg = catalog.get(&catalog_ref).await?;
+            Some((id.clone(), catalog, reg))
         }
         None => None,
     };
@@ -97,19 +99,15 @@ pub async fn commit(
         .await
         .map_err(|e| ServiceError::Internal(e.to_string()))?;
     let report = built.map_err(build_error)?;
-    let registered = match (base_entry, &req.register) {
-        (Some(reg), Some(id)) => {
+    let registered = match target {
+        Some((id, catalog, reg)) => {
             let mut entry = reg.entry.clone();
-            entry.id = id.clone();
+            entry.id = id;
             entry.version = None;
             put_on_top(&mut entry, req.kind, report.id.to_string());
-            let done = Catalog::open(store)
-                .await?
-                .register(entry, &req.registrant)
-                .await?;
-            Some(done.reference())
+            Some(catalog.register(entry, &req.registrant).await?.reference())
         }
-        _ => None,
+        None => None,
     };
     let out = Committed {
         layer: report.id,
@@ -127,6 +125,20 @@ pub async fn commit(
                "registered": out.registered, "by": req.registrant}),
     );
     Ok(out)
+}
+
+/// A commit's `kind` as a caller writes it: `workspace` (also empty) or `toolkit`.
+pub fn parse_kind(text: &str) -> Result<LayerKind, ServiceError> {
+    match text {
+        "" => Ok(LayerKind::Workspace),
+        k => match k.parse() {
+            Ok(LayerKind::Base) | Err(_) => Err(ServiceError::invalid(
+                "kind",
+                format!("`{k}`: a commit is a `workspace` or a `toolkit` layer"),
+            )),
+            Ok(kind) => Ok(kind),
+        },
+    }
 }
 
 /// Puts `layer` at the top of `entry`'s stack: the workspace slot when the entry has

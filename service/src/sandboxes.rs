@@ -601,19 +601,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         let id = req.get_ref().id.clone();
         let (_, sb) = self.open(&req, &id).await?;
         let r = req.into_inner();
-        let kind = match r.kind.as_str() {
-            "" => strata_builder::LayerKind::Workspace,
-            k => match k.parse() {
-                Ok(strata_builder::LayerKind::Base) | Err(_) => {
-                    return Err(ServiceError::invalid(
-                        "kind",
-                        format!("`{k}`: a commit is a workspace or a toolkit layer"),
-                    )
-                    .into())
-                }
-                Ok(kind) => kind,
-            },
-        };
+        let kind = crate::commit::parse_kind(&r.kind)?;
         let register = text(r.register);
         if let Some(entry) = &register {
             crate::catalog_api::CatalogApi::check_namespace(&who, entry)?;

@@ -379,7 +379,7 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
             register,
             json,
         } => {
-            let kind = crate::sandbox::commit_kind(&kind)?;
+            let kind = strata_service::commit::parse_kind(&kind)?;
             let r = sbs
                 .commit(remote.req(proto::CommitRequest {
                     id,

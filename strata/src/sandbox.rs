@@ -385,16 +385,6 @@ pub async fn run(store: &Store, settings: &Settings, args: RunArgs) -> Result<i3
     .await?
 }
 
-/// `--kind` of a commit: a workspace or a toolkit layer.
-pub(crate) fn commit_kind(text: &str) -> Result<strata_builder::LayerKind> {
-    match text.parse::<strata_builder::LayerKind>() {
-        Ok(strata_builder::LayerKind::Base) | Err(_) => {
-            bail!("--kind {text}: a commit is a `workspace` or a `toolkit` layer")
-        }
-        Ok(kind) => Ok(kind),
-    }
-}
-
 /// What `sandbox commit` prints: the registered entry, then the layer ID last.
 pub(crate) fn print_committed(done: &strata_service::commit::Committed, json: bool) -> Result<()> {
     if json {
@@ -449,7 +439,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
         json,
     } = &cmd
     {
-        let kind = commit_kind(kind)?;
+        let kind = strata_service::commit::parse_kind(kind)?;
         let (id, s2) = (id.clone(), settings.clone());
         let sb =
             tokio::task::spawn_blocking(move || -> Result<_> { Ok(open_runtime(&s2)?.get(&id)?) })

@@ -604,9 +604,12 @@ fn a_microvms_commit_is_what_its_guest_wrote_and_leaves_no_copy() {
         .join("sandboxes")
         .join(&id)
         .join("changes");
+    // The commits made this directory; what they put in it must be gone.
     let left: Vec<_> = std::fs::read_dir(&copies)
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
+        .unwrap_or_else(|e| panic!("{}: {e}", copies.display()))
+        .flatten()
+        .map(|e| e.path())
+        .collect();
     assert!(left.is_empty(), "copies left: {left:?}");
     // A container from the registered entry has the guest's files.
     let seen = env.ok(&[

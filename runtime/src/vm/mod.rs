@@ -1015,15 +1015,9 @@ impl SandboxBackend for VmBackend {
             )));
         }
         let mut qmp = qemu::Qmp::connect(&sb.dir.join("qmp.sock"), Duration::from_secs(5))?;
-        let was_running = qmp.status()? == "running";
-        if was_running {
-            qmp.execute("stop", serde_json::Value::Null)?;
-        }
         let dir = crate::changes::copy_dir(sb.dir);
-        let copied = crate::changes::take_copy(&sb.uppers.image(&sb.record.id), &dir);
-        if was_running {
-            qmp.execute("cont", serde_json::Value::Null)?;
-        }
+        let copied =
+            qmp.while_stopped(|_| crate::changes::take_copy(&sb.uppers.image(&sb.record.id), &dir));
         let mounted = match copied.and_then(|()| crate::changes::mount_copy(&dir)) {
             Ok(m) => m,
             Err(e) => {
@@ -1063,9 +1057,7 @@ impl SandboxBackend for VmBackend {
         )?;
         std::fs::create_dir_all(dest).map_err(RuntimeError::io(dest))?;
         let mut qmp = qemu::Qmp::connect(&dir.join("qmp.sock"), Duration::from_secs(5))?;
-        let was_running = qmp.status()? == "running";
-        qmp.execute("stop", serde_json::Value::Null)?;
-        let saved = (|| {
+        let disk = qmp.while_stopped(|qmp| {
             let disk = dest.join("upper.img");
             crate::quota::copy_sparse(upper_image, &disk, file_len(upper_image))?;
             qmp.save(&dest.join("state"))?;
@@ -1083,12 +1075,8 @@ impl SandboxBackend for VmBackend {
                 serde_json::to_vec_pretty(&record).unwrap_or_default(),
             )
             .map_err(RuntimeError::io(&path))?;
-            Ok::<_, RuntimeError>(disk)
-        })();
-        if was_running {
-            qmp.execute("cont", serde_json::Value::Null)?;
-        }
-        let disk = saved?;
+            Ok(disk)
+        })?;
         Ok(SnapshotInfo {
             dir: dest.to_path_buf(),
             state_bytes: file_len(&dest.join("state")),

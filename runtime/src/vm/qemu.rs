@@ -357,6 +357,23 @@ impl Qmp {
     }
 
     /// The run state (`running`, `paused`, `inmigrate`, `postmigrate`, ...).
+    /// Runs `f` with the machine stopped, and continues it after (whatever `f` returned)
+    /// if it was running before.
+    pub fn while_stopped<T>(
+        &mut self,
+        f: impl FnOnce(&mut Qmp) -> Result<T, RuntimeError>,
+    ) -> Result<T, RuntimeError> {
+        let was_running = self.status()? == "running";
+        if was_running {
+            self.execute("stop", Value::Null)?;
+        }
+        let out = f(self);
+        if was_running {
+            self.execute("cont", Value::Null)?;
+        }
+        out
+    }
+
     pub fn status(&mut self) -> Result<String, RuntimeError> {
         let r = self.execute("query-status", Value::Null)?;
         Ok(r.get("status")
