@@ -29,6 +29,10 @@ pub enum ServiceError {
     },
     #[error("{0}")]
     Unavailable(String),
+    /// The request cannot be answered in the state things are in (a journal step that
+    /// failed or was cut off).
+    #[error("{0}")]
+    FailedPrecondition(String),
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
     #[error(transparent)]
@@ -72,6 +76,9 @@ impl ServiceError {
             ServiceError::AlreadyExists(_) => (Code::AlreadyExists, "already-exists"),
             ServiceError::Exhausted { reason, .. } => (Code::ResourceExhausted, reason),
             ServiceError::Unavailable(_) => (Code::Unavailable, "unavailable"),
+            ServiceError::FailedPrecondition(_) => {
+                (Code::FailedPrecondition, "failed-precondition")
+            }
             ServiceError::Runtime(e) => match e {
                 RuntimeError::NotFound(_) => (Code::NotFound, "not-found"),
                 RuntimeError::Invalid(_) | RuntimeError::Unsupported(_) => {

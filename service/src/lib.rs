@@ -10,6 +10,7 @@ mod catalog_api;
 pub mod commit;
 pub mod e2b;
 pub mod error;
+pub mod journal;
 mod layers_api;
 pub mod metrics;
 mod node;
@@ -65,6 +66,8 @@ pub struct ServiceConfig {
     pub registry: strata_builder::RegistrySettings,
     /// The E2B-compatible API; `None`: not served.
     pub e2b: Option<e2b::E2bConfig>,
+    /// How long a sandbox's command journal is kept after the sandbox ends.
+    pub journal_retention: Duration,
 }
 
 impl ServiceConfig {
@@ -86,6 +89,7 @@ impl ServiceConfig {
             max_upload_bytes: 16 << 30,
             registry: Default::default(),
             e2b: None,
+            journal_retention: Duration::from_secs(24 * 3600),
         }
     }
 }

@@ -69,6 +69,7 @@ pub struct Node {
     pub(crate) store: Store,
     pub(crate) catalog: Catalog,
     pub(crate) projects: Projects,
+    pub(crate) journal: crate::journal::Journal,
     metas: MetaDir,
     sandboxes: Mutex<HashMap<String, Meta>>,
     size: NodeSize,
@@ -102,6 +103,7 @@ impl Node {
         let size = cfg.node_size.unwrap_or_else(NodeSize::probe);
         let node = Arc::new(Node {
             projects: Projects::new(&store),
+            journal: crate::journal::Journal::new(&store, &cfg.node, cfg.journal_retention),
             metrics: Metrics::new(),
             cfg,
             rt,
@@ -117,6 +119,7 @@ impl Node {
         tokio::task::spawn_blocking(move || n.recover())
             .await
             .map_err(|e| ServiceError::Internal(e.to_string()))??;
+        node.sweep_journals().await;
         Ok(node)
     }
 
@@ -461,7 +464,7 @@ impl Node {
         }
     }
 
-    /// Ends a sandbox, recording `reason`.
+    /// Ends a sandbox, recording `reason`; its journal's retention starts.
     pub fn end(&self, meta: &Meta, reason: EndReason) -> Result<(), ServiceError> {
         let result = match self.rt.get(&meta.local) {
             Ok(sb) if sb.id() == meta.local => sb.end(reason).map_err(ServiceError::from),
@@ -469,6 +472,14 @@ impl Node {
             Err(e) => Err(e.into()),
         };
         self.forget(&meta.local);
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let (journal, id) = (self.journal.clone(), meta.id.clone());
+            handle.spawn(async move {
+                if let Err(e) = journal.ended(&id).await {
+                    tracing::warn!("dating the end of {id}'s journal: {e}");
+                }
+            });
+        }
         self.metrics.ended(reason.as_str());
         result
     }
@@ -536,12 +547,20 @@ pub(crate) fn run_tool(sb: &Sandbox, argv: Vec<String>, what: &str) -> Result<()
     Err(ServiceError::invalid("path", format!("{what}: {err}")))
 }
 
-/// Runs [`Node::reap_once`] every `reap_every`.
+/// How often the reaper also sweeps the journals of ended sandboxes.
+const JOURNAL_SWEEP_EVERY: Duration = Duration::from_secs(600);
+
+/// Runs [`Node::reap_once`] every `reap_every`, and the journal sweep now and then.
 pub(crate) async fn reaper(node: Arc<Node>) {
     let mut tick = tokio::time::interval(node.cfg.reap_every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut swept = Instant::now();
     loop {
         tick.tick().await;
+        if swept.elapsed() >= JOURNAL_SWEEP_EVERY {
+            node.sweep_journals().await;
+            swept = Instant::now();
+        }
         let n = node.clone();
         match tokio::task::spawn_blocking(move || n.reap_once()).await {
             Ok(Ok(())) => {}
@@ -552,6 +571,23 @@ pub(crate) async fn reaper(node: Arc<Node>) {
 }
 
 impl Node {
+    /// Dates the end of the journals of this node's sandboxes that are gone, and removes
+    /// those past the retention.
+    pub(crate) async fn sweep_journals(&self) {
+        let prefix = format!("{}-", self.cfg.node);
+        let live: std::collections::HashSet<String> =
+            self.metas().into_iter().map(|m| m.id).collect();
+        match self
+            .journal
+            .sweep(|id| id.starts_with(&prefix), |id| live.contains(id))
+            .await
+        {
+            Ok(0) => {}
+            Ok(n) => tracing::info!("removed the journals of {n} sandboxes past their retention"),
+            Err(e) => tracing::warn!("sweeping the journals: {e}"),
+        }
+    }
+
     /// A failed call's status; a failure of the store is counted in the metrics.
     pub(crate) fn fail(&self, e: impl Into<ServiceError>) -> tonic::Status {
         let e = e.into();
@@ -571,12 +607,12 @@ impl Node {
 }
 
 impl Node {
-    /// The audit record of the caller's sandbox `id`, also after it ended: the record's
-    /// own `service` line names the project it belongs to.
-    pub fn audit_of(&self, caller: &Caller, id: &str) -> Result<String, ServiceError> {
+    /// The runtime ID of the caller's sandbox `id`, live or ended: its audit record's own
+    /// `service` line names the project it belongs to.
+    fn owned_local(&self, caller: &Caller, id: &str) -> Result<String, ServiceError> {
         let not_found = || {
             ServiceError::NotFound(format!(
-                "no audit of sandbox `{id}` in project `{}` on node `{}`",
+                "no sandbox `{id}` in project `{}` on node `{}`, live or ended",
                 caller.project.name, self.cfg.node
             ))
         };
@@ -585,8 +621,7 @@ impl Node {
             .and_then(|r| r.strip_prefix('-'))
             .filter(|l| !l.is_empty() && l.len() <= 32 && l.bytes().all(|b| b.is_ascii_hexdigit()))
             .ok_or_else(not_found)?;
-        let log = self.rt.audit(local);
-        let records = log.read().map_err(|_| not_found())?;
+        let records = self.rt.audit(local).read().map_err(|_| not_found())?;
         let owner = records
             .iter()
             .find(|r| r.get("event").and_then(|e| e.as_str()) == Some("service"))
@@ -595,9 +630,26 @@ impl Node {
         if owner != Some(caller.project.name.as_str()) {
             return Err(not_found());
         }
+        Ok(local.to_string())
+    }
+
+    /// The audit record of the caller's sandbox `id`, also after it ended.
+    pub fn audit_of(&self, caller: &Caller, id: &str) -> Result<String, ServiceError> {
+        let local = self.owned_local(caller, id)?;
+        let log = self.rt.audit(&local);
         std::fs::read_to_string(log.path()).map_err(|source| ServiceError::Io {
             what: format!("reading the audit of {id}"),
             source,
         })
+    }
+
+    /// The journal of the caller's sandbox `id`, also after it ended.
+    pub async fn journal_of(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<Vec<crate::journal::Step>, ServiceError> {
+        self.owned_local(caller, id)?;
+        self.journal.list(id).await
     }
 }

@@ -17,6 +17,7 @@ use tokio_stream::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::ServiceError;
+use crate::journal::{Begun, KeptOutput, Ticket};
 use crate::node::{CreateArgs, Node};
 use crate::node_api::caller;
 use crate::proto;
@@ -86,6 +87,64 @@ fn exec_reply(r: &ExecResult, stdout: Vec<u8>, stderr: Vec<u8>) -> proto::ExecRe
         duration_ms: r.duration_ms,
         budget: r.budget.map(|b| b.to_string()).unwrap_or_default(),
         budgets_hit: r.budgets.iter().map(|b| b.to_string()).collect(),
+        replayed: false,
+    }
+}
+
+/// Records a journaled step's end; a record that cannot be written leaves the step
+/// `running` under a runner no longer running it, which later reads as interrupted.
+async fn record_step(ticket: Ticket, result: &Result<ExecResult, ServiceError>) {
+    let (sandbox, step) = (ticket.step().sandbox.clone(), ticket.step().step_id.clone());
+    let written = match result {
+        Ok(r) => ticket.finish(r).await,
+        Err(e) => ticket.fail(&e.to_string()).await,
+    };
+    if let Err(e) = written {
+        tracing::warn!(%sandbox, %step, "recording the step's end in the journal: {e}");
+    }
+}
+
+/// A recorded step's answer as a stream: its kept output, then its end.
+fn replay_stream(mut done: ExecResult) -> EventStream {
+    use proto::exec_event::Event;
+    const PART: usize = 64 << 10;
+    let (out, err) = (
+        std::mem::take(&mut done.stdout),
+        std::mem::take(&mut done.stderr),
+    );
+    let mut events: Vec<Result<proto::ExecEvent, Status>> = Vec::new();
+    for part in out.chunks(PART) {
+        events.push(Ok(proto::ExecEvent {
+            event: Some(Event::Stdout(part.to_vec())),
+        }));
+    }
+    for part in err.chunks(PART) {
+        events.push(Ok(proto::ExecEvent {
+            event: Some(Event::Stderr(part.to_vec())),
+        }));
+    }
+    events.push(Ok(proto::ExecEvent {
+        event: Some(Event::Exit(proto::ExecReply {
+            replayed: true,
+            ..exec_reply(&done, Vec::new(), Vec::new())
+        })),
+    }));
+    Box::pin(tokio_stream::iter(events))
+}
+
+fn journal_step(s: crate::journal::Step) -> proto::JournalStep {
+    proto::JournalStep {
+        result: s
+            .result
+            .as_ref()
+            .map(|r| exec_reply(r, Vec::new(), Vec::new())),
+        step_id: s.step_id,
+        argv: s.argv,
+        cwd: s.cwd.unwrap_or_default(),
+        state: s.state.as_str().to_string(),
+        started_ms: s.started_ms,
+        finished_ms: s.finished_ms.unwrap_or(0),
+        error: s.error.unwrap_or_default(),
     }
 }
 
@@ -134,6 +193,25 @@ impl SandboxesApi {
         let node = self.0.clone();
         let m = blocking(move || node.set_paused(&meta, paused)).await?;
         Ok(Response::new(info(&self.0, &m)))
+    }
+
+    /// Starts (or finds) journal step `step` of the caller's sandbox for request `r`.
+    async fn begin_step(
+        &self,
+        meta: &Meta,
+        step: &str,
+        r: &proto::ExecRequest,
+    ) -> Result<Begun, Status> {
+        self.0
+            .journal
+            .begin(
+                &meta.id,
+                step,
+                &r.argv,
+                (!r.cwd.is_empty()).then_some(&r.cwd),
+            )
+            .await
+            .map_err(|e| self.0.fail(e))
     }
 
     /// Runs the sandbox's own tool (see [`crate::node::run_tool`]) off the async threads.
@@ -237,18 +315,52 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
     ) -> Result<Response<proto::ExecReply>, Status> {
         let id = req.get_ref().id.clone();
         let (meta, sb) = self.open(&req, &id).await?;
-        let r = req.into_inner();
+        let mut r = req.into_inner();
         let cap = self.0.config().output_cap;
         let keep = match r.keep_output {
             0 => cap,
             n => (n as usize).min(cap),
         };
+        let step = std::mem::take(&mut r.step_id);
+        let ticket = if step.is_empty() {
+            None
+        } else {
+            match self.begin_step(&meta, &step, &r).await? {
+                Begun::Recorded(s) => {
+                    let mut done = s.replay()?;
+                    let (out, err) = (
+                        std::mem::take(&mut done.stdout),
+                        std::mem::take(&mut done.stderr),
+                    );
+                    return Ok(Response::new(proto::ExecReply {
+                        replayed: true,
+                        ..exec_reply(&done, out, err)
+                    }));
+                }
+                Begun::Run(t) => Some(t),
+            }
+        };
         let exec = self.exec_request(r, keep)?;
-        let started = Instant::now();
-        let mut result = blocking(move || Ok(sb.exec(&exec)?)).await?;
-        self.0
-            .metrics
-            .observe_exec(meta.backend.as_str(), started.elapsed());
+        let node = self.0.clone();
+        // A task of its own: a client that goes away mid-command does not cancel it, so
+        // the journal still records the end.
+        let run = tokio::spawn(async move {
+            let started = Instant::now();
+            let result = tokio::task::spawn_blocking(move || sb.exec(&exec))
+                .await
+                .map_err(|e| ServiceError::Internal(e.to_string()))
+                .and_then(|r| r.map_err(ServiceError::from));
+            node.metrics
+                .observe_exec(meta.backend.as_str(), started.elapsed());
+            if let Some(ticket) = ticket {
+                record_step(ticket, &result).await;
+            }
+            result
+        });
+        let mut result = run
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(Status::from)?;
         let (out, err) = (
             std::mem::take(&mut result.stdout),
             std::mem::take(&mut result.stderr),
@@ -280,6 +392,16 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         let node = self.0.clone();
         let m = meta.clone();
         let sb = blocking(move || node.sandbox(&m)).await?;
+        let mut first = first;
+        let step = std::mem::take(&mut first.step_id);
+        let ticket = if step.is_empty() {
+            None
+        } else {
+            match self.begin_step(&meta, &step, &first).await? {
+                Begun::Recorded(s) => return Ok(Response::new(replay_stream(s.replay()?))),
+                Begun::Run(t) => Some(t),
+            }
+        };
         let mut initial = first.stdin.clone();
         initial.extend_from_slice(&opening_stdin);
         let mut exec = self.exec_request(
@@ -328,10 +450,17 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         });
         let (tx, rx) = mpsc::channel::<Result<proto::ExecEvent, Status>>(EVENT_QUEUE);
         let node = self.0.clone();
+        let journal_cap = node.config().output_cap;
+        let handle = tokio::runtime::Handle::current();
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let mut gone = false;
+            // A journaled step keeps its output (up to the unary cap) for its record.
+            let mut kept = ticket.as_ref().map(|_| KeptOutput::new(journal_cap));
             let mut sink = |s: Stream, data: &[u8]| {
+                if let Some(k) = kept.as_mut() {
+                    k.add(s, data);
+                }
                 if gone {
                     return;
                 }
@@ -347,9 +476,26 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
                     gone = true;
                 }
             };
-            let result = sb.exec_streaming(&exec, &mut sink);
+            let result = sb
+                .exec_streaming(&exec, &mut sink)
+                .map_err(ServiceError::from);
             node.metrics
                 .observe_exec(meta.backend.as_str(), started.elapsed());
+            if let Some(ticket) = ticket {
+                let recorded = result.as_ref().map(|r| {
+                    let mut r = r.clone();
+                    if let Some(k) = kept.take() {
+                        r.truncated = k.truncated;
+                        (r.stdout, r.stderr) = (k.stdout, k.stderr);
+                    }
+                    r
+                });
+                let recorded = match recorded {
+                    Ok(r) => Ok(r),
+                    Err(e) => Err(ServiceError::Internal(e.to_string())),
+                };
+                handle.block_on(record_step(ticket, &recorded));
+            }
             let last = match result {
                 Ok(r) => Ok(proto::ExecEvent {
                     event: Some(proto::exec_event::Event::Exit(exec_reply(
@@ -358,7 +504,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
                         Vec::new(),
                     ))),
                 }),
-                Err(e) => Err(Status::from(ServiceError::from(e))),
+                Err(e) => Err(Status::from(e)),
             };
             let _ = tx.blocking_send(last);
             let _ = done_tx.send(());
@@ -663,6 +809,21 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         let node = self.0.clone();
         blocking(move || node.end(&meta, strata_runtime::EndReason::Destroyed)).await?;
         Ok(Response::new(proto::Done {}))
+    }
+
+    async fn journal(
+        &self,
+        req: Request<proto::SandboxRef>,
+    ) -> Result<Response<proto::JournalReply>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let steps = self
+            .0
+            .journal_of(&who, &req.get_ref().id)
+            .await
+            .map_err(|e| self.0.fail(e))?;
+        Ok(Response::new(proto::JournalReply {
+            steps: steps.into_iter().map(journal_step).collect(),
+        }))
     }
 
     async fn audit(

@@ -46,6 +46,15 @@ pub fn rough_duration(d: std::time::Duration) -> String {
     }
 }
 
+/// A command's running time: `83 ms`, `4.2 s`, then as [`rough_duration`].
+pub fn took(d: std::time::Duration) -> String {
+    match d.as_millis() {
+        ms @ 0..1000 => format!("{ms} ms"),
+        ms @ 1000..60_000 => format!("{:.1} s", ms as f64 / 1000.0),
+        _ => rough_duration(d),
+    }
+}
+
 pub fn print_json<T: Serialize>(value: &T) -> anyhow::Result<()> {
     println!("{}", serde_json::to_string_pretty(value)?);
     Ok(())

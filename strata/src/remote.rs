@@ -241,10 +241,12 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
             env,
             interactive,
             cmd,
+            step_id,
         } => {
             let req = proto::ExecRequest {
                 id,
                 argv: cmd,
+                step_id: step_id.unwrap_or_default(),
                 env: parse_env(&env)?.into_iter().collect(),
                 cwd: cwd.unwrap_or_default(),
                 timeout: timeout.unwrap_or_default(),
@@ -364,6 +366,15 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
             sbs.set_network(remote.req(proto::SetNetworkRequest { id, network: net }))
                 .await
                 .map_err(&err)?;
+        }
+        SandboxCommand::Journal { id, json } => {
+            let j = sbs
+                .journal(remote.req(proto::SandboxRef { id }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            let rows = j.steps.into_iter().map(journal_row).collect();
+            crate::sandbox::print_journal(rows, json)?;
         }
         SandboxCommand::Audit { id } => {
             let a = sbs
@@ -678,5 +689,25 @@ impl Write for ChannelWriter {
 
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
+    }
+}
+
+fn journal_row(s: proto::JournalStep) -> crate::sandbox::JournalRow {
+    let r = s.result.as_ref();
+    crate::sandbox::JournalRow {
+        exit_code: r.map(|r| r.exit_code),
+        signal: r.and_then(|r| r.has_signal.then_some(r.signal)),
+        duration_ms: r.map(|r| r.duration_ms),
+        stdout_bytes: r.map(|r| r.stdout_bytes),
+        stderr_bytes: r.map(|r| r.stderr_bytes),
+        truncated: r.is_some_and(|r| r.truncated),
+        budgets_hit: r.map(|r| r.budgets_hit.clone()).unwrap_or_default(),
+        step_id: s.step_id,
+        state: s.state,
+        argv: s.argv,
+        cwd: (!s.cwd.is_empty()).then_some(s.cwd),
+        started_ms: s.started_ms,
+        finished_ms: (s.finished_ms > 0).then_some(s.finished_ms),
+        error: (!s.error.is_empty()).then_some(s.error),
     }
 }

@@ -12,6 +12,7 @@ use strata_catalog::{Backend, Budgets, Catalog};
 use strata_runtime::{
     ExecRequest, ExecResult, Overrides, Runtime, RuntimeConfig, SandboxSpec, Stdin, Stream,
 };
+use strata_service::journal::{Begun, Journal, KeptOutput};
 use strata_store::Store;
 
 use crate::config::Settings;
@@ -130,7 +131,13 @@ pub enum SandboxCommand {
         /// Pass this process's stdin to the command.
         #[arg(long, short = 'i')]
         interactive: bool,
-        #[arg(last = true, required = true)]
+        /// Record the command as step STEP of the sandbox's journal (in the store). Asked
+        /// again, a finished step prints its recorded output and exits with its recorded
+        /// status without running; a running one is waited for; one cut off is refused.
+        /// Without a command: the recorded step only.
+        #[arg(long = "step-id", value_name = "STEP")]
+        step_id: Option<String>,
+        #[arg(last = true, required_unless_present = "step_id")]
         cmd: Vec<String>,
     },
     /// Copy a file in or out: `cp LOCAL ID:/path` or `cp ID:/path LOCAL` (`-` is stdio).
@@ -192,6 +199,13 @@ pub enum SandboxCommand {
     },
     /// A sandbox's audit record (JSON lines), also after it is gone.
     Audit { id: String },
+    /// A sandbox's command journal (execs given --step-id), oldest first; also after it
+    /// is gone, for the `journal_retention`.
+    Journal {
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// The pool of function-call agents waiting in their cgroups (fast fncall starts).
     Pool {
         /// Start agents until N wait.
@@ -405,6 +419,153 @@ pub(crate) fn print_committed(done: &strata_service::commit::Committed, json: bo
     Ok(())
 }
 
+/// The journal runner name of embedded use: its sandboxes' IDs name no node.
+const EMBEDDED_NODE: &str = "local";
+
+fn embedded_journal(store: &Store, settings: &Settings) -> Journal {
+    Journal::new(store, EMBEDDED_NODE, settings.serve.journal_retention)
+}
+
+/// Dates the end of embedded sandboxes' journals (IDs without a node) whose sandbox is
+/// gone, and removes those past the retention.
+async fn sweep_embedded(journal: &Journal, live: &std::collections::HashSet<String>) {
+    let owned = |id: &str| !id.contains('-');
+    if let Err(e) = journal.sweep(owned, |id| live.contains(id)).await {
+        tracing::warn!("sweeping the journals: {e}");
+    }
+}
+
+/// `exec --step-id`: the command as a journal step of the local sandbox `id`.
+async fn exec_step(
+    store: &Store,
+    settings: &Settings,
+    id: &str,
+    step: &str,
+    req: ExecRequest,
+) -> Result<i32> {
+    let (s2, id2) = (settings.clone(), id.to_string());
+    let sb =
+        tokio::task::spawn_blocking(move || -> Result<_> { Ok(open_runtime(&s2)?.get(&id2)?) })
+            .await??;
+    let journal = embedded_journal(store, settings);
+    let sandbox = sb.id().to_string();
+    let ticket = match journal
+        .begin(&sandbox, step, &req.argv, req.cwd.as_deref())
+        .await?
+    {
+        Begun::Recorded(s) => {
+            let r = s.replay()?;
+            let mut print = print_sink();
+            print(Stream::Stdout, &r.stdout);
+            print(Stream::Stderr, &r.stderr);
+            report_budget(&r);
+            return Ok(r.status_code());
+        }
+        Begun::Run(t) => t,
+    };
+    let cap = settings.serve.exec_output_cap as usize;
+    let (result, kept) = tokio::task::spawn_blocking(move || {
+        let mut kept = KeptOutput::new(cap);
+        let mut print = print_sink();
+        let r = sb.exec_streaming(&req, &mut |s: Stream, d: &[u8]| {
+            kept.add(s, d);
+            print(s, d);
+        });
+        (r, kept)
+    })
+    .await?;
+    match result {
+        Ok(mut r) => {
+            r.truncated = kept.truncated;
+            (r.stdout, r.stderr) = (kept.stdout, kept.stderr);
+            if let Err(e) = ticket.finish(&r).await {
+                eprintln!("strata: step {step} ran, but its end could not be recorded in the journal: {e}");
+            }
+            report_budget(&r);
+            Ok(r.status_code())
+        }
+        Err(e) => {
+            let _ = ticket.fail(&e.to_string()).await;
+            Err(e.into())
+        }
+    }
+}
+
+/// One journal step as `strata sandbox journal` shows it (embedded or through a service).
+#[derive(serde::Serialize)]
+pub(crate) struct JournalRow {
+    pub step_id: String,
+    pub state: String,
+    pub argv: Vec<String>,
+    pub cwd: Option<String>,
+    pub started_ms: u64,
+    pub finished_ms: Option<u64>,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub duration_ms: Option<u64>,
+    pub stdout_bytes: Option<u64>,
+    pub stderr_bytes: Option<u64>,
+    pub truncated: bool,
+    pub budgets_hit: Vec<String>,
+    pub error: Option<String>,
+}
+
+impl From<strata_service::journal::Step> for JournalRow {
+    fn from(s: strata_service::journal::Step) -> JournalRow {
+        let r = s.result.as_ref();
+        JournalRow {
+            state: s.state.as_str().to_string(),
+            exit_code: r.map(|r| r.status_code()),
+            signal: r.and_then(|r| r.signal),
+            duration_ms: r.map(|r| r.duration_ms),
+            stdout_bytes: r.map(|r| r.stdout_bytes),
+            stderr_bytes: r.map(|r| r.stderr_bytes),
+            truncated: r.is_some_and(|r| r.truncated),
+            budgets_hit: r
+                .map(|r| r.budgets.iter().map(|b| b.to_string()).collect())
+                .unwrap_or_default(),
+            step_id: s.step_id,
+            argv: s.argv,
+            cwd: s.cwd,
+            started_ms: s.started_ms,
+            finished_ms: s.finished_ms,
+            error: s.error,
+        }
+    }
+}
+
+pub(crate) fn print_journal(rows: Vec<JournalRow>, json: bool) -> Result<()> {
+    if json {
+        return print_json(&rows);
+    }
+    println!(
+        "{:<20} {:<12} {:>5} {:>9} {:>9}  COMMAND",
+        "STEP", "STATE", "EXIT", "TOOK", "STARTED"
+    );
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    for r in rows {
+        let exit = r.exit_code.map_or("-".to_string(), |c| c.to_string());
+        let took = r.duration_ms.map_or("-".to_string(), |ms| {
+            crate::output::took(std::time::Duration::from_millis(ms))
+        });
+        let ago = crate::output::rough_duration(std::time::Duration::from_millis(
+            now.saturating_sub(r.started_ms),
+        ));
+        println!(
+            "{:<20} {:<12} {:>5} {:>9} {:>9}  {}",
+            r.step_id,
+            r.state,
+            exit,
+            took,
+            format!("{ago} ago"),
+            r.argv.join(" ")
+        );
+    }
+    Ok(())
+}
+
 pub(crate) fn split_remote(arg: &str) -> Option<(&str, &str)> {
     let (id, path) = arg.split_once(':')?;
     (path.starts_with('/') && !id.is_empty() && !id.contains('/')).then_some((id, path))
@@ -457,10 +618,59 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
         print_committed(&done, *json)?;
         return Ok(0);
     }
+    if let SandboxCommand::Exec {
+        id,
+        step_id: Some(step),
+        timeout,
+        cwd,
+        env,
+        interactive,
+        cmd,
+    } = &cmd
+    {
+        let req = ExecRequest {
+            argv: cmd.clone(),
+            stdin: if *interactive {
+                Stdin::Inherit
+            } else {
+                Stdin::Null
+            },
+            env: parse_env(env)?,
+            cwd: cwd.clone(),
+            timeout: duration(timeout)?,
+            keep_output: Some(0),
+            cancel: None,
+        };
+        return exec_step(store, &settings, id, step, req).await;
+    }
+    if let SandboxCommand::Journal { id, json } = &cmd {
+        let (s2, id2) = (settings.clone(), id.clone());
+        // The sandbox's full ID if it lives, and every live one (the sweep keeps theirs).
+        let (full, live) = tokio::task::spawn_blocking(move || -> Result<_> {
+            let rt = open_runtime(&s2)?;
+            let full = rt.get(&id2).ok().map(|sb| sb.id().to_string());
+            let live: std::collections::HashSet<String> =
+                rt.list().into_iter().map(|r| r.id).collect();
+            Ok((full, live))
+        })
+        .await??;
+        let journal = embedded_journal(store, &settings);
+        sweep_embedded(&journal, &live).await;
+        let sandbox = full.unwrap_or_else(|| id.clone());
+        let steps = journal.list(&sandbox).await?;
+        if steps.is_empty() && !live.contains(&sandbox) {
+            bail!("no sandbox {id} on this host and no journal of one (see `strata sandbox ls`)");
+        }
+        print_journal(steps.into_iter().map(JournalRow::from).collect(), *json)?;
+        return Ok(0);
+    }
+    let store_for_rm = store.clone();
     tokio::task::spawn_blocking(move || -> Result<i32> {
         let rt = open_runtime(&settings)?;
         match cmd {
-            SandboxCommand::Create { .. } | SandboxCommand::Commit { .. } => {
+            SandboxCommand::Create { .. }
+            | SandboxCommand::Commit { .. }
+            | SandboxCommand::Journal { .. } => {
                 unreachable!("handled above")
             }
             SandboxCommand::Exec {
@@ -470,6 +680,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
                 env,
                 interactive,
                 cmd,
+                step_id: _,
             } => {
                 let sb = rt.get(&id)?;
                 let req = ExecRequest {
@@ -543,9 +754,21 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
             }
             SandboxCommand::Rm { ids } => {
                 let mut failed = 0;
+                let journal = embedded_journal(&store_for_rm, &settings);
+                let handle = tokio::runtime::Handle::current();
                 for id in ids {
-                    match rt.get(&id).and_then(|sb| sb.destroy()) {
-                        Ok(()) => println!("{id}"),
+                    let destroyed = rt.get(&id).and_then(|sb| {
+                        let full = sb.id().to_string();
+                        sb.destroy().map(|()| full)
+                    });
+                    match destroyed {
+                        Ok(full) => {
+                            // Its journal's retention starts now.
+                            if let Err(e) = handle.block_on(journal.ended(&full)) {
+                                tracing::warn!("dating the end of {full}'s journal: {e}");
+                            }
+                            println!("{id}");
+                        }
                         Err(e) => {
                             eprintln!("error: {id}: {e}");
                             failed += 1;

@@ -101,6 +101,7 @@ pub async fn serve(store: Store, settings: &Settings, args: ServeArgs) -> Result
     cfg.cpu_overcommit = s.cpu_overcommit;
     cfg.reap_every = s.reap_every;
     cfg.default_lifetime = s.default_lifetime;
+    cfg.journal_retention = s.journal_retention;
     cfg.pool = settings.pool;
     cfg.registry = settings.registry.clone();
     let e2b_listen = args.e2b_listen.or_else(|| s.e2b_listen.clone());

@@ -355,6 +355,158 @@ asyncio.run(main())
     }
 }
 
+/// What a preempted trainer needs: a journaled step's command runs
+/// once whatever happens to the client or the service.
+#[test]
+fn a_journaled_step_runs_once_across_a_killed_client_and_a_service_restart() {
+    let Some(env) = env("service_journal") else {
+        return;
+    };
+    let p = unique("journal");
+    let (home, tokens) = home_with_projects(env, "service-journal-", &[(&p, &[])]);
+    let mut svc = Service::start(&home, "");
+    const STEP: &str = "echo x >> /work/log; sleep 3; echo ran $(wc -l < /work/log)";
+    // A trainer starts a non-idempotent step and is killed while it runs.
+    let mut trainer = std::process::Command::new(strata_tests::service::python_sdk())
+        .args([
+            "-c",
+            &format!(
+                r#"
+import asyncio, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        sb = await c.create("{sample}", backend="container")
+        print(sb.id, flush=True)
+        await sb.exec({STEP:?}, step_id="turn-1")
+        print("the trainer read its result", flush=True)
+asyncio.run(main())
+"#,
+                sample = env.reference
+            ),
+        ])
+        .env("STRATA_SERVER", svc.url())
+        .env("STRATA_TOKEN", &tokens[0])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("python");
+    let mut first = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(trainer.stdout.take().expect("stdout")),
+        &mut first,
+    )
+    .expect("the sandbox ID");
+    let id = first.trim().to_string();
+    assert!(id.starts_with("test-"), "{first}");
+    std::thread::sleep(Duration::from_millis(1500));
+    trainer.kill().expect("killing the trainer");
+    trainer.wait().expect("reaping the trainer");
+    // Restarted, it reattaches by ID and repeats its step: it waits for the running one
+    // and gets its result; the command ran once. Repeated after the end: the record.
+    let check = |svc: &Service, when: &str| {
+        let out = python_ok(
+            svc,
+            &tokens[0],
+            &format!(
+                r#"
+import asyncio, json, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        sb = await c.get("{id}")
+        r = await sb.exec({STEP:?}, step_id="turn-1")
+        assert (r.exit_code, r.stdout, r.replayed) == (0, "ran 1\n", True), r
+        log = await sb.exec("cat /work/log")
+        assert log.stdout == "x\n", log.stdout
+        try:
+            await sb.exec("echo other", step_id="turn-1")
+            raise AssertionError("a step ID ran another command")
+        except strata.AlreadyExists as e:
+            assert "names one command" in e.message, e.message
+        steps = await sb.journal()
+        print(json.dumps([[s.step_id, s.state, s.result.exit_code, s.result.stdout_bytes] for s in steps]))
+asyncio.run(main())
+"#
+            ),
+        );
+        let steps: serde_json::Value = serde_json::from_str(out.trim()).expect("steps");
+        assert_eq!(
+            steps[0],
+            serde_json::json!(["turn-1", "done", 0, 6]),
+            "{when}"
+        );
+    };
+    check(&svc, "after the client was killed");
+    // Streamed, a step records its output too; and it all survives a service restart.
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        sb = await c.get("{id}")
+        for expect_replayed in (False, True):
+            out, end = "", None
+            async for ev in sb.exec_stream("echo y >> /work/log2; wc -l < /work/log2", step_id="turn-2"):
+                out += ev.stdout or ""
+                end = ev.result or end
+            assert (out, end.replayed) == ("1\n", expect_replayed), (out, end)
+        print("streamed")
+asyncio.run(main())
+"#
+        ),
+    );
+    assert_eq!(out.trim(), "streamed");
+    svc.restart();
+    check(&svc, "after a service restart");
+    // A step still running when the service dies is cut off: never run again.
+    let mut runner = std::process::Command::new(strata_tests::service::python_sdk())
+        .args([
+            "-c",
+            &format!(
+                "import asyncio, strata\nasync def m():\n    async with strata.AsyncClient() as c:\n        sb = await c.get('{id}')\n        await sb.exec('echo z >> /work/log3; sleep 30', step_id='turn-3')\nasyncio.run(m())"
+            ),
+        ])
+        .env("STRATA_SERVER", svc.url())
+        .env("STRATA_TOKEN", &tokens[0])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("python");
+    std::thread::sleep(Duration::from_millis(2500));
+    svc.restart();
+    let _ = runner.kill();
+    let _ = runner.wait();
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        sb = await c.get("{id}")
+        try:
+            await sb.exec("echo z >> /work/log3; sleep 30", step_id="turn-3")
+            raise AssertionError("a cut-off step ran again")
+        except strata.FailedPrecondition as e:
+            assert "not run again" in e.message, e.message
+        r = await sb.exec("cat /work/log3")
+        assert r.stdout == "z\n", r.stdout
+        states = {{s.step_id: s.state for s in await sb.journal()}}
+        assert states == {{"turn-1": "done", "turn-2": "done", "turn-3": "interrupted"}}, states
+        await sb.destroy()
+        # The journal outlives the sandbox.
+        states = {{s.step_id: s.state for s in await sb.journal()}}
+        assert len(states) == 3, states
+        print("ok")
+asyncio.run(main())
+"#
+        ),
+    );
+    assert_eq!(out.trim(), "ok");
+    home.assert_sandbox_gone(id.trim_start_matches("test-"), &[]);
+}
+
 #[test]
 fn sixty_four_concurrent_sandboxes_from_python_run_the_suite_and_leave_nothing() {
     let Some(env) = env("service_sixty_four") else {
@@ -617,7 +769,58 @@ fn cli_subset(how: &str, sample: &str, cli: &Cli) -> String {
     let o = cli(&["sandbox", "commit", &id, "--kind", "base"], None);
     assert_eq!(o.status.code(), Some(1), "{how}: {:?}", text(&o));
     assert!(text(&o).1.contains("workspace"), "{how}: {:?}", text(&o));
+    // A journaled step runs once: asked again it prints the recorded output and exits
+    // with the recorded status; a step ID names one command.
+    let step = |cmd: &[&str]| {
+        let mut args = vec!["sandbox", "exec", "--step-id", "append-1", &id];
+        if !cmd.is_empty() {
+            args.push("--");
+            args.extend_from_slice(cmd);
+        }
+        cli(&args, None)
+    };
+    let append = [
+        "sh",
+        "-c",
+        "echo x >> /work/journaled; wc -l < /work/journaled; exit 5",
+    ];
+    for what in ["first", "repeated", "looked up"] {
+        let o = step(if what == "looked up" { &[] } else { &append });
+        assert_eq!(
+            (o.status.code(), text(&o).0.trim()),
+            (Some(5), "1"),
+            "{how} {what}: {:?}",
+            text(&o)
+        );
+    }
+    let o = step(&["true"]);
+    assert_eq!(o.status.code(), Some(1), "{how}: {:?}", text(&o));
+    assert!(
+        text(&o).1.contains("names one command"),
+        "{how}: {:?}",
+        text(&o)
+    );
+    let journal = || {
+        let o = cli(&["sandbox", "journal", &id, "--json"], None);
+        assert!(o.status.success(), "{how}: {:?}", text(&o));
+        let steps: serde_json::Value = serde_json::from_str(&text(&o).0).expect("journal json");
+        steps
+    };
+    let steps = journal();
+    assert_eq!(steps.as_array().map(Vec::len), Some(1), "{how}: {steps}");
+    assert_eq!(
+        (
+            steps[0]["step_id"].as_str(),
+            steps[0]["state"].as_str(),
+            steps[0]["exit_code"].as_i64(),
+            steps[0]["stdout_bytes"].as_u64()
+        ),
+        (Some("append-1"), Some("done"), Some(5), Some(2)),
+        "{how}: {steps}"
+    );
     assert!(cli(&["sandbox", "rm", &id], None).status.success(), "{how}");
+    // The journal outlives its sandbox (for `journal_retention`).
+    assert_eq!(journal()[0]["state"].as_str(), Some("done"), "{how}");
     // The network it was given while it ran went with it.
     assert!(
         !strata_tests::sh("ip -br link").contains(&format!("sv{id}")),

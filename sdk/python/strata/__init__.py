@@ -21,6 +21,8 @@ from .client import (
     Sandbox,
 )
 from .errors import (
+    AlreadyExists,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
@@ -50,5 +52,7 @@ __all__ = [
     "QuotaExceeded",
     "Unavailable",
     "Timeout",
+    "AlreadyExists",
+    "FailedPrecondition",
 ]
 __version__ = "0.1.0"

@@ -83,6 +83,8 @@ class ExecResult:
     stderr_bytes: int
     duration_ms: int
     signal: Optional[int]
+    #: The journal's recorded result of a step that ran before (the command did not run now).
+    replayed: bool = False
 
     @property
     def stdout(self) -> str:
@@ -105,6 +107,7 @@ class ExecResult:
             stderr_bytes=r.stderr_bytes,
             duration_ms=r.duration_ms,
             signal=r.signal if r.has_signal else None,
+            replayed=r.replayed,
         )
 
 
@@ -363,23 +366,31 @@ class AsyncSandbox:
 
     async def exec(
         self,
-        cmd: Command,
+        cmd: Optional[Command],
         *,
         timeout: Union[None, str, float] = None,
         env: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None,
         stdin: Union[None, bytes, str] = None,
+        step_id: Optional[str] = None,
     ) -> ExecResult:
-        """Runs ``cmd`` to its end (a ``str`` through ``/bin/sh -c``, a list as argv)."""
+        """Runs ``cmd`` to its end (a ``str`` through ``/bin/sh -c``, a list as argv).
+
+        With ``step_id`` ("turn-12") the exec is a step of the sandbox's journal: asked
+        again (after a lost connection, a restarted trainer), a finished step returns its
+        recorded result (``replayed`` set) without running again, a running one is waited
+        for, one cut off by a node restart raises :class:`FailedPrecondition`. ``cmd=None``
+        with a ``step_id`` only looks the step up."""
         if isinstance(stdin, str):
             stdin = stdin.encode()
         req = pb.ExecRequest(
             id=self.id,
-            argv=_argv(cmd),
+            argv=[] if cmd is None else _argv(cmd),
             env=dict(env or {}),
             cwd=cwd or "",
             timeout=_secs(timeout),
             stdin=stdin or b"",
+            step_id=step_id or "",
         )
         # The command's own limit bounds it; the call waits for it.
         r = await self._client._call(self._client._sandboxes.Exec, req, timeout=None if timeout is None else float(_to_seconds(timeout)) + 60)
@@ -387,19 +398,26 @@ class AsyncSandbox:
 
     async def exec_stream(
         self,
-        cmd: Command,
+        cmd: Optional[Command],
         *,
         timeout: Union[None, str, float] = None,
         env: Optional[Mapping[str, str]] = None,
         cwd: Optional[str] = None,
         stdin: Union[None, bytes, str, AsyncIterator[bytes]] = None,
+        step_id: Optional[str] = None,
     ) -> AsyncIterator[ExecEvent]:
         """Runs ``cmd``, yielding its output as it is printed, then its end. ``stdin`` may
-        be bytes or an async iterator of bytes (the command's stdin ends with it)."""
+        be bytes or an async iterator of bytes (the command's stdin ends with it).
+        ``step_id`` as for :meth:`exec` (a replayed step yields its recorded output)."""
         if isinstance(stdin, str):
             stdin = stdin.encode()
         req = pb.ExecRequest(
-            id=self.id, argv=_argv(cmd), env=dict(env or {}), cwd=cwd or "", timeout=_secs(timeout)
+            id=self.id,
+            argv=[] if cmd is None else _argv(cmd),
+            env=dict(env or {}),
+            cwd=cwd or "",
+            timeout=_secs(timeout),
+            step_id=step_id or "",
         )
 
         async def inputs():
@@ -464,6 +482,14 @@ class AsyncSandbox:
             self._client._sandboxes.Commit,
             pb.CommitRequest(id=self.id, kind=kind, register=register or ""),
         )
+
+    async def journal(self) -> List["pb.JournalStep"]:
+        """The steps of the sandbox's command journal (execs given a ``step_id``), oldest
+        first: ``step_id``, ``argv``, ``state`` (running, done, failed, interrupted),
+        ``result`` (exit and sizes; repeat a step to read its output). Also after the
+        sandbox is gone, for the node's journal retention."""
+        r = await self._client._call(self._client._sandboxes.Journal, self._ref())
+        return list(r.steps)
 
     async def audit(self) -> str:
         """The sandbox's audit record, JSON lines (also after it is gone)."""
@@ -595,6 +621,9 @@ class Sandbox:
 
     def commit(self, kind: str = "workspace", register: Optional[str] = None) -> "pb.CommitReply":
         return self._loop.run(self._sb.commit(kind, register))
+
+    def journal(self) -> List["pb.JournalStep"]:
+        return self._loop.run(self._sb.journal())
 
     def audit(self) -> str:
         return self._loop.run(self._sb.audit())

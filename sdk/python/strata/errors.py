@@ -58,6 +58,15 @@ class Unavailable(StrataError):
     """The service cannot be reached (or its store is down); retrying may succeed."""
 
 
+class AlreadyExists(StrataError):
+    """It exists already (a project, a catalog version; a step ID used for another command)."""
+
+
+class FailedPrecondition(StrataError):
+    """Not in the state the call needs: a journal step that failed or was cut off (it is
+    never run again; use a new step ID)."""
+
+
 class Timeout(StrataError):
     """The call's deadline passed."""
 
@@ -68,6 +77,8 @@ _BY_CODE = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExists,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.DEADLINE_EXCEEDED: Timeout,
 }
 

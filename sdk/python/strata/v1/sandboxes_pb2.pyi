@@ -125,7 +125,7 @@ class ListReply(_message.Message):
     def __init__(self, sandboxes: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
-    __slots__ = ("id", "argv", "env", "cwd", "timeout", "stdin", "keep_output")
+    __slots__ = ("id", "argv", "env", "cwd", "timeout", "stdin", "keep_output", "step_id")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,7 @@ class ExecRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _ClassVar[int]
     STDIN_FIELD_NUMBER: _ClassVar[int]
     KEEP_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
     id: str
     argv: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.ScalarMap[str, str]
@@ -147,10 +148,11 @@ class ExecRequest(_message.Message):
     timeout: str
     stdin: bytes
     keep_output: int
-    def __init__(self, id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., timeout: _Optional[str] = ..., stdin: _Optional[bytes] = ..., keep_output: _Optional[int] = ...) -> None: ...
+    step_id: str
+    def __init__(self, id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., cwd: _Optional[str] = ..., timeout: _Optional[str] = ..., stdin: _Optional[bytes] = ..., keep_output: _Optional[int] = ..., step_id: _Optional[str] = ...) -> None: ...
 
 class ExecReply(_message.Message):
-    __slots__ = ("exit_code", "signal", "stdout", "stderr", "truncated", "stdout_bytes", "stderr_bytes", "duration_ms", "budget", "budgets_hit", "has_signal")
+    __slots__ = ("exit_code", "signal", "stdout", "stderr", "truncated", "stdout_bytes", "stderr_bytes", "duration_ms", "budget", "budgets_hit", "has_signal", "replayed")
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +164,7 @@ class ExecReply(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     BUDGETS_HIT_FIELD_NUMBER: _ClassVar[int]
     HAS_SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     exit_code: int
     signal: int
     stdout: bytes
@@ -173,7 +176,8 @@ class ExecReply(_message.Message):
     budget: str
     budgets_hit: _containers.RepeatedScalarFieldContainer[str]
     has_signal: bool
-    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., stdout_bytes: _Optional[int] = ..., stderr_bytes: _Optional[int] = ..., duration_ms: _Optional[int] = ..., budget: _Optional[str] = ..., budgets_hit: _Optional[_Iterable[str]] = ..., has_signal: _Optional[bool] = ...) -> None: ...
+    replayed: bool
+    def __init__(self, exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., stdout_bytes: _Optional[int] = ..., stderr_bytes: _Optional[int] = ..., duration_ms: _Optional[int] = ..., budget: _Optional[str] = ..., budgets_hit: _Optional[_Iterable[str]] = ..., has_signal: _Optional[bool] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class ExecInput(_message.Message):
     __slots__ = ("request", "stdin", "close_stdin")
@@ -354,3 +358,29 @@ class AuditReply(_message.Message):
     JSONL_FIELD_NUMBER: _ClassVar[int]
     jsonl: str
     def __init__(self, jsonl: _Optional[str] = ...) -> None: ...
+
+class JournalStep(_message.Message):
+    __slots__ = ("step_id", "argv", "cwd", "state", "started_ms", "finished_ms", "result", "error")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_MS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_MS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    step_id: str
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    cwd: str
+    state: str
+    started_ms: int
+    finished_ms: int
+    result: ExecReply
+    error: str
+    def __init__(self, step_id: _Optional[str] = ..., argv: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., state: _Optional[str] = ..., started_ms: _Optional[int] = ..., finished_ms: _Optional[int] = ..., result: _Optional[_Union[ExecReply, _Mapping]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class JournalReply(_message.Message):
+    __slots__ = ("steps",)
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    steps: _containers.RepeatedCompositeFieldContainer[JournalStep]
+    def __init__(self, steps: _Optional[_Iterable[_Union[JournalStep, _Mapping]]] = ...) -> None: ...

@@ -134,6 +134,11 @@ class SandboxesStub:
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_sandboxes__pb2.AuditReply.FromString,
                 _registered_method=True)
+        self.Journal = channel.unary_unary(
+                '/strata.v1.Sandboxes/Journal',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.JournalReply.FromString,
+                _registered_method=True)
 
 
 class SandboxesServicer:
@@ -272,6 +277,15 @@ class SandboxesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Journal(self, request, context):
+        """The steps of its command journal (execs given a `step_id`), oldest first, without
+        their output (repeat a step to read it); also after the sandbox is gone, for the
+        node's journal retention.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandboxesServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -374,6 +388,11 @@ def add_SandboxesServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.FromString,
                     response_serializer=strata_dot_v1_dot_sandboxes__pb2.AuditReply.SerializeToString,
+            ),
+            'Journal': grpc.unary_unary_rpc_method_handler(
+                    servicer.Journal,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.JournalReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -916,6 +935,33 @@ class Sandboxes:
             '/strata.v1.Sandboxes/Audit',
             strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
             strata_dot_v1_dot_sandboxes__pb2.AuditReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Journal(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/Journal',
+            strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.JournalReply.FromString,
             options,
             channel_credentials,
             insecure,
