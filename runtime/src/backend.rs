@@ -90,6 +90,14 @@ pub struct SnapshotInfo {
     pub millis: f64,
 }
 
+/// What a hibernation saved (see [`crate::Sandbox::hibernate`]).
+#[derive(Debug, Clone, Serialize, serde::Deserialize)]
+pub struct HibernateInfo {
+    /// Bytes of the saved state (memory and devices; the writable disk stays where it is).
+    pub state_bytes: u64,
+    pub millis: f64,
+}
+
 pub(crate) trait SandboxBackend: Send + Sync {
     /// Builds the sandbox's root and starts its init; returns the init's host PID (a VM's
     /// QEMU). What it leaves behind on failure, the runtime's teardown removes.
@@ -189,6 +197,24 @@ pub(crate) trait SandboxBackend: Send + Sync {
     fn snapshot(&self, sb: &SandboxRef, _dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
         Err(RuntimeError::Invalid(format!(
             "snapshots are for microvm and vm sandboxes; this one is a {} sandbox",
+            sb.record.spec.backend.as_str()
+        )))
+    }
+
+    /// Saves the sandbox's whole state under `to` and stops it, releasing its memory and
+    /// CPU (its files stay where they are); [`SandboxBackend::wake`] starts it again.
+    fn hibernate(&self, sb: &SandboxRef, _to: &Path) -> Result<HibernateInfo, RuntimeError> {
+        Err(RuntimeError::Unsupported(format!(
+            "hibernating a {} sandbox needs a process checkpoint (CRIU), which this build does not have; pause it (memory kept) or commit its files",
+            sb.record.spec.backend.as_str()
+        )))
+    }
+
+    /// Starts a hibernated sandbox again from what [`SandboxBackend::hibernate`] saved
+    /// under `from`; its new init's host PID. `paused`: leave it stopped.
+    fn wake(&self, sb: &SandboxRef, _from: &Path, _paused: bool) -> Result<u32, RuntimeError> {
+        Err(RuntimeError::Unsupported(format!(
+            "a {} sandbox cannot be woken: it cannot hibernate",
             sb.record.spec.backend.as_str()
         )))
     }

@@ -40,7 +40,7 @@ use strata_catalog::Backend;
 use strata_lazyfs::{connect_or_start, Client, LazyError, Paths};
 
 pub use audit::AuditLog;
-pub use backend::{process_start, PortStream, ProcessInfo, SnapshotInfo};
+pub use backend::{process_start, HibernateInfo, PortStream, ProcessInfo, SnapshotInfo};
 pub use cgroup::CgroupMode;
 pub use changes::Changes;
 pub use container::{static_agent_for, OciRuntime};
@@ -714,8 +714,13 @@ impl Runtime {
                 }
             };
             let record = self.load(&id).ok();
+            let hibernated = dir
+                .join(sandbox::HIBERNATION_DIR)
+                .join(sandbox::HIBERNATION_MARK)
+                .exists();
             let reason = reap_decision(
                 record.as_ref(),
+                hibernated,
                 age(&dir),
                 self.idle_for(&id),
                 &|pid, start| process_start(pid) == Some(start),
@@ -881,6 +886,7 @@ impl Runtime {
 /// process (PID, start time) still runs.
 pub(crate) fn reap_decision(
     record: Option<&SandboxRecord>,
+    hibernated: bool,
     dir_age: Duration,
     idle: Duration,
     running: &dyn Fn(u32, u64) -> bool,
@@ -890,6 +896,8 @@ pub(crate) fn reap_decision(
         // appears), unless it has been like that for a minute.
         None if dir_age < Duration::from_secs(60) => None,
         None => Some(EndReason::Error),
+        // Nothing runs and nothing idles: it waits on disk until woken or destroyed.
+        Some(_) if hibernated => None,
         Some(r) if !running(r.init_pid, r.init_start) => Some(EndReason::Crashed),
         Some(r) if idle > r.spec.limits.idle_ttl => Some(EndReason::IdleTtl),
         Some(SandboxRecord {
@@ -941,33 +949,42 @@ mod tests {
         let running = |pid: u32, start: u64| (pid, start) == (100, 7) || (pid, start) == (200, 9);
         let healthy = record(Some((200, 9)));
         assert_eq!(
-            reap_decision(Some(&healthy), min(5), min(1), &running),
+            reap_decision(Some(&healthy), false, min(5), min(1), &running),
             None
         );
         // The init's PID now belongs to another process (another start time).
         let mut reused = record(None);
         reused.init_start = 8;
         assert_eq!(
-            reap_decision(Some(&reused), min(5), min(1), &running),
+            reap_decision(Some(&reused), false, min(5), min(1), &running),
             Some(EndReason::Crashed)
         );
         assert_eq!(
-            reap_decision(Some(&healthy), min(5), min(31), &running),
+            reap_decision(Some(&healthy), false, min(5), min(31), &running),
             Some(EndReason::IdleTtl)
         );
         let orphan = record(Some((200, 10)));
         assert_eq!(
-            reap_decision(Some(&orphan), min(5), min(1), &running),
+            reap_decision(Some(&orphan), false, min(5), min(1), &running),
             Some(EndReason::OwnerGone)
         );
         // Being created: left alone for a minute, then an error.
         assert_eq!(
-            reap_decision(None, Duration::from_secs(10), min(0), &running),
+            reap_decision(None, false, Duration::from_secs(10), min(0), &running),
             None
         );
         assert_eq!(
-            reap_decision(None, min(2), min(0), &running),
+            reap_decision(None, false, min(2), min(0), &running),
             Some(EndReason::Error)
+        );
+        // Hibernated: no init runs, it is idle past its TTL, its owner is gone: kept.
+        assert_eq!(
+            reap_decision(Some(&reused), true, min(5), min(31), &running),
+            None
+        );
+        assert_eq!(
+            reap_decision(Some(&orphan), true, min(5), min(1), &running),
+            None
         );
     }
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use serde_json::json;
 
-use crate::backend::{ProcessInfo, SandboxBackend, SandboxRef, SnapshotInfo};
+use crate::backend::{HibernateInfo, ProcessInfo, SandboxBackend, SandboxRef, SnapshotInfo};
 use crate::cgroup::{Cgroup, Counters};
 use crate::exec::ExecEnv;
 use crate::exec::{Budget, ExecRequest, ExecResult, Stream};
@@ -18,6 +18,19 @@ use crate::files::FileEntry;
 use crate::record::{EndReason, SandboxRecord};
 use crate::spec::SandboxSpec;
 use crate::{Runtime, RuntimeError};
+
+/// A hibernated sandbox's saved state, under its directory.
+pub(crate) const HIBERNATION_DIR: &str = "hibernation";
+/// Written last by a hibernation, removed first by a wake: the sandbox is hibernated.
+pub(crate) const HIBERNATION_MARK: &str = "hibernation.json";
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Hibernation {
+    since_ms: u64,
+    state_bytes: u64,
+    /// It was paused: it wakes paused.
+    paused: bool,
+}
 
 /// Within 256 KiB of the limit counts as full: the write that failed never landed.
 fn disk_full(used: u64, limit: u64) -> bool {
@@ -137,15 +150,128 @@ impl Sandbox {
         &self,
         f: impl FnOnce(&dyn SandboxBackend, &SandboxRef) -> Result<T, RuntimeError>,
     ) -> Result<T, RuntimeError> {
-        let backend = self.rt.backend(self.record.spec.backend);
+        self.with_record(&self.record, f)
+    }
+
+    /// [`Sandbox::with_backend`] with `record` as it is on disk now (its init may have
+    /// changed since this handle was made: a wake starts a new one).
+    fn with_record<T>(
+        &self,
+        record: &SandboxRecord,
+        f: impl FnOnce(&dyn SandboxBackend, &SandboxRef) -> Result<T, RuntimeError>,
+    ) -> Result<T, RuntimeError> {
+        let backend = self.rt.backend(record.spec.backend);
         let (dir, cgroup) = (self.dir(), self.cgroup());
         let sb = SandboxRef {
-            record: &self.record,
+            record,
             dir: &dir,
             cgroup: &cgroup,
             uppers: self.rt.uppers(),
         };
         f(backend, &sb)
+    }
+
+    fn hibernation_dir(&self) -> PathBuf {
+        self.dir().join(HIBERNATION_DIR)
+    }
+
+    /// Whether the sandbox is hibernated: its state on disk, no process running.
+    pub fn is_hibernated(&self) -> bool {
+        self.hibernation_dir().join(HIBERNATION_MARK).exists()
+    }
+
+    /// Saves the sandbox's whole state (a VM's memory and devices) to disk and stops it:
+    /// its memory and CPU go back to the host, its files stay. The next call that needs it
+    /// running (exec, files, processes, ports, commit, snapshot, pause) wakes it first, or
+    /// [`Sandbox::wake`]. Waits for running commands to end. A hibernated sandbox is kept
+    /// until woken or destroyed: its idle TTL counts again from the wake.
+    pub fn hibernate(&self) -> Result<HibernateInfo, RuntimeError> {
+        let dir = self.dir();
+        let _lock = DirLock::take(&dir, true, true)?;
+        if !dir.join("sandbox.json").exists() {
+            return Err(RuntimeError::NotFound(self.record.id.clone()));
+        }
+        let mark = self.hibernation_dir().join(HIBERNATION_MARK);
+        if let Ok(bytes) = std::fs::read(&mark) {
+            if let Ok(h) = serde_json::from_slice::<Hibernation>(&bytes) {
+                return Ok(HibernateInfo {
+                    state_bytes: h.state_bytes,
+                    millis: 0.0,
+                });
+            }
+        }
+        let record = self.rt.load(&self.record.id)?;
+        let to = self.hibernation_dir();
+        // What a hibernation that failed midway left.
+        let _ = std::fs::remove_dir_all(&to);
+        let paused = self.with_record(&record, |b, sb| Ok(b.paused(sb)))?;
+        let info = match self.with_record(&record, |b, sb| b.hibernate(sb, &to)) {
+            Ok(info) => info,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&to);
+                return Err(e);
+            }
+        };
+        let h = Hibernation {
+            since_ms: crate::audit::now_ms(),
+            state_bytes: info.state_bytes,
+            paused,
+        };
+        let tmp = mark.with_extension("json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&h).unwrap_or_default())
+            .and_then(|()| std::fs::rename(&tmp, &mark))
+            .map_err(RuntimeError::io(&mark))?;
+        self.rt.audit(&self.record.id).record(
+            "hibernated",
+            json!({"state_bytes": info.state_bytes, "ms": info.millis, "paused": paused}),
+        )?;
+        Ok(info)
+    }
+
+    /// Starts a hibernated sandbox again where it was (processes, memory, files; paused if
+    /// it was); `false` when it was not hibernated.
+    pub fn wake(&self) -> Result<bool, RuntimeError> {
+        if !self.is_hibernated() {
+            return Ok(false);
+        }
+        let dir = self.dir();
+        let _lock = DirLock::take(&dir, true, true)?;
+        // Woken meanwhile by another caller.
+        let mark = self.hibernation_dir().join(HIBERNATION_MARK);
+        let Ok(bytes) = std::fs::read(&mark) else {
+            return Ok(false);
+        };
+        let h: Hibernation = serde_json::from_slice(&bytes)
+            .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", mark.display())))?;
+        let t = Instant::now();
+        let path = dir.join("sandbox.json");
+        let _record_lock = DirLock::take_file(&dir.join("record.lock"), true, true)?;
+        let mut record = SandboxRecord::load(&path)?;
+        // A hibernation that died after the save but before its machine quit left that
+        // machine stopped: it ends before the saved state starts.
+        if crate::backend::process_start(record.init_pid) == Some(record.init_start) {
+            self.cgroup().kill_all();
+        }
+        let pid = self.with_record(&record, |b, sb| {
+            b.wake(sb, &self.hibernation_dir(), h.paused)
+        })?;
+        record.init_pid = pid;
+        record.init_start = crate::backend::process_start(pid).unwrap_or(0);
+        record.save(&path)?;
+        let _ = std::fs::remove_file(&mark);
+        let _ = std::fs::remove_dir_all(self.hibernation_dir());
+        self.rt.touch(&self.record.id);
+        self.rt.audit(&self.record.id).record(
+            "woken",
+            json!({"ms": t.elapsed().as_secs_f64() * 1e3,
+                   "hibernated_ms": crate::audit::now_ms().saturating_sub(h.since_ms)}),
+        )?;
+        Ok(true)
+    }
+
+    /// Wakes the sandbox if it is hibernated: what every call that needs it running does.
+    fn awake(&self) -> Result<(), RuntimeError> {
+        self.wake().map(|_| ())
     }
 
     /// The host directory holding what the sandbox changed (its overlayfs upper), for
@@ -168,6 +294,7 @@ impl Sandbox {
         if !self.dir().join("sandbox.json").exists() {
             return Err(RuntimeError::NotFound(self.record.id.clone()));
         }
+        self.awake()?;
         let upper = self.upper_dir();
         let (upper, release) = self.with_backend(|b, sb| b.hold_changes(sb, &upper))?;
         self.rt.touch(&self.record.id);
@@ -203,6 +330,7 @@ impl Sandbox {
         if req.argv.is_empty() {
             return Err(RuntimeError::Invalid("empty command".into()));
         }
+        self.awake()?;
         let dir = self.dir();
         let _lock = DirLock::take(&dir, false, true)?;
         if !dir.join("sandbox.json").exists() {
@@ -291,6 +419,7 @@ impl Sandbox {
 
     /// Bytes used in the sandbox's writable upper, and its quota.
     pub fn disk_usage(&self) -> Result<(u64, u64), RuntimeError> {
+        self.awake()?;
         self.with_backend(|b, sb| b.disk_usage(sb))
     }
 
@@ -300,8 +429,12 @@ impl Sandbox {
         self.set_paused(true)
     }
 
-    /// `running` or `paused` (every process stopped where it is).
+    /// `running`, `paused` (every process stopped where it is) or `hibernated` (its state
+    /// on disk, nothing running).
     pub fn state(&self) -> &'static str {
+        if self.is_hibernated() {
+            return "hibernated";
+        }
         if self.with_backend(|b, sb| Ok(b.paused(sb))).unwrap_or(false) {
             "paused"
         } else {
@@ -314,6 +447,7 @@ impl Sandbox {
     }
 
     fn set_paused(&self, paused: bool) -> Result<(), RuntimeError> {
+        self.awake()?;
         let t = Instant::now();
         self.with_backend(|b, sb| b.pause(sb, paused))?;
         self.rt.touch(&self.record.id);
@@ -326,6 +460,7 @@ impl Sandbox {
     /// Saves a VM sandbox (machine state and writable disk) into directory `dest`; the
     /// sandbox keeps running. [`crate::Runtime::restore`] starts a new sandbox from it.
     pub fn snapshot(&self, dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
+        self.awake()?;
         // No command runs meanwhile: the disk copy and the memory state must agree.
         let _lock = DirLock::take(&self.dir(), true, true)?;
         let info = self.with_backend(|b, sb| b.snapshot(sb, dest))?;
@@ -388,11 +523,13 @@ impl Sandbox {
         path: &str,
         sink: &mut dyn FnMut(&[u8]) -> Result<(), RuntimeError>,
     ) -> Result<(), RuntimeError> {
+        self.awake()?;
         self.rt.touch(&self.record.id);
         self.with_backend(|b, sb| b.read_file(sb, path, sink))
     }
 
     pub fn write_file(&self, path: &str, data: &[u8], mode: u32) -> Result<(), RuntimeError> {
+        self.awake()?;
         self.rt.touch(&self.record.id);
         let r = self.with_backend(|b, sb| b.write_file(sb, path, data, mode));
         self.rt.audit(&self.record.id).record(
@@ -403,6 +540,7 @@ impl Sandbox {
     }
 
     pub fn list_dir(&self, path: &str) -> Result<Vec<FileEntry>, RuntimeError> {
+        self.awake()?;
         self.rt.touch(&self.record.id);
         self.with_backend(|b, sb| b.list_dir(sb, path))
     }
@@ -410,12 +548,17 @@ impl Sandbox {
     /// A TCP connection to a port the sandbox listens on (its loopback), for proxying a
     /// server an agent started inside.
     pub fn connect_port(&self, port: u16) -> Result<crate::PortStream, RuntimeError> {
+        self.awake()?;
         self.rt.touch(&self.record.id);
         self.with_backend(|b, sb| b.connect_port(sb, port))
     }
 
     /// Every process in the sandbox (inside a VM, their host PID is 0).
     pub fn processes(&self) -> Vec<ProcessInfo> {
+        if let Err(e) = self.awake() {
+            tracing::warn!(sandbox = %self.record.id, "waking it to list its processes: {e}");
+            return Vec::new();
+        }
         self.with_backend(|b, sb| Ok(b.processes(sb)))
             .unwrap_or_default()
     }
@@ -432,9 +575,17 @@ impl Sandbox {
             .teardown(&self.record.id, Some(&self.record), reason)
     }
 
-    /// Whether the sandbox's init still runs (the same process it started with).
+    /// Whether the sandbox's init still runs (the same process it started with, or the
+    /// one its last wake started), or it is hibernated.
     pub fn is_alive(&self) -> bool {
-        crate::backend::process_start(self.record.init_pid) == Some(self.record.init_start)
+        if self.is_hibernated() {
+            return true;
+        }
+        let r = self
+            .rt
+            .load(&self.record.id)
+            .unwrap_or_else(|_| self.record.clone());
+        crate::backend::process_start(r.init_pid) == Some(r.init_start)
     }
 
     /// Counts as activity: restarts the idle TTL (every command already does).
@@ -453,6 +604,7 @@ impl Sandbox {
     /// loopback). Host names are resolved now. A VM's network is fixed when its machine
     /// starts: Unsupported.
     pub fn set_network(&mut self, rules: Vec<crate::NetRule>) -> Result<(), RuntimeError> {
+        self.awake()?;
         let before = self.record.spec.network.clone();
         // Recorded first: a crash while the network is wired leaves a record that says
         // there is one, which is what destroy and the reaper go by.

@@ -29,6 +29,12 @@ pub fn committed<'a>(live: impl Iterator<Item = &'a Meta>) -> (u64, f64, usize) 
     })
 }
 
+/// What `live` holds of the node now: a hibernated sandbox's memory and CPUs went back to
+/// it (a project's quota still counts them: they are its sandboxes).
+pub fn on_node<'a>(live: impl Iterator<Item = &'a Meta>) -> (u64, f64, usize) {
+    committed(live.filter(|m| !m.hibernated))
+}
+
 /// Refuses `ask` if it breaks the project's quota or the node's capacity.
 pub fn admit<'a>(
     live: impl Iterator<Item = &'a Meta> + Clone,
@@ -37,8 +43,7 @@ pub fn admit<'a>(
     node: Capacity,
     retry_after: Duration,
 ) -> Result<(), ServiceError> {
-    let (mem, cpus, _) = committed(live.clone());
-    let (pmem, pcpus, pcount) = committed(live.filter(|m| m.project == project.name));
+    let (pmem, pcpus, pcount) = committed(live.clone().filter(|m| m.project == project.name));
     let refuse = |reason: &'static str, message: String| ServiceError::Exhausted {
         reason,
         message,
@@ -80,6 +85,22 @@ pub fn admit<'a>(
             ));
         }
     }
+    fits_node(live, ask, node, retry_after)
+}
+
+/// Refuses `ask` if the node's capacity cannot take it (a wake, besides every create).
+pub fn fits_node<'a>(
+    live: impl Iterator<Item = &'a Meta>,
+    ask: Ask,
+    node: Capacity,
+    retry_after: Duration,
+) -> Result<(), ServiceError> {
+    let (mem, cpus, _) = on_node(live);
+    let refuse = |reason: &'static str, message: String| ServiceError::Exhausted {
+        reason,
+        message,
+        retry_after,
+    };
     if mem + ask.memory_bytes > node.memory_bytes {
         return Err(refuse(
             "node-memory",
@@ -124,6 +145,7 @@ mod tests {
             disk_bytes: 0,
             idle_ttl_ms: 0,
             paused: false,
+            hibernated: false,
             inbound: false,
             pending: false,
         }

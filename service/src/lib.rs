@@ -68,6 +68,8 @@ pub struct ServiceConfig {
     pub e2b: Option<e2b::E2bConfig>,
     /// How long a sandbox's command journal is kept after the sandbox ends.
     pub journal_retention: Duration,
+    /// Hibernations run at once (each writes its sandbox's memory to the node's disk).
+    pub hibernate_concurrency: usize,
 }
 
 impl ServiceConfig {
@@ -90,6 +92,7 @@ impl ServiceConfig {
             registry: Default::default(),
             e2b: None,
             journal_retention: Duration::from_secs(24 * 3600),
+            hibernate_concurrency: 4,
         }
     }
 }

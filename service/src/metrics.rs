@@ -29,6 +29,8 @@ pub struct Metrics {
     sandboxes: Family<Labels, Gauge>,
     create_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     exec_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    hibernate_seconds: Family<Labels, Histogram, fn() -> Histogram>,
+    wake_seconds: Family<Labels, Histogram, fn() -> Histogram>,
     refused: Family<Labels, Counter>,
     ended: Family<Labels, Counter>,
     store_errors: Counter,
@@ -54,6 +56,8 @@ impl Metrics {
             sandboxes: Family::default(),
             create_seconds: Family::new_with_constructor(latency),
             exec_seconds: Family::new_with_constructor(latency),
+            hibernate_seconds: Family::new_with_constructor(latency),
+            wake_seconds: Family::new_with_constructor(latency),
             refused: Family::default(),
             ended: Family::default(),
             store_errors: Counter::default(),
@@ -81,6 +85,16 @@ impl Metrics {
                 "exec_seconds",
                 "Time of commands run through the API, by backend",
                 m.exec_seconds.clone(),
+            );
+            r.register(
+                "hibernate_seconds",
+                "Time to save a sandbox's state and stop it, by backend",
+                m.hibernate_seconds.clone(),
+            );
+            r.register(
+                "wake_seconds",
+                "Time to start a hibernated sandbox again, by backend",
+                m.wake_seconds.clone(),
             );
             r.register(
                 "admissions_refused",
@@ -148,6 +162,18 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
+    pub fn observe_hibernate(&self, backend: &str, took: Duration) {
+        self.hibernate_seconds
+            .get_or_create(&vec![("backend".into(), backend.into())])
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn observe_wake(&self, backend: &str, took: Duration) {
+        self.wake_seconds
+            .get_or_create(&vec![("backend".into(), backend.into())])
+            .observe(took.as_secs_f64());
+    }
+
     pub fn refused(&self, reason: &str) {
         self.refused
             .get_or_create(&vec![("reason".into(), reason.into())])
@@ -184,7 +210,7 @@ impl Metrics {
                 ])
                 .inc();
         }
-        let (mem, cpus, _) = crate::admission::committed(metas.iter());
+        let (mem, cpus, _) = crate::admission::on_node(metas.iter());
         self.committed_memory.set(mem);
         self.committed_cpus.set(cpus);
         let (requested, fetched, hits, misses) = lazyfs_totals(node);

@@ -227,8 +227,92 @@ impl Node {
         self.rt.state_dir().to_path_buf()
     }
 
-    /// The runtime's sandbox behind `meta`; touching it restarts its idle TTL.
+    /// The runtime's sandbox behind `meta`, running: a hibernated one is admitted to the
+    /// node again (RESOURCE_EXHAUSTED when its budgets no longer fit) and woken. Touching it restarts
+    /// its idle TTL.
     pub fn sandbox(&self, meta: &Meta) -> Result<Sandbox, ServiceError> {
+        let sb = self.handle(meta)?;
+        if meta.hibernated || sb.is_hibernated() {
+            self.wake(meta, &sb)?;
+        }
+        Ok(sb)
+    }
+
+    /// Wakes the hibernated sandbox `sb` behind `meta` if the node's capacity takes its
+    /// budgets again (the project's quota never stopped counting them).
+    fn wake(&self, meta: &Meta, sb: &Sandbox) -> Result<(), ServiceError> {
+        {
+            let map = self.lock();
+            admission::fits_node(
+                map.values().filter(|m| m.local != meta.local),
+                Ask {
+                    memory_bytes: meta.memory_bytes,
+                    cpus: meta.cpus,
+                },
+                self.capacity(),
+                self.cfg.retry_after,
+            )
+            .inspect_err(|e| {
+                if let ServiceError::Exhausted { reason, .. } = e {
+                    self.metrics.refused(reason);
+                }
+            })?;
+        }
+        let t = Instant::now();
+        sb.wake()?;
+        self.metrics
+            .observe_wake(meta.backend.as_str(), t.elapsed());
+        self.update(&meta.local, |m| m.hibernated = false)?;
+        Ok(())
+    }
+
+    /// Hibernates the sandbox behind `meta` (blocking): its budgets stop counting.
+    pub fn hibernate(&self, meta: &Meta) -> Result<strata_runtime::HibernateInfo, ServiceError> {
+        let sb = self.handle(meta)?;
+        let t = Instant::now();
+        let info = sb.hibernate()?;
+        self.metrics
+            .observe_hibernate(meta.backend.as_str(), t.elapsed());
+        self.update(&meta.local, |m| m.hibernated = true)?;
+        Ok(info)
+    }
+
+    /// Hibernates the sandboxes behind `metas`, at most `hibernate_concurrency` at once
+    /// (the node's disk takes their memory images); each one's outcome, by ID.
+    pub async fn hibernate_many(
+        self: &Arc<Self>,
+        metas: Vec<Meta>,
+    ) -> Vec<(String, Result<strata_runtime::HibernateInfo, ServiceError>)> {
+        let gate = Arc::new(tokio::sync::Semaphore::new(
+            self.cfg.hibernate_concurrency.max(1),
+        ));
+        let tasks: Vec<_> = metas
+            .into_iter()
+            .map(|meta| {
+                let (node, gate) = (self.clone(), gate.clone());
+                tokio::spawn(async move {
+                    let _permit = gate.acquire_owned().await;
+                    let id = meta.id.clone();
+                    let r = tokio::task::spawn_blocking(move || node.hibernate(&meta))
+                        .await
+                        .map_err(|e| ServiceError::Internal(e.to_string()))
+                        .and_then(|r| r);
+                    (id, r)
+                })
+            })
+            .collect();
+        let mut out = Vec::new();
+        for t in tasks {
+            match t.await {
+                Ok(done) => out.push(done),
+                Err(e) => tracing::warn!("a hibernation task failed: {e}"),
+            }
+        }
+        out
+    }
+
+    /// The runtime's handle on the sandbox behind `meta`, as it is (hibernated or not).
+    pub fn handle(&self, meta: &Meta) -> Result<Sandbox, ServiceError> {
         let sb = self.rt.get(&meta.local).map_err(|e| match e {
             strata_runtime::RuntimeError::NotFound(_) => {
                 self.forget(&meta.local);
@@ -301,7 +385,7 @@ impl Node {
         idle_ttl: Option<Duration>,
         lifetime: Option<Duration>,
     ) -> Result<Meta, ServiceError> {
-        let mut sb = self.sandbox(meta)?;
+        let mut sb = self.handle(meta)?;
         if let Some(t) = idle_ttl {
             sb.set_idle_ttl(t)?;
         }
@@ -383,6 +467,7 @@ impl Node {
             disk_bytes: spec.limits.disk_bytes,
             idle_ttl_ms: spec.limits.idle_ttl.as_millis() as u64,
             paused: false,
+            hibernated: false,
             inbound: args.inbound,
             pending: true,
         };

@@ -61,7 +61,7 @@ impl node_server::Node for NodeApi {
     ) -> Result<Response<proto::CapacityReply>, Status> {
         let who = caller(&self.0, &req).await?;
         let metas = self.0.metas();
-        let (mem, cpus, _) = crate::admission::committed(metas.iter());
+        let (mem, cpus, _) = crate::admission::on_node(metas.iter());
         let mut counts: std::collections::BTreeMap<(String, String), u32> = Default::default();
         for m in &metas {
             *counts

@@ -282,8 +282,8 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         &self,
         req: Request<proto::SandboxRef>,
     ) -> Result<Response<proto::SandboxInfo>, Status> {
-        let id = req.get_ref().id.clone();
-        let (meta, _) = self.open(&req, &id).await?;
+        let who = caller(&self.0, &req).await?;
+        let meta = self.0.meta_for(&who, &req.get_ref().id)?;
         Ok(Response::new(info(&self.0, &meta)))
     }
 
@@ -717,6 +717,71 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         req: Request<proto::SandboxRef>,
     ) -> Result<Response<proto::SandboxInfo>, Status> {
         self.set_paused(req, false).await
+    }
+
+    async fn hibernate(
+        &self,
+        req: Request<proto::HibernateRequest>,
+    ) -> Result<Response<proto::HibernateReply>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let r = req.into_inner();
+        let metas = if !r.ids.is_empty() {
+            r.ids
+                .iter()
+                .map(|id| self.0.meta_for(&who, id))
+                .collect::<Result<Vec<_>, _>>()?
+        } else if !r.labels.is_empty() {
+            let want: BTreeMap<String, String> = r.labels.into_iter().collect();
+            self.0
+                .metas()
+                .into_iter()
+                .filter(|m| {
+                    !m.pending
+                        && m.project == who.project.name
+                        && want.iter().all(|(k, v)| m.labels.get(k) == Some(v))
+                })
+                .collect()
+        } else {
+            return Err(ServiceError::invalid(
+                "ids",
+                "name the sandboxes to hibernate, or give labels that select them",
+            )
+            .into());
+        };
+        let started = Instant::now();
+        let done = self.0.hibernate_many(metas).await;
+        Ok(Response::new(proto::HibernateReply {
+            sandboxes: done
+                .into_iter()
+                .map(|(id, r)| match r {
+                    Ok(info) => proto::Hibernated {
+                        id,
+                        state_bytes: info.state_bytes,
+                        ms: info.millis as u64,
+                        error: String::new(),
+                    },
+                    Err(e) => proto::Hibernated {
+                        id,
+                        error: e.to_string(),
+                        ..Default::default()
+                    },
+                })
+                .collect(),
+            ms: started.elapsed().as_millis() as u64,
+        }))
+    }
+
+    async fn wake(
+        &self,
+        req: Request<proto::SandboxRef>,
+    ) -> Result<Response<proto::SandboxInfo>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let meta = self.0.meta_for(&who, &req.get_ref().id)?;
+        let node = self.0.clone();
+        // The runtime handle of a hibernated sandbox is made by waking it.
+        blocking(move || node.sandbox(&meta).map(|_| ())).await?;
+        let meta = self.0.meta_for(&who, &req.get_ref().id)?;
+        Ok(Response::new(info(&self.0, &meta)))
     }
 
     async fn snapshot(

@@ -1,5 +1,6 @@
 //! What the service keeps about each of its sandboxes beyond the runtime's record: the
-//! owning project and token, labels, the end of the lifetime, and whether it is paused.
+//! owning project and token, labels, the end of the lifetime, and whether it is paused or
+//! hibernated.
 //! One JSON file per sandbox under `<runtime state>/service/sandboxes/`, written before a
 //! create answers, so a restarted service takes its sandboxes back.
 
@@ -34,6 +35,10 @@ pub struct Meta {
     pub idle_ttl_ms: u64,
     #[serde(default)]
     pub paused: bool,
+    /// Its state is on disk and nothing of it runs: its memory and CPUs are not counted
+    /// by admission until it wakes.
+    #[serde(default)]
+    pub hibernated: bool,
     /// Connections from outside may reach its ports (through the E2B API's port proxy).
     #[serde(default)]
     pub inbound: bool,
@@ -44,10 +49,11 @@ pub struct Meta {
 
 impl Meta {
     pub fn state(&self) -> &'static str {
-        match (self.pending, self.paused) {
-            (true, _) => "creating",
-            (false, true) => "paused",
-            (false, false) => "running",
+        match (self.pending, self.hibernated, self.paused) {
+            (true, ..) => "creating",
+            (false, true, _) => "hibernated",
+            (false, false, true) => "paused",
+            (false, false, false) => "running",
         }
     }
 }

@@ -367,6 +367,40 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
                 .await
                 .map_err(&err)?;
         }
+        SandboxCommand::Hibernate { ids, label, json } => {
+            let labels = label
+                .iter()
+                .map(|kv| {
+                    kv.split_once('=')
+                        .map(|(k, v)| (k.to_string(), v.to_string()))
+                        .with_context(|| format!("--label {kv}: give KEY=VALUE"))
+                })
+                .collect::<Result<_>>()?;
+            let reply = sbs
+                .hibernate(remote.req(proto::HibernateRequest { ids, labels }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            let rows: Vec<_> = reply
+                .sandboxes
+                .into_iter()
+                .map(|h| crate::sandbox::HibernatedRow {
+                    id: h.id,
+                    state_bytes: h.state_bytes,
+                    ms: h.ms,
+                    error: (!h.error.is_empty()).then_some(h.error),
+                })
+                .collect();
+            return crate::sandbox::print_hibernated(&rows, json);
+        }
+        SandboxCommand::Wake { id } => {
+            let info = sbs
+                .wake(remote.req(proto::SandboxRef { id }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            println!("{}", info.id);
+        }
         SandboxCommand::Journal { id, json } => {
             let j = sbs
                 .journal(remote.req(proto::SandboxRef { id }))

@@ -162,6 +162,20 @@ pub enum SandboxCommand {
     Pause { id: String },
     /// Continue a paused sandbox.
     Resume { id: String },
+    /// Save sandboxes' whole state to disk and stop them (microvm, vm): their memory and
+    /// CPU go back to the host. The next call on one wakes it (or `wake`).
+    Hibernate {
+        /// The sandboxes (or every one of --label).
+        #[arg(required_unless_present = "label", conflicts_with = "label")]
+        ids: Vec<String>,
+        /// Every sandbox with all these labels (K=V; through a service, which keeps labels).
+        #[arg(long, value_name = "K=V")]
+        label: Vec<String>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Start a hibernated sandbox again where it was.
+    Wake { id: String },
     /// Replace a running sandbox's allowed network destinations (container and fncall).
     Network {
         id: String,
@@ -491,6 +505,35 @@ async fn exec_step(
     }
 }
 
+/// One sandbox of `strata sandbox hibernate`.
+#[derive(serde::Serialize)]
+pub(crate) struct HibernatedRow {
+    pub id: String,
+    pub state_bytes: u64,
+    pub ms: u64,
+    pub error: Option<String>,
+}
+
+/// Prints what `hibernate` did; exit status 1 when any sandbox could not be hibernated.
+pub(crate) fn print_hibernated(rows: &[HibernatedRow], json: bool) -> Result<i32> {
+    if json {
+        print_json(&rows)?;
+    } else {
+        for r in rows {
+            match &r.error {
+                None => println!(
+                    "{} hibernated: {} of state in {}",
+                    r.id,
+                    human_bytes(r.state_bytes),
+                    crate::output::took(Duration::from_millis(r.ms))
+                ),
+                Some(e) => eprintln!("error: {}: {e}", r.id),
+            }
+        }
+    }
+    Ok(i32::from(rows.iter().any(|r| r.error.is_some())))
+}
+
 /// One journal step as `strata sandbox journal` shows it (embedded or through a service).
 #[derive(serde::Serialize)]
 pub(crate) struct JournalRow {
@@ -779,6 +822,43 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
             }
             SandboxCommand::Pause { id } => {
                 rt.get(&id)?.pause()?;
+                Ok(0)
+            }
+            SandboxCommand::Hibernate { ids, label, json } => {
+                if !label.is_empty() {
+                    bail!("--label selects sandboxes by the labels a node service gave them; sandboxes made here have none: name them, or use --server");
+                }
+                let rows: Vec<HibernatedRow> = ids
+                    .iter()
+                    .map(|id| {
+                        let r = rt.get(id).and_then(|sb| {
+                            let full = sb.id().to_string();
+                            sb.hibernate().map(|info| (full, info))
+                        });
+                        match r {
+                            Ok((full, info)) => HibernatedRow {
+                                id: full,
+                                state_bytes: info.state_bytes,
+                                ms: info.millis as u64,
+                                error: None,
+                            },
+                            Err(e) => HibernatedRow {
+                                id: id.clone(),
+                                state_bytes: 0,
+                                ms: 0,
+                                error: Some(e.to_string()),
+                            },
+                        }
+                    })
+                    .collect();
+                print_hibernated(&rows, json)
+            }
+            SandboxCommand::Wake { id } => {
+                let sb = rt.get(&id)?;
+                if !sb.wake()? {
+                    eprintln!("{id} was not hibernated");
+                }
+                println!("{}", sb.id());
                 Ok(0)
             }
             SandboxCommand::Resume { id } => {

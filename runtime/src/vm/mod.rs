@@ -29,7 +29,8 @@ use strata_lazyfs::Attached;
 
 use crate::agent::{read_key, socket_path, write_key, AgentClient};
 use crate::backend::{
-    Host, NewSandbox, PortStream, ProcessInfo, SandboxBackend, SandboxRef, SnapshotInfo,
+    HibernateInfo, Host, NewSandbox, PortStream, ProcessInfo, SandboxBackend, SandboxRef,
+    SnapshotInfo,
 };
 use crate::cgroup::Cgroup;
 use crate::cgroup::Counters;
@@ -133,6 +134,10 @@ impl RootImage {
 
 /// The snapshot and machine-file format this build writes (and the newest it reads).
 pub const SNAPSHOT_FORMAT: u32 = 1;
+/// The machine's files and sockets, in the sandbox directory.
+const MACHINE_FILES: &str = "machine-files.json";
+/// How long a machine asked to quit after its state was saved may take to exit.
+const QUIT_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A saved VM (`Sandbox::snapshot`): `state` (the machine), `upper.img` (its writable
 /// disk at that instant) and this record.
@@ -773,6 +778,17 @@ impl VmBackend {
         }
         files.netdev = network.as_ref().map(|(opts, _)| opts.clone());
         files.page_cached_slot = disks.image_layer().map(|(base, _)| qemu::meta_slot(base));
+        // The same machine starts again from these after a hibernation.
+        let files_path = ctx.dir.join(MACHINE_FILES);
+        std::fs::write(
+            &files_path,
+            serde_json::to_vec(&qemu::MachineFiles {
+                incoming: None,
+                ..files.clone()
+            })
+            .unwrap_or_default(),
+        )
+        .map_err(RuntimeError::io(&files_path))?;
         let child = Self::spawn_qemu(
             &self.cfg.qemu,
             &shape,
@@ -1043,6 +1059,105 @@ impl SandboxBackend for VmBackend {
             serde_json::Value::Null,
         )?;
         Ok(())
+    }
+
+    /// The machine stops, its state (memory and devices) is saved to `to/state`, and QEMU
+    /// quits, its disks flushed; the relay goes with it. The writable disk stays.
+    fn hibernate(&self, sb: &SandboxRef, to: &Path) -> Result<HibernateInfo, RuntimeError> {
+        let t = Instant::now();
+        std::fs::create_dir_all(to).map_err(RuntimeError::io(to))?;
+        let mut qmp = qemu::Qmp::connect(&sb.dir.join("qmp.sock"), Duration::from_secs(5))?;
+        let was_running = qmp.status()? == "running";
+        // Saved stopped: nothing the guest does after the save reaches its disk.
+        qmp.execute("stop", serde_json::Value::Null)?;
+        let state = to.join("state");
+        if let Err(e) = qmp.save(&state) {
+            if was_running {
+                let _ = qmp.execute("cont", serde_json::Value::Null);
+            }
+            return Err(e);
+        }
+        let _ = qmp.execute("quit", serde_json::Value::Null);
+        drop(qmp);
+        let (pid, start) = (sb.record.init_pid, sb.record.init_start);
+        let deadline = Instant::now() + QUIT_TIMEOUT;
+        while crate::backend::process_start(pid) == Some(start) {
+            if Instant::now() > deadline {
+                tracing::warn!(sandbox = %sb.record.id, "QEMU did not quit after its state was saved: killed");
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid as i32),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // The relay (the only other process of the machine's cgroup).
+        sb.cgroup.kill_all();
+        Ok(HibernateInfo {
+            state_bytes: file_len(&state),
+            millis: t.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// The same machine (shape, disks, sockets) is started from the saved state, its
+    /// guest told the time and given fresh entropy; it proves the sandbox's own key.
+    fn wake(&self, sb: &SandboxRef, from: &Path, paused: bool) -> Result<u32, RuntimeError> {
+        let dir = sb.dir;
+        let machine_path = dir.join("machine.json");
+        let shape: MachineShape = crate::record::decode_versioned(
+            &machine_path,
+            &std::fs::read(&machine_path).map_err(RuntimeError::io(&machine_path))?,
+            SNAPSHOT_FORMAT,
+        )?;
+        let files_path = dir.join(MACHINE_FILES);
+        let mut files: qemu::MachineFiles = serde_json::from_slice(
+            &std::fs::read(&files_path).map_err(RuntimeError::io(&files_path))?,
+        )
+        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", files_path.display())))?;
+        files.incoming = Some(from.join("state"));
+        let l = &sb.record.spec.limits;
+        sb.cgroup
+            .create(shape.memory_mib * (1 << 20) + VMM_OVERHEAD, l.cpus, 512)?;
+        let child = Self::spawn_qemu(
+            &self.cfg.qemu,
+            &shape,
+            &files,
+            &dir.join("qemu.log"),
+            Some(sb.cgroup),
+        )?;
+        let pid = child.id();
+        std::thread::spawn(move || {
+            let mut child = child;
+            child.wait()
+        });
+        let fail = |e: RuntimeError| {
+            sb.cgroup.kill_all();
+            RuntimeError::VmStart(format!(
+                "waking the machine: {e}; QEMU: {}; console: {}",
+                tail(&dir.join("qemu.log")),
+                tail(&files.console_log)
+            ))
+        };
+        self.spawn_relay(dir, sb.cgroup).map_err(fail)?;
+        let mut qmp =
+            qemu::Qmp::connect(&files.qmp_socket, Duration::from_secs(30)).map_err(fail)?;
+        qmp.wait_while("inmigrate", Duration::from_secs(120))
+            .map_err(fail)?;
+        qmp.execute("cont", serde_json::Value::Null).map_err(fail)?;
+        let key = read_key(dir)?;
+        let reseed = HostMsg::Reseed(Reseed {
+            time_ns: now_ns(),
+            seed: fresh_seed(),
+            key: key.to_hex(),
+        });
+        AgentClient::at(socket_path(dir), Some(key))
+            .request(&reseed, None, BOOT_TIMEOUT)
+            .map_err(|e| fail(RuntimeError::Setup(format!("guest reseed: {e}"))))?;
+        if paused {
+            qmp.execute("stop", serde_json::Value::Null).map_err(fail)?;
+        }
+        Ok(pid)
     }
 
     fn snapshot(&self, sb: &SandboxRef, dest: &Path) -> Result<SnapshotInfo, RuntimeError> {

@@ -90,7 +90,9 @@ pub struct MachineShape {
     pub initramfs: PathBuf,
 }
 
-/// The files and sockets of one machine.
+/// The files and sockets of one machine (kept with a VM sandbox, `machine-files.json`,
+/// so a hibernated one starts again on the same ones).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct MachineFiles {
     /// One file per disk slot; slot 0 is writable.
     pub disks: Vec<PathBuf>,
