@@ -98,6 +98,9 @@ pub enum RuntimeError {
     Exec(String),
     #[error("{0} is not supported yet (use the container backend for it)")]
     Unsupported(String),
+    /// The sandbox is doing something the request must not cut short (a running command).
+    #[error("busy: {0}")]
+    Busy(String),
     /// The agent is of another protocol version, or failed to prove the sandbox's key.
     #[error(transparent)]
     Handshake(#[from] strata_agent_proto::HandshakeError),

@@ -21,6 +21,8 @@ use crate::{Runtime, RuntimeError};
 
 /// A hibernated sandbox's saved state, under its directory.
 pub(crate) const HIBERNATION_DIR: &str = "hibernation";
+/// How long a hibernation waits for running commands to end.
+const HIBERNATE_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Written last by a hibernation, removed first by a wake: the sandbox is hibernated.
 pub(crate) const HIBERNATION_MARK: &str = "hibernation.json";
 
@@ -183,11 +185,34 @@ impl Sandbox {
     /// Saves the sandbox's whole state (a VM's memory and devices) to disk and stops it:
     /// its memory and CPU go back to the host, its files stay. The next call that needs it
     /// running (exec, files, processes, ports, commit, snapshot, pause) wakes it first, or
-    /// [`Sandbox::wake`]. Waits for running commands to end. A hibernated sandbox is kept
+    /// [`Sandbox::wake`]. Refused as busy while a command runs (after a short wait). A
+    /// hibernated sandbox is kept
     /// until woken or destroyed: its idle TTL counts again from the wake.
     pub fn hibernate(&self) -> Result<HibernateInfo, RuntimeError> {
+        self.hibernate_waiting(HIBERNATE_WAIT)
+    }
+
+    /// [`Sandbox::hibernate`], waiting at most `wait` for running commands to end.
+    pub fn hibernate_waiting(
+        &self,
+        wait: std::time::Duration,
+    ) -> Result<HibernateInfo, RuntimeError> {
         let dir = self.dir();
-        let _lock = DirLock::take(&dir, true, true)?;
+        // A command streaming its output holds the shared lock: its stream would be cut
+        // (its process would live on in the saved machine, unheard).
+        let deadline = Instant::now() + wait;
+        let _lock = loop {
+            if let Some(lock) = DirLock::take(&dir, true, false)? {
+                break lock;
+            }
+            if Instant::now() > deadline {
+                return Err(RuntimeError::Busy(format!(
+                    "sandbox {} is running a command; hibernate it when the command ends (a service started detached, `nohup CMD &`, is kept: it runs on after the wake)",
+                    self.record.id
+                )));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
         if !dir.join("sandbox.json").exists() {
             return Err(RuntimeError::NotFound(self.record.id.clone()));
         }

@@ -92,6 +92,7 @@ impl ServiceError {
                     _ => (Code::InvalidArgument, "invalid-argument"),
                 },
                 RuntimeError::Quota(_) => (Code::ResourceExhausted, "disk"),
+                RuntimeError::Busy(_) => (Code::FailedPrecondition, "busy"),
                 _ => (Code::Internal, "internal"),
             },
             ServiceError::Catalog(e) => match e {

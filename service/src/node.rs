@@ -266,11 +266,19 @@ impl Node {
         Ok(())
     }
 
-    /// Hibernates the sandbox behind `meta` (blocking): its budgets stop counting.
-    pub fn hibernate(&self, meta: &Meta) -> Result<strata_runtime::HibernateInfo, ServiceError> {
+    /// Hibernates the sandbox behind `meta` (blocking): its budgets stop counting. Busy
+    /// when a command still runs after `wait` (`None`: the runtime's default wait).
+    pub fn hibernate(
+        &self,
+        meta: &Meta,
+        wait: Option<Duration>,
+    ) -> Result<strata_runtime::HibernateInfo, ServiceError> {
         let sb = self.handle(meta)?;
         let t = Instant::now();
-        let info = sb.hibernate()?;
+        let info = match wait {
+            Some(w) => sb.hibernate_waiting(w)?,
+            None => sb.hibernate()?,
+        };
         self.metrics
             .observe_hibernate(meta.backend.as_str(), t.elapsed());
         self.update(&meta.local, |m| m.hibernated = true)?;
@@ -293,7 +301,7 @@ impl Node {
                 tokio::spawn(async move {
                     let _permit = gate.acquire_owned().await;
                     let id = meta.id.clone();
-                    let r = tokio::task::spawn_blocking(move || node.hibernate(&meta))
+                    let r = tokio::task::spawn_blocking(move || node.hibernate(&meta, None))
                         .await
                         .map_err(|e| ServiceError::Internal(e.to_string()))
                         .and_then(|r| r);

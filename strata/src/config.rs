@@ -184,6 +184,8 @@ pub struct ServeSettings {
     pub default_lifetime: Option<Duration>,
     /// How long a sandbox's command journal is kept after it ends (embedded and served).
     pub journal_retention: Duration,
+    /// Sandboxes a bulk hibernate saves at once.
+    pub hibernate_concurrency: usize,
     /// Where the E2B-compatible API is served; `None`: it is not.
     pub e2b_listen: Option<String>,
     /// With wildcard DNS, the domain of `api.<domain>` and `<port>-<id>.<domain>`.
@@ -228,6 +230,7 @@ struct FileSettings {
     reap_every: Option<String>,
     default_lifetime: Option<String>,
     journal_retention: Option<String>,
+    hibernate_concurrency: Option<usize>,
     e2b_listen: Option<String>,
     e2b_domain: Option<String>,
     e2b_tls_cert: Option<PathBuf>,
@@ -619,6 +622,14 @@ impl Settings {
                     parse_duration,
                 )?
                 .unwrap_or(Duration::from_secs(24 * 3600)),
+            hibernate_concurrency: match f.hibernate_concurrency {
+                Some(0) => bail!(
+                    "{}: hibernate_concurrency = 0: give at least 1",
+                    l.file_name()
+                ),
+                Some(n) => n,
+                None => 4,
+            },
             e2b_listen: f.e2b_listen.clone(),
             e2b_domain: f.e2b_domain.clone(),
             e2b_tls_cert: f.e2b_tls_cert.clone(),
@@ -1043,7 +1054,7 @@ store_timeout = "1m"
     #[test]
     fn the_service_settings_come_from_the_file_the_environment_and_the_flag() {
         let (_dir, home) = home_with(
-            "listen = \"0.0.0.0:7000\"\nmetrics_listen = \"127.0.0.1:7001\"\nnode_name = \"file-node\"\nexec_output_cap = \"1M\"\nmemory_overcommit = 1.5\ncpu_overcommit = 8.0\nreap_every = \"2s\"\ndefault_lifetime = \"1h\"\njournal_retention = \"2h\"\ne2b_listen = \"127.0.0.1:3000\"\ne2b_domain = \"strata.test\"\nserver = \"http://file:7600\"\n",
+            "listen = \"0.0.0.0:7000\"\nmetrics_listen = \"127.0.0.1:7001\"\nnode_name = \"file-node\"\nexec_output_cap = \"1M\"\nmemory_overcommit = 1.5\ncpu_overcommit = 8.0\nreap_every = \"2s\"\ndefault_lifetime = \"1h\"\njournal_retention = \"2h\"\nhibernate_concurrency = 8\ne2b_listen = \"127.0.0.1:3000\"\ne2b_domain = \"strata.test\"\nserver = \"http://file:7600\"\n",
         );
         let none = GlobalFlags::default();
         let s = load(&none, &DaemonFlags::default(), &[("STRATA_HOME", &home)]).unwrap();
@@ -1059,6 +1070,7 @@ store_timeout = "1m"
                 reap_every: Duration::from_secs(2),
                 default_lifetime: Some(Duration::from_secs(3600)),
                 journal_retention: Duration::from_secs(7200),
+                hibernate_concurrency: 8,
                 e2b_listen: Some("127.0.0.1:3000".into()),
                 e2b_domain: Some("strata.test".into()),
                 e2b_tls_cert: None,

@@ -102,6 +102,7 @@ pub async fn serve(store: Store, settings: &Settings, args: ServeArgs) -> Result
     cfg.reap_every = s.reap_every;
     cfg.default_lifetime = s.default_lifetime;
     cfg.journal_retention = s.journal_retention;
+    cfg.hibernate_concurrency = s.hibernate_concurrency;
     cfg.pool = settings.pool;
     cfg.registry = settings.registry.clone();
     let e2b_listen = args.e2b_listen.or_else(|| s.e2b_listen.clone());

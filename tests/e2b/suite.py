@@ -306,6 +306,28 @@ def pause_rounds():
         sb.kill()
 
 
+def hibernate_rounds():
+    # No command left running (a detached counter): a pause saves the machine to disk.
+    sb = Sandbox.create(TEMPLATE, timeout=900, **CREATE)
+    try:
+        r = sb.commands.run("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.2; done' >/dev/null 2>&1 &")
+        assert r.exit_code == 0, r
+        for n in range(5):
+            sb.files.write(f"/tmp/round-{n}.txt", f"round {n}")
+            before = int(sb.commands.run(COUNT).stdout)
+            assert sb.pause() in (True, None)
+            assert str(sb.get_info().state).lower().endswith("paused")
+            sb = Sandbox.connect(sb.sandbox_id)
+            for k in range(n + 1):
+                assert sb.files.read(f"/tmp/round-{k}.txt") == f"round {k}", f"round {k} lost after resume {n}"
+            time.sleep(0.5)
+            after = int(sb.commands.run(COUNT).stdout)
+            assert after > before, f"the detached loop stopped counting after resume {n} ({before} -> {after})"
+        log(f"sandbox {sb.sandbox_id}: 5 pause/connect rounds kept every file and the detached process")
+    finally:
+        sb.kill()
+
+
 async def burst():
     async def one(i):
         sb = await AsyncSandbox.create(TEMPLATE, timeout=900, **CREATE)
@@ -362,7 +384,7 @@ def proxy():
 
 
 if __name__ == "__main__":
-    {"full": full, "short": short, "pause": pause_rounds, "burst": lambda: asyncio.run(burst()), "proxy": proxy}[SCENARIO]()
+    {"full": full, "short": short, "pause": pause_rounds, "hibernate": hibernate_rounds, "burst": lambda: asyncio.run(burst()), "proxy": proxy}[SCENARIO]()
     log("ok")
     # Every check has passed. The SDK's native HTTP client (pyqwest) aborts the interpreter
     # while it is torn down after asyncio use (SIGABRT at exit, seen with 2.63.0), so the

@@ -201,6 +201,30 @@ fn e2b_python_sdk_drives_microvm_and_vm_sandboxes() {
             &env.reference,
         );
     }
+    // A microVM's pause with nothing streaming is a hibernation (its memory image on
+    // disk, QEMU gone); connect wakes it where it was. Its audit says so.
+    let o = e2b_client(e2b_python(E2B_PYTHON[0]), &svc.e2b_url(), &token)
+        .arg(suite())
+        .args(["hibernate", "microvm", &env.reference])
+        .output()
+        .expect("running the e2b suite");
+    assert_client_ok(&o, "e2b hibernate on microvm", &svc);
+    let out = String::from_utf8_lossy(&o.stdout);
+    let id = out
+        .split_whitespace()
+        .skip_while(|w| *w != "sandbox")
+        .nth(1)
+        .map(|w| w.trim_end_matches(':').to_string())
+        .unwrap_or_else(|| panic!("no sandbox ID in {out}"));
+    let local = id.rsplit('-').next().unwrap_or_default();
+    let audit = std::fs::read_to_string(
+        home.runtime_dir()
+            .join("audit")
+            .join(format!("{local}.jsonl")),
+    )
+    .unwrap_or_else(|e| panic!("the audit of {id}: {e}"));
+    let events = |e: &str| audit.matches(&format!("\"event\":\"{e}\"")).count();
+    assert_eq!((events("hibernated"), events("woken")), (5, 5), "{audit}");
     // A server inside a guest, reached through the agent's relay.
     run_suite(
         &svc,

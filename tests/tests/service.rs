@@ -507,6 +507,75 @@ asyncio.run(main())
     home.assert_sandbox_gone(id.trim_start_matches("test-"), &[]);
 }
 
+/// A preempted training job's sandboxes hibernate at once by their label: their memory
+/// goes back to the node (admission's count with it), each wakes where it was on its next
+/// call.
+#[test]
+fn a_jobs_microvms_hibernate_by_label_and_wake_on_their_next_call() {
+    if !strata_tests::home::can_run_vms("service_hibernate") {
+        return;
+    }
+    let Some(env) = env("service_hibernate") else {
+        return;
+    };
+    let p = unique("hibernate");
+    let (home, tokens) = home_with_projects(env, "service-hibernate-", &[(&p, &[])]);
+    let svc = Service::start(&home, "");
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, json, strata
+COUNTER = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &"
+async def count(sb):
+    return int((await sb.exec("cat /tmp/count")).stdout)
+async def main():
+    async with strata.AsyncClient() as c:
+        job = [await c.create("{sample}", backend="microvm", memory="256M", labels={{"job": "run-17"}}) for _ in range(3)]
+        other = await c.create("{sample}", backend="microvm", memory="256M", labels={{"job": "run-18"}})
+        box = await c.create("{sample}", backend="container", labels={{"job": "run-17"}})
+        for i, sb in enumerate(job + [other]):
+            await sb.files.write("/work/mine.txt", f"sandbox {{i}}")
+            assert (await sb.exec(COUNTER)).exit_code == 0
+        await asyncio.sleep(0.5)
+        counts = [await count(sb) for sb in job]
+        held = (await c.capacity()).committed_memory_bytes
+        r = await c.hibernate({{"job": "run-17"}})
+        by_id = {{h.id: h for h in r.sandboxes}}
+        assert sorted(by_id) == sorted([sb.id for sb in job] + [box.id]), by_id
+        assert all(by_id[sb.id].state_bytes > 0 and not by_id[sb.id].error for sb in job), r
+        assert "CRIU" in by_id[box.id].error, by_id[box.id]
+        states = {{sb.id: (await sb.refresh()).state for sb in job + [other, box]}}
+        assert [states[sb.id] for sb in job] == ["hibernated"] * 3, states
+        assert (states[other.id], states[box.id]) == ("running", "running"), states
+        freed = held - (await c.capacity()).committed_memory_bytes
+        assert freed == sum(sb.info.memory_bytes for sb in job), (held, freed)
+        # Its next call wakes each where it was: files kept, the counter goes on.
+        for i, sb in enumerate(job):
+            assert (await sb.files.read("/work/mine.txt")) == f"sandbox {{i}}".encode()
+            assert await count(sb) >= counts[i]
+            assert (await sb.refresh()).state == "running"
+        assert (await c.capacity()).committed_memory_bytes == held
+        await job[0].hibernate()
+        await job[0].wake()
+        assert (await job[0].refresh()).state == "running"
+        for sb in job + [other, box]:
+            await sb.destroy()
+        print(json.dumps({{"ms": r.ms, "bytes": sum(h.state_bytes for h in r.sandboxes)}}))
+asyncio.run(main())
+"#,
+            sample = env.reference
+        ),
+    );
+    let report: serde_json::Value = serde_json::from_str(out.trim()).expect("report");
+    eprintln!(
+        "hibernate --label of 3 microVMs: {} ms, {} MiB written",
+        report["ms"],
+        report["bytes"].as_u64().unwrap_or(0) >> 20
+    );
+}
+
 #[test]
 fn sixty_four_concurrent_sandboxes_from_python_run_the_suite_and_leave_nothing() {
     let Some(env) = env("service_sixty_four") else {

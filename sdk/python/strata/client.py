@@ -247,6 +247,14 @@ class AsyncClient:
 
     # -- node and catalog ------------------------------------------------------------
 
+    async def hibernate(self, labels: Mapping[str, str]) -> "pb.HibernateReply":
+        """Hibernates every sandbox of the project whose labels include all of ``labels``
+        (a training job's, at preemption), in parallel. Each entry of ``sandboxes`` has its
+        ``id``, ``state_bytes`` and ``ms``, or ``error``."""
+        return await self._call(
+            self._sandboxes.Hibernate, pb.HibernateRequest(labels=dict(labels))
+        )
+
     async def health(self) -> str:
         r = await self._call(self._node.Health, node_pb2.HealthRequest())
         return r.status
@@ -453,6 +461,25 @@ class AsyncSandbox:
     async def pause(self) -> None:
         self._info = await self._client._call(self._client._sandboxes.Pause, self._ref())
 
+    async def hibernate(self) -> "pb.Hibernated":
+        """Saves the sandbox's whole state to disk and stops it (microvm, vm): its memory
+        and CPUs go back to the node. The next call on it wakes it where it was (or
+        :meth:`wake`). The reply has ``state_bytes`` and ``ms``."""
+        r = await self._client._call(
+            self._client._sandboxes.Hibernate, pb.HibernateRequest(ids=[self.id])
+        )
+        done = r.sandboxes[0]
+        if done.error:
+            from .errors import InvalidArgument
+
+            raise InvalidArgument(done.error, reason="invalid-argument")
+        await self.refresh()
+        return done
+
+    async def wake(self) -> None:
+        """Starts a hibernated sandbox again where it was (any call on it does too)."""
+        self._info = await self._client._call(self._client._sandboxes.Wake, self._ref())
+
     async def resume(self) -> None:
         self._info = await self._client._call(self._client._sandboxes.Resume, self._ref())
 
@@ -610,6 +637,12 @@ class Sandbox:
     def pause(self) -> None:
         self._loop.run(self._sb.pause())
 
+    def hibernate(self) -> "pb.Hibernated":
+        return self._loop.run(self._sb.hibernate())
+
+    def wake(self) -> None:
+        self._loop.run(self._sb.wake())
+
     def resume(self) -> None:
         self._loop.run(self._sb.resume())
 
@@ -661,6 +694,9 @@ class Client:
 
     def list(self, labels: Optional[Mapping[str, str]] = None) -> List[Sandbox]:
         return [Sandbox(self._loop, s) for s in self._loop.run(self._c.list(labels))]
+
+    def hibernate(self, labels: Mapping[str, str]) -> "pb.HibernateReply":
+        return self._loop.run(self._c.hibernate(labels))
 
     def health(self) -> str:
         return self._loop.run(self._c.health())

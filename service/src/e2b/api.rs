@@ -226,7 +226,8 @@ fn detail_json(e: &E2b, m: &Meta) -> Value {
         "memoryMB": m.memory_bytes >> 20,
         "diskSizeMB": m.disk_bytes >> 20,
         "metadata": m.labels,
-        "state": if m.paused { "paused" } else { "running" },
+        // Frozen or hibernated: both are E2B's paused (resumed by a connect).
+        "state": if m.paused || m.hibernated { "paused" } else { "running" },
         "domain": e.cfg.domain,
     })
 }
@@ -475,16 +476,30 @@ async fn set_paused(e: &Arc<E2b>, meta: &Meta, paused: bool) -> Result<Meta, Ser
     blocking(move || node.set_paused(&m, paused)).await
 }
 
+/// Pause keeps memory (E2B's default mode, `full`): the sandbox hibernates (its state
+/// to disk, its memory and CPUs back to the node) where it can; where it cannot (container
+/// and fncall sandboxes have no process checkpoint here, and a command still streaming,
+/// such as a background `commands.run`, would lose its stream) it is frozen with its
+/// memory held. A `filesystem` pause is served the same way: it keeps more than asked.
 async fn pause(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
     let meta = match e.node.meta_for(caller, id) {
         Ok(m) => m,
         Err(err) => return error_response(&err),
     };
-    if meta.paused {
+    if meta.paused || meta.hibernated {
         return api_error(
             StatusCode::CONFLICT,
             format!("sandbox {id} is already paused"),
         );
+    }
+    let (node, m) = (e.node.clone(), meta.clone());
+    // A streaming command makes it busy at once: frozen instead, with no wait.
+    match blocking(move || node.hibernate(&m, Some(Duration::ZERO))).await {
+        Ok(_) => return StatusCode::NO_CONTENT.into_response(),
+        Err(ServiceError::Runtime(
+            strata_runtime::RuntimeError::Unsupported(_) | strata_runtime::RuntimeError::Busy(_),
+        )) => {}
+        Err(err) => return error_response(&err),
     }
     match set_paused(e, &meta, true).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
@@ -506,6 +521,16 @@ async fn connect(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Respo
         Ok(t) => t,
         Err(r) => return r.into_response(),
     };
+    if meta.hibernated {
+        let (node, m) = (e.node.clone(), meta.clone());
+        if let Err(err) = blocking(move || node.sandbox(&m).map(|_| ())).await {
+            return error_response(&err);
+        }
+        meta = match e.node.meta_for(caller, id) {
+            Ok(m) => m,
+            Err(err) => return error_response(&err),
+        };
+    }
     if meta.paused {
         meta = match set_paused(e, &meta, false).await {
             Ok(m) => m,

@@ -60,7 +60,7 @@ pub(super) fn stream_error(e: RpcError) -> Response {
 pub(super) async fn handle(e: &Arc<E2b>, meta: Meta, req: Request) -> Response {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    if meta.paused {
+    if meta.paused || meta.hibernated {
         let msg = format!(
             "sandbox {} is paused: connect to it (Sandbox.connect) to resume it",
             meta.id

@@ -42,7 +42,7 @@ pub(super) async fn handle(e: &Arc<E2b>, meta: Meta, port: u16, req: Request) ->
             ),
         );
     }
-    if meta.paused {
+    if meta.paused || meta.hibernated {
         return api_error(
             StatusCode::BAD_GATEWAY,
             format!("sandbox {} is paused: connect to it to resume it", meta.id),

@@ -289,6 +289,41 @@ class ProcessList(_message.Message):
     processes: _containers.RepeatedCompositeFieldContainer[ProcessInfo]
     def __init__(self, processes: _Optional[_Iterable[_Union[ProcessInfo, _Mapping]]] = ...) -> None: ...
 
+class HibernateRequest(_message.Message):
+    __slots__ = ("ids", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, ids: _Optional[_Iterable[str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Hibernated(_message.Message):
+    __slots__ = ("id", "state_bytes", "ms", "error")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    state_bytes: int
+    ms: int
+    error: str
+    def __init__(self, id: _Optional[str] = ..., state_bytes: _Optional[int] = ..., ms: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class HibernateReply(_message.Message):
+    __slots__ = ("sandboxes", "ms")
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[Hibernated]
+    ms: int
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[Hibernated, _Mapping]]] = ..., ms: _Optional[int] = ...) -> None: ...
+
 class SnapshotRequest(_message.Message):
     __slots__ = ("id", "dir")
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -104,6 +104,16 @@ class SandboxesStub:
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
                 _registered_method=True)
+        self.Hibernate = channel.unary_unary(
+                '/strata.v1.Sandboxes/Hibernate',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.HibernateRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.HibernateReply.FromString,
+                _registered_method=True)
+        self.Wake = channel.unary_unary(
+                '/strata.v1.Sandboxes/Wake',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
+                _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/strata.v1.Sandboxes/Snapshot',
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotRequest.SerializeToString,
@@ -233,6 +243,24 @@ class SandboxesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hibernate(self, request, context):
+        """Saves each sandbox's whole state to disk and stops it (microvm and vm; container and
+        fncall: INVALID_ARGUMENT), in parallel: its memory and CPUs go back to the node
+        (admission stops counting them; the project's quota does not). The next call that
+        needs it running (exec, files, processes, commit, snapshot, pause) wakes it first,
+        admitted to the node again (RESOURCE_EXHAUSTED when it no longer fits), or Wake.
+        By ID, or every sandbox of the caller's project whose labels all match.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wake(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Snapshot(self, request, context):
         """Saves a microvm or vm sandbox into a directory on the node; it keeps running.
         """
@@ -356,6 +384,16 @@ def add_SandboxesServicer_to_server(servicer, server):
             ),
             'Resume': grpc.unary_unary_rpc_method_handler(
                     servicer.Resume,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.SerializeToString,
+            ),
+            'Hibernate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hibernate,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.HibernateRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.HibernateReply.SerializeToString,
+            ),
+            'Wake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wake,
                     request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.FromString,
                     response_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.SerializeToString,
             ),
@@ -771,6 +809,60 @@ class Sandboxes:
             request,
             target,
             '/strata.v1.Sandboxes/Resume',
+            strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hibernate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/Hibernate',
+            strata_dot_v1_dot_sandboxes__pb2.HibernateRequest.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.HibernateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/Wake',
             strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
             strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
             options,
