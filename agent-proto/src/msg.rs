@@ -64,6 +64,10 @@ pub struct Reseed {
     pub time_ns: u64,
     pub seed: Vec<u8>,
     pub key: String,
+    /// A restored copy's own name: the guest takes it as its host name, and makes itself
+    /// a new machine ID. `None`: the same sandbox woken, its identity kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

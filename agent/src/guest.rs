@@ -629,8 +629,27 @@ fn budgets(memory: u64, pids: u32) -> Result<(), String> {
 }
 
 /// After a restore: the host's clock and fresh entropy.
-pub fn reseed(time_ns: u64, seed: &[u8]) -> Result<(), AgentError> {
-    set_clock_and_entropy(time_ns, seed).map_err(|e| AgentError::new(ErrorKind::Other, e))
+/// After a restore or a wake: the host's clock and entropy; for a restored copy (a fork)
+/// its own host name and a new machine ID, so no two copies share an identity.
+pub fn reseed(time_ns: u64, seed: &[u8], hostname: Option<&str>) -> Result<(), AgentError> {
+    set_clock_and_entropy(time_ns, seed).map_err(|e| AgentError::new(ErrorKind::Other, e))?;
+    if let Some(name) = hostname {
+        nix::unistd::sethostname(name)
+            .map_err(|e| AgentError::new(ErrorKind::Other, format!("sethostname: {e}")))?;
+        // Only where the root has one (systemd-style); drawn from the pool just reseeded.
+        let path = std::path::Path::new("/etc/machine-id");
+        if path.exists() {
+            let mut id = [0u8; 16];
+            File::open("/dev/urandom")
+                .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut id))
+                .map_err(|e| AgentError::new(ErrorKind::Other, format!("/dev/urandom: {e}")))?;
+            let text: String = id.iter().map(|b| format!("{b:02x}")).collect();
+            std::fs::write(path, format!("{text}\n")).map_err(|e| {
+                AgentError::new(ErrorKind::Other, format!("writing /etc/machine-id: {e}"))
+            })?;
+        }
+    }
+    Ok(())
 }
 
 /// Sets the clock and credits the host's entropy to the guest's pool.

@@ -200,7 +200,7 @@ pub(crate) fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
         )),
         HostMsg::Connect { port } => relay_port(port, reader, &writer),
         HostMsg::Reseed(r) => reply(result(
-            crate::guest::reseed(r.time_ns, &r.seed)
+            crate::guest::reseed(r.time_ns, &r.seed, r.hostname.as_deref())
                 .and_then(|()| SandboxKey::from_hex(&r.key).map_err(bad_key))
                 .map(|k| {
                     set_key(k);

@@ -193,6 +193,12 @@ pub(crate) trait SandboxBackend: Send + Sync {
         sb.cgroup.is_frozen()
     }
 
+    /// Whether [`SandboxBackend::snapshot`] saves processes and memory (a restore then
+    /// continues them); otherwise only files can be carried over.
+    fn saves_memory(&self) -> bool {
+        false
+    }
+
     /// Saves the whole sandbox to `dest`, to be restored into a new one.
     fn snapshot(&self, sb: &SandboxRef, _dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
         Err(RuntimeError::Invalid(format!(

@@ -482,6 +482,12 @@ impl Sandbox {
         )
     }
 
+    /// Whether a snapshot of this sandbox keeps its processes and memory (a VM's), so a
+    /// restore continues them; otherwise only its files can be carried over (commit).
+    pub fn saves_memory(&self) -> bool {
+        self.rt.backend(self.record.spec.backend).saves_memory()
+    }
+
     /// Saves a VM sandbox (machine state and writable disk) into directory `dest`; the
     /// sandbox keeps running. [`crate::Runtime::restore`] starts a new sandbox from it.
     pub fn snapshot(&self, dest: &Path) -> Result<SnapshotInfo, RuntimeError> {

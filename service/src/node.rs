@@ -535,6 +535,97 @@ impl Node {
         Ok(meta)
     }
 
+    /// Forks the caller's sandbox `parent` into `count` children (see [`crate::fork`]),
+    /// each admitted as a create would be (all before any is made) and recorded with the
+    /// parent's project, labels and lifetime end. Whether they kept its processes.
+    pub async fn fork(
+        self: &Arc<Self>,
+        caller: &Caller,
+        parent: &Meta,
+        count: usize,
+    ) -> Result<(Vec<Meta>, bool, f64), ServiceError> {
+        crate::fork::check_count(count)?;
+        let pending: Vec<String> = (0..count)
+            .map(|_| format!("pending-{}", uuid::Uuid::new_v4().simple()))
+            .collect();
+        let template = Meta {
+            created_ms: now_ms(),
+            paused: false,
+            hibernated: false,
+            pending: true,
+            ..parent.clone()
+        };
+        {
+            let mut map = self.lock();
+            for local in &pending {
+                let admitted = admission::admit(
+                    map.values(),
+                    &caller.project,
+                    Ask {
+                        memory_bytes: parent.memory_bytes,
+                        cpus: parent.cpus,
+                    },
+                    self.capacity(),
+                    self.cfg.retry_after,
+                );
+                if let Err(e) = admitted {
+                    if let ServiceError::Exhausted { reason, .. } = &e {
+                        self.metrics.refused(reason);
+                    }
+                    for l in &pending {
+                        map.remove(l);
+                    }
+                    return Err(e);
+                }
+                map.insert(
+                    local.clone(),
+                    Meta {
+                        local: local.clone(),
+                        ..template.clone()
+                    },
+                );
+            }
+        }
+        let node = self.clone();
+        let p = parent.clone();
+        let made = match tokio::task::spawn_blocking(move || node.sandbox(&p)).await {
+            Ok(Ok(sb)) => {
+                crate::fork::fork(&self.store, &self.rt, &sb, count, &self.registrant(caller)).await
+            }
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(ServiceError::Internal(e.to_string())),
+        };
+        {
+            let mut map = self.lock();
+            for l in &pending {
+                map.remove(l);
+            }
+        }
+        let forked = made?;
+        let mut metas = Vec::new();
+        for sb in forked.children {
+            let meta = Meta {
+                local: sb.id().to_string(),
+                id: self.external_id(sb.id()),
+                pending: false,
+                ..template.clone()
+            };
+            if let Err(e) = self.metas.save(&meta) {
+                let _ = sb.destroy();
+                return Err(e);
+            }
+            let _ = sb.audit().record(
+                "service",
+                serde_json::json!({"id": meta.id, "project": meta.project, "token": meta.token,
+                                   "labels": meta.labels, "expires_ms": meta.expires_ms,
+                                   "forked_from": parent.id}),
+            );
+            self.lock().insert(meta.local.clone(), meta.clone());
+            metas.push(meta);
+        }
+        Ok((metas, forked.processes, forked.millis))
+    }
+
     fn top_up(&self, backend: Backend, disk: u64) {
         use std::sync::atomic::Ordering;
         if self.topping_up.swap(true, Ordering::AcqRel) {

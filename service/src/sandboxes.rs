@@ -784,6 +784,25 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         Ok(Response::new(info(&self.0, &meta)))
     }
 
+    async fn fork(
+        &self,
+        req: Request<proto::ForkRequest>,
+    ) -> Result<Response<proto::ForkReply>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let r = req.into_inner();
+        let parent = self.0.meta_for(&who, &r.id)?;
+        let (children, processes, ms) = self
+            .0
+            .fork(&who, &parent, r.count as usize)
+            .await
+            .map_err(|e| self.0.fail(e))?;
+        Ok(Response::new(proto::ForkReply {
+            children: children.iter().map(|m| info(&self.0, m)).collect(),
+            processes,
+            ms: ms as u64,
+        }))
+    }
+
     async fn snapshot(
         &self,
         req: Request<proto::SnapshotRequest>,

@@ -393,6 +393,29 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
                 .collect();
             return crate::sandbox::print_hibernated(&rows, json);
         }
+        SandboxCommand::Fork { id, count } => {
+            let reply = sbs
+                .fork(remote.req(proto::ForkRequest {
+                    id,
+                    count: count as u32,
+                }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            eprintln!(
+                "forked into {} in {} ({})",
+                reply.children.len(),
+                crate::output::took(std::time::Duration::from_millis(reply.ms)),
+                if reply.processes {
+                    "processes and memory"
+                } else {
+                    "files only"
+                }
+            );
+            for c in reply.children {
+                println!("{}", c.id);
+            }
+        }
         SandboxCommand::Wake { id } => {
             let info = sbs
                 .wake(remote.req(proto::SandboxRef { id }))

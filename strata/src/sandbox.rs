@@ -176,6 +176,15 @@ pub enum SandboxCommand {
     },
     /// Start a hibernated sandbox again where it was.
     Wake { id: String },
+    /// New sandboxes that start from where this one is; prints their IDs, one per line.
+    /// microvm and vm children continue its processes and memory (a snapshot restored N
+    /// times, each with a fresh identity); container and fncall children get its files.
+    Fork {
+        id: String,
+        /// How many (1 to 100).
+        #[arg(long, default_value_t = 1)]
+        count: usize,
+    },
     /// Replace a running sandbox's allowed network destinations (container and fncall).
     Network {
         id: String,
@@ -686,6 +695,33 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
         };
         return exec_step(store, &settings, id, step, req).await;
     }
+    if let SandboxCommand::Fork { id, count } = &cmd {
+        strata_service::fork::check_count(*count)?;
+        let (s2, id2) = (settings.clone(), id.clone());
+        let (rt, parent) = tokio::task::spawn_blocking(move || -> Result<_> {
+            let rt = open_runtime(&s2)?;
+            let parent = rt.get(&id2)?;
+            Ok((rt, parent))
+        })
+        .await??;
+        let forked =
+            strata_service::fork::fork(store, &rt, &parent, *count, &settings.registrant).await?;
+        eprintln!(
+            "forked {} into {} in {} ({})",
+            parent.id(),
+            forked.children.len(),
+            crate::output::took(Duration::from_secs_f64(forked.millis / 1e3)),
+            if forked.processes {
+                "processes and memory"
+            } else {
+                "files only"
+            }
+        );
+        for child in &forked.children {
+            println!("{}", child.id());
+        }
+        return Ok(0);
+    }
     if let SandboxCommand::Journal { id, json } = &cmd {
         let (s2, id2) = (settings.clone(), id.clone());
         // The sandbox's full ID if it lives, and every live one (the sweep keeps theirs).
@@ -713,7 +749,8 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
         match cmd {
             SandboxCommand::Create { .. }
             | SandboxCommand::Commit { .. }
-            | SandboxCommand::Journal { .. } => {
+            | SandboxCommand::Journal { .. }
+            | SandboxCommand::Fork { .. } => {
                 unreachable!("handled above")
             }
             SandboxCommand::Exec {

@@ -328,6 +328,41 @@ def hibernate_rounds():
         sb.kill()
 
 
+def fork_children():
+    sb = Sandbox.create(TEMPLATE, timeout=900, **CREATE)
+    kids = []
+    try:
+        r = sb.commands.run("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.2; done' >/dev/null 2>&1 &")
+        assert r.exit_code == 0, r
+        # On the writable layer (a container's /tmp is memory: a fork carries files only).
+        sb.files.write("/work/parent.txt", "from the parent")
+        before = int(sb.commands.run(COUNT).stdout)
+        t = time.monotonic()
+        kids = sb.fork(count=4, timeout=600)
+        took = time.monotonic() - t
+        assert len(kids) == 4 and not [k for k in kids if isinstance(k, Exception)], kids
+        ids = {k.sandbox_id for k in kids}
+        assert len(ids) == 4 and sb.sandbox_id not in ids, ids
+        for k in kids:
+            assert k.files.read("/work/parent.txt") == "from the parent"
+            k.files.write("/work/mine.txt", k.sandbox_id)
+            if BACKEND in ("microvm", "vm"):
+                # The parent's process continues in each child, from the parent's count.
+                time.sleep(0.5)
+                assert int(k.commands.run(COUNT).stdout) > before, "a child's counter did not go on"
+        for k in kids:
+            assert k.files.read("/work/mine.txt") == k.sandbox_id, "children share a file"
+        assert not sb.files.exists("/work/mine.txt"), "a child's file reached the parent"
+        names = {k.commands.run("hostname").stdout.strip() for k in kids}
+        assert len(names) == 4, f"children share an identity: {names}"
+        log(f"fork: 4 children in {took:.1f}s, each with the parent's files and its own identity")
+    finally:
+        for k in kids:
+            if not isinstance(k, Exception):
+                k.kill()
+        sb.kill()
+
+
 async def burst():
     async def one(i):
         sb = await AsyncSandbox.create(TEMPLATE, timeout=900, **CREATE)
@@ -384,7 +419,7 @@ def proxy():
 
 
 if __name__ == "__main__":
-    {"full": full, "short": short, "pause": pause_rounds, "hibernate": hibernate_rounds, "burst": lambda: asyncio.run(burst()), "proxy": proxy}[SCENARIO]()
+    {"full": full, "short": short, "pause": pause_rounds, "hibernate": hibernate_rounds, "fork": fork_children, "burst": lambda: asyncio.run(burst()), "proxy": proxy}[SCENARIO]()
     log("ok")
     # Every check has passed. The SDK's native HTTP client (pyqwest) aborts the interpreter
     # while it is torn down after asyncio use (SIGABRT at exit, seen with 2.63.0), so the

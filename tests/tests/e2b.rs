@@ -148,6 +148,15 @@ fn e2b_python_sdks_drive_container_and_fncall_sandboxes() {
         "container",
         &env.reference,
     );
+    // A container's fork: its files in each child (no process checkpoint here).
+    run_suite(
+        &svc,
+        &token,
+        E2B_PYTHON[0],
+        "fork",
+        "container",
+        &env.reference,
+    );
     assert_nothing_left(&home);
 }
 
@@ -225,6 +234,15 @@ fn e2b_python_sdk_drives_microvm_and_vm_sandboxes() {
     .unwrap_or_else(|e| panic!("the audit of {id}: {e}"));
     let events = |e: &str| audit.matches(&format!("\"event\":\"{e}\"")).count();
     assert_eq!((events("hibernated"), events("woken")), (5, 5), "{audit}");
+    // fork(count=4): children continue the parent's detached process, each its own.
+    run_suite(
+        &svc,
+        &token,
+        E2B_PYTHON[0],
+        "fork",
+        "microvm",
+        &env.reference,
+    );
     // A server inside a guest, reached through the agent's relay.
     run_suite(
         &svc,

@@ -827,6 +827,7 @@ impl VmBackend {
                     time_ns: now_ns(),
                     seed: fresh_seed(),
                     key: key.to_hex(),
+                    hostname: Some(ctx.hostname.clone()),
                 }),
                 "reseed",
                 Some(read_key(snapshot)?),
@@ -1061,6 +1062,10 @@ impl SandboxBackend for VmBackend {
         Ok(())
     }
 
+    fn saves_memory(&self) -> bool {
+        true
+    }
+
     /// The machine stops, its state (memory and devices) is saved to `to/state`, and QEMU
     /// quits, its disks flushed; the relay goes with it. The writable disk stays.
     fn hibernate(&self, sb: &SandboxRef, to: &Path) -> Result<HibernateInfo, RuntimeError> {
@@ -1150,6 +1155,7 @@ impl SandboxBackend for VmBackend {
             time_ns: now_ns(),
             seed: fresh_seed(),
             key: key.to_hex(),
+            hostname: None,
         });
         AgentClient::at(socket_path(dir), Some(key))
             .request(&reseed, None, BOOT_TIMEOUT)

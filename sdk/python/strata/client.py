@@ -476,6 +476,15 @@ class AsyncSandbox:
         await self.refresh()
         return done
 
+    async def fork(self, count: int = 1) -> List["AsyncSandbox"]:
+        """``count`` (1-100) new sandboxes that start from where this one is: a microvm's
+        or vm's continue its processes and memory with a fresh identity; a container's or
+        fncall's get its files."""
+        r = await self._client._call(
+            self._client._sandboxes.Fork, pb.ForkRequest(id=self.id, count=count)
+        )
+        return [AsyncSandbox(self._client, info) for info in r.children]
+
     async def wake(self) -> None:
         """Starts a hibernated sandbox again where it was (any call on it does too)."""
         self._info = await self._client._call(self._client._sandboxes.Wake, self._ref())
@@ -642,6 +651,9 @@ class Sandbox:
 
     def wake(self) -> None:
         self._loop.run(self._sb.wake())
+
+    def fork(self, count: int = 1) -> List["Sandbox"]:
+        return [Sandbox(self._loop, sb) for sb in self._loop.run(self._sb.fork(count))]
 
     def resume(self) -> None:
         self._loop.run(self._sb.resume())

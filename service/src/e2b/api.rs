@@ -2,8 +2,8 @@
 //! a project token, `templateID` a catalog ID, `timeout` the sandbox's lifetime from now
 //! (and its idle TTL: E2B sandboxes do not end early for being idle), `envVars` its
 //! environment, `metadata` its labels, `network` its egress allowlist. Creates go
-//! through the node's admission like any other. Snapshots and fork answer with an
-//! E2B-shaped error until durable rollout state exists.
+//! through the node's admission like any other, as do a fork's children. Snapshots
+//! answer with an E2B-shaped error until store snapshots exist.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -261,10 +261,11 @@ pub(super) async fn handle(e: &Arc<E2b>, req: Request) -> Response {
         }
         (&Method::GET, ["sandboxes", id, "metrics"]) => metrics(e, &caller, id).await,
         (&Method::PUT, ["sandboxes", id, "network"]) => update_network(e, &caller, id, req).await,
-        (&Method::POST, ["sandboxes", id, "snapshots" | "fork"]) => match e.node.meta_for(&caller, id) {
+        (&Method::POST, ["sandboxes", id, "fork"]) => fork(e, &caller, id, req).await,
+        (&Method::POST, ["sandboxes", id, "snapshots"]) => match e.node.meta_for(&caller, id) {
             Ok(_) => api_error(
                 StatusCode::NOT_IMPLEMENTED,
-                "snapshots and fork through the E2B API come with Strata's durable rollout state; not served yet (pause/connect keeps a sandbox's state meanwhile)",
+                "snapshots in the store through the E2B API are not served yet (pause/connect keeps a sandbox's state, fork copies it)",
             ),
             Err(err) => error_response(&err),
         },
@@ -505,6 +506,50 @@ async fn pause(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(err) => error_response(&err),
     }
+}
+
+/// Fork: `count` (default 1) children of the sandbox (see [`crate::fork`]), all or none,
+/// each given `timeout` as its lifetime from now when one is sent.
+async fn fork(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
+    let meta = match e.node.meta_for(caller, id) {
+        Ok(m) => m,
+        Err(err) => return error_response(&err),
+    };
+    let v = match body_json(req).await {
+        Ok(v) => v,
+        Err(r) => return r.into_response(),
+    };
+    let timeout = match timeout_of(&v) {
+        Ok(t) => t,
+        Err(r) => return r.into_response(),
+    };
+    let count = match v.get("count") {
+        None | Some(Value::Null) => 1,
+        Some(c) => match c.as_u64() {
+            Some(n) if (1..=crate::fork::MAX_FORK as u64).contains(&n) => n as usize,
+            _ => {
+                return api_error(
+                    StatusCode::BAD_REQUEST,
+                    format!("count: give 1 to {} children", crate::fork::MAX_FORK),
+                )
+            }
+        },
+    };
+    let children = match e.node.fork(caller, &meta, count).await {
+        Ok((children, _, _)) => children,
+        Err(err) => return error_response(&err),
+    };
+    let mut out = Vec::new();
+    for mut child in children {
+        if let Some(secs) = timeout {
+            match extend(e, &child, secs, false).await {
+                Ok(m) => child = m,
+                Err(err) => return error_response(&err),
+            }
+        }
+        out.push(json!({ "sandbox": sandbox_json(e, &child) }));
+    }
+    json_reply(StatusCode::CREATED, Value::Array(out))
 }
 
 /// Connect: resumes a paused sandbox; a timeout extends a shorter lifetime.

@@ -324,6 +324,24 @@ class HibernateReply(_message.Message):
     ms: int
     def __init__(self, sandboxes: _Optional[_Iterable[_Union[Hibernated, _Mapping]]] = ..., ms: _Optional[int] = ...) -> None: ...
 
+class ForkRequest(_message.Message):
+    __slots__ = ("id", "count")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    count: int
+    def __init__(self, id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ForkReply(_message.Message):
+    __slots__ = ("children", "processes", "ms")
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    children: _containers.RepeatedCompositeFieldContainer[SandboxInfo]
+    processes: bool
+    ms: int
+    def __init__(self, children: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ..., processes: _Optional[bool] = ..., ms: _Optional[int] = ...) -> None: ...
+
 class SnapshotRequest(_message.Message):
     __slots__ = ("id", "dir")
     ID_FIELD_NUMBER: _ClassVar[int]

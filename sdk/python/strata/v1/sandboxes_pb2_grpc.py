@@ -114,6 +114,11 @@ class SandboxesStub:
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/strata.v1.Sandboxes/Fork',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.ForkRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.ForkReply.FromString,
+                _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/strata.v1.Sandboxes/Snapshot',
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotRequest.SerializeToString,
@@ -261,6 +266,17 @@ class SandboxesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fork(self, request, context):
+        """New sandboxes that start from where this one is, each admitted as a create and with
+        its labels. microvm and vm: its snapshot restored `count` times, so each child
+        continues its processes and memory with a fresh identity (ID, key, host name, machine
+        ID, entropy); container and fncall: its files committed as a layer under each child
+        (fresh processes). All or none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Snapshot(self, request, context):
         """Saves a microvm or vm sandbox into a directory on the node; it keeps running.
         """
@@ -396,6 +412,11 @@ def add_SandboxesServicer_to_server(servicer, server):
                     servicer.Wake,
                     request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxRef.FromString,
                     response_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.ForkRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.ForkReply.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
@@ -865,6 +886,33 @@ class Sandboxes:
             '/strata.v1.Sandboxes/Wake',
             strata_dot_v1_dot_sandboxes__pb2.SandboxRef.SerializeToString,
             strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/Fork',
+            strata_dot_v1_dot_sandboxes__pb2.ForkRequest.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.ForkReply.FromString,
             options,
             channel_credentials,
             insecure,
