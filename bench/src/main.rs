@@ -11,6 +11,7 @@ mod remote;
 mod report;
 mod runtime;
 mod service;
+mod state;
 mod vm;
 
 use std::path::PathBuf;
@@ -23,7 +24,8 @@ use clap::Parser;
 struct Args {
     /// Which suite to run: `build`, `lazyfs`, `runtime`, `datasets`, `vm`, `remote` (lazy
     /// loading from S3 through added latency), `service` (the node service from the Python
-    /// SDK and the CLI), or `quick` (every suite but remote and service, small sizes).
+    /// SDK and the CLI), `e2b`, `state` (hibernate, wake, fork), or `quick` (every suite
+    /// but remote and service, small sizes).
     /// Run from the repository root, as root (mounts, drop_caches).
     #[arg(long, default_value = "quick")]
     suite: String,
@@ -53,6 +55,7 @@ fn main() -> Result<()> {
         "remote" => sections.push(remote::run(&rt, &args.scratch, &repo)?),
         "service" => sections.push(service::run(&rt, &args.scratch, &repo)?),
         "e2b" => sections.push(e2b::run(&rt, &args.scratch, &repo)?),
+        "state" => sections.push(state::run(&rt, &args.scratch, &repo, false)?),
         "quick" => {
             sections.push(build::run(&rt, &args.scratch)?);
             sections.push(lazy::run(&rt, &args.scratch, &repo)?);
@@ -62,7 +65,7 @@ fn main() -> Result<()> {
         }
         other => {
             anyhow::bail!(
-                "unknown suite `{other}` (build, lazyfs, runtime, datasets, vm, remote, service, e2b, quick)"
+                "unknown suite `{other}` (build, lazyfs, runtime, datasets, vm, remote, service, e2b, state, quick)"
             )
         }
     }

@@ -16,7 +16,7 @@ use crate::runtime::{percentile, runtime_config, setup};
 
 const VM_MEMORY: u64 = 256 << 20;
 
-fn vm_spec(base: &SandboxSpec, backend: Backend) -> SandboxSpec {
+pub(crate) fn vm_spec(base: &SandboxSpec, backend: Backend) -> SandboxSpec {
     let mut spec = base.clone();
     spec.backend = backend;
     spec.limits.memory_bytes = VM_MEMORY;
@@ -24,7 +24,7 @@ fn vm_spec(base: &SandboxSpec, backend: Backend) -> SandboxSpec {
 }
 
 /// Create, run `/bin/true`, destroy; returns create -> first exec done (ms).
-fn once(rt: &Runtime, spec: &SandboxSpec) -> Result<f64> {
+pub(crate) fn once(rt: &Runtime, spec: &SandboxSpec) -> Result<f64> {
     let t = Instant::now();
     let sb = rt.create_owned(spec.clone())?;
     let r = sb.exec(&ExecRequest::argv(["/bin/true"]));

@@ -1070,7 +1070,10 @@ impl SandboxBackend for VmBackend {
     /// quits, its disks flushed; the relay goes with it. The writable disk stays.
     fn hibernate(&self, sb: &SandboxRef, to: &Path) -> Result<HibernateInfo, RuntimeError> {
         let t = Instant::now();
+        // The guest's memory goes there: the host's other users may not read it.
         std::fs::create_dir_all(to).map_err(RuntimeError::io(to))?;
+        std::fs::set_permissions(to, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(RuntimeError::io(to))?;
         let mut qmp = qemu::Qmp::connect(&sb.dir.join("qmp.sock"), Duration::from_secs(5))?;
         let was_running = qmp.status()? == "running";
         // Saved stopped: nothing the guest does after the save reaches its disk.

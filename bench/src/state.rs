@@ -1,0 +1,174 @@
+//! The `state` suite: durable rollout state against a cold create of the same entry in
+//! the same run. Hibernate and wake of a microVM (wake to first exec against a create to
+//! first exec), the hibernated state's size against the memory its guest uses, and fork
+//! of N children per backend against N creates. Container and fncall sandboxes cannot
+//! hibernate here (no CRIU): their rows are absent, as the README says.
+
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use strata_catalog::Backend;
+use strata_runtime::{ExecRequest, Runtime, Sandbox, SandboxSpec};
+use strata_store::{Store, StoreUrl};
+
+use crate::report::{Row, Section};
+use crate::runtime::{percentile, runtime_config, setup};
+use crate::vm::{once, vm_spec};
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn check(sb: &Sandbox, script: &str) -> Result<String> {
+    let r = sb.exec(&ExecRequest::shell(script))?;
+    if !r.success() {
+        bail!(
+            "`{script}` failed in {}: {}",
+            sb.id(),
+            String::from_utf8_lossy(&r.stderr)
+        );
+    }
+    Ok(String::from_utf8_lossy(&r.stdout).into_owned())
+}
+
+/// Creates `n` sandboxes of `spec` and runs `/bin/true` in each; the time for all.
+fn creates(rt: &Runtime, spec: &SandboxSpec, n: usize) -> Result<f64> {
+    let t = Instant::now();
+    let made: Vec<Sandbox> = (0..n)
+        .map(|_| rt.create_owned(spec.clone()))
+        .collect::<Result<_, _>>()?;
+    for sb in &made {
+        check(sb, "true")?;
+    }
+    let took = ms(t);
+    for sb in made {
+        sb.destroy()?;
+    }
+    Ok(took)
+}
+
+pub fn run(
+    rt: &tokio::runtime::Runtime,
+    scratch: &Path,
+    repo: &Path,
+    quick: bool,
+) -> Result<Section> {
+    let s = setup(rt, scratch, repo)?;
+    let runtime = Runtime::open(runtime_config(&s.home, &s.store_url)?)?;
+    let store = Store::open(&StoreUrl::Local(s.store_url.clone().into()))?;
+    let mut rows = Vec::new();
+    let microvm = vm_spec(&s.spec, Backend::Microvm);
+    // Makes the template and warms the layer caches, outside the timings.
+    once(&runtime, &microvm)?;
+
+    // Hibernate and wake: a guest with a running process and a written file.
+    let sb = runtime.create_owned(microvm.clone())?;
+    check(
+        &sb,
+        "dd if=/dev/urandom of=/root/blob bs=1M count=16 2>/dev/null; nohup sh -c 'while true; do sleep 1; done' >/dev/null 2>&1 &",
+    )?;
+    let used_kib: f64 = check(
+        &sb,
+        "awk '/MemTotal/{t=$2}/MemFree/{f=$2}END{print t-f}' /proc/meminfo",
+    )?
+    .trim()
+    .parse()
+    .unwrap_or(0.0);
+    let cycles = if quick { 5 } else { 20 };
+    let (mut hib, mut wake, mut state) = (Vec::new(), Vec::new(), 0u64);
+    for _ in 0..cycles {
+        let t = Instant::now();
+        state = sb.hibernate()?.state_bytes;
+        hib.push(ms(t));
+        let t = Instant::now();
+        check(&sb, "test -s /root/blob")?;
+        wake.push(ms(t));
+    }
+    sb.destroy()?;
+    let mut cold: Vec<f64> = (0..if quick { 3 } else { 5 })
+        .map(|_| once(&runtime, &microvm))
+        .collect::<Result<_>>()?;
+    let cold50 = percentile(&mut cold, 0.5);
+    rows.push(Row::new(
+        "microvm hibernate, p50",
+        "ms",
+        percentile(&mut hib, 0.5),
+        "create -> first exec, p50",
+        cold50,
+        "lower",
+        "QMP stop, state migrated to a file, QEMU quits",
+    ));
+    rows.push(Row::new(
+        "microvm wake -> first exec, p50",
+        "ms",
+        percentile(&mut wake, 0.5),
+        "create -> first exec, p50",
+        cold50,
+        "lower",
+        "the same machine started from its saved state; processes and files kept",
+    ));
+    rows.push(Row::new(
+        "microvm hibernated state",
+        "MiB",
+        state as f64 / 1_048_576.0,
+        "memory the guest uses (MemTotal - MemFree, page cache included)",
+        used_kib / 1024.0,
+        "lower",
+        "target: at most what the guest uses (its files stay on its disk)",
+    ));
+
+    // Fork of N against N creates, per backend.
+    let container = SandboxSpec {
+        backend: Backend::Container,
+        ..s.spec.clone()
+    };
+    let counts: &[usize] = if quick { &[1, 4] } else { &[1, 16] };
+    for (name, spec, extra) in [
+        ("microvm", &microvm, None),
+        ("container", &container, Some(100usize)),
+    ] {
+        let mut ns = counts.to_vec();
+        ns.extend(extra.filter(|_| !quick));
+        for &n in &ns {
+            let parent = runtime.create_owned(spec.clone())?;
+            check(&parent, "echo parent > /work/parent.txt")?;
+            let t = Instant::now();
+            let forked = rt.block_on(strata_service::fork::fork(
+                &store,
+                &runtime,
+                &parent,
+                n,
+                "strata-bench",
+            ))?;
+            for child in &forked.children {
+                check(child, "test -s /work/parent.txt")?;
+            }
+            let took = ms(t);
+            for child in forked.children {
+                child.destroy()?;
+            }
+            parent.destroy()?;
+            let baseline = creates(&runtime, spec, n)?;
+            rows.push(Row::new(
+                &format!("{name} fork of {n} -> first exec in each"),
+                "ms",
+                took,
+                &format!("{n} creates -> first exec in each"),
+                baseline,
+                "lower",
+                if forked.processes {
+                    "one snapshot restored N times: processes and memory carried"
+                } else {
+                    "files committed as a layer under N new sandboxes (no process checkpoint)"
+                },
+            ));
+        }
+    }
+    runtime.drain_pool();
+    Ok(Section {
+        name: "state".into(),
+        description: "Durable rollout state: hibernate and wake of a microVM (16 MiB written, a process running), the saved state's size, and fork per backend, each against a create of the same entry in the same run. Layers cached locally; microVMs of 256 MiB under this host's accelerator.".into(),
+        rows,
+    })
+}
