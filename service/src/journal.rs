@@ -292,26 +292,7 @@ impl Journal {
     }
 
     async fn get(&self, sandbox: &str, step: &str) -> Result<Option<Step>, ServiceError> {
-        let k = key(sandbox, step);
-        match self.backend.get(&k).await {
-            Ok(r) => {
-                let bytes = r.bytes().await.map_err(|source| ServiceError::Backend {
-                    key: k.to_string(),
-                    source,
-                })?;
-                serde_json::from_slice(&bytes)
-                    .map(Some)
-                    .map_err(|e| ServiceError::Corrupt {
-                        key: k.to_string(),
-                        reason: e.to_string(),
-                    })
-            }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(source) => Err(ServiceError::Backend {
-                key: k.to_string(),
-                source,
-            }),
-        }
+        crate::projects::read_json(self.backend.as_ref(), &key(sandbox, step)).await
     }
 
     /// Writes a record; with `create`, only if there is none yet (false: there was one).

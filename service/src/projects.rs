@@ -110,6 +110,33 @@ pub fn check_name(name: &str) -> Result<(), ServiceError> {
     }
 }
 
+/// The JSON object at `key` of `backend`; `None` when there is none. One that does not
+/// parse is corrupt, never taken for absent.
+pub(crate) async fn read_json<T: for<'de> Deserialize<'de>>(
+    backend: &dyn ObjectStore,
+    key: &ObjectPath,
+) -> Result<Option<T>, ServiceError> {
+    match backend.get(key).await {
+        Ok(r) => {
+            let bytes = r.bytes().await.map_err(|source| ServiceError::Backend {
+                key: key.to_string(),
+                source,
+            })?;
+            serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|e| ServiceError::Corrupt {
+                    key: key.to_string(),
+                    reason: e.to_string(),
+                })
+        }
+        Err(object_store::Error::NotFound { .. }) => Ok(None),
+        Err(source) => Err(ServiceError::Backend {
+            key: key.to_string(),
+            source,
+        }),
+    }
+}
+
 /// The projects and tokens of a store.
 #[derive(Clone)]
 pub struct Projects {
@@ -137,25 +164,7 @@ impl Projects {
         &self,
         key: &ObjectPath,
     ) -> Result<Option<T>, ServiceError> {
-        match self.backend.get(key).await {
-            Ok(r) => {
-                let bytes = r.bytes().await.map_err(|source| ServiceError::Backend {
-                    key: key.to_string(),
-                    source,
-                })?;
-                serde_json::from_slice(&bytes)
-                    .map(Some)
-                    .map_err(|e| ServiceError::Corrupt {
-                        key: key.to_string(),
-                        reason: e.to_string(),
-                    })
-            }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(source) => Err(ServiceError::Backend {
-                key: key.to_string(),
-                source,
-            }),
-        }
+        read_json(self.backend.as_ref(), key).await
     }
 
     async fn put_json<T: Serialize>(

@@ -195,6 +195,19 @@ impl SandboxesApi {
         Ok(Response::new(info(&self.0, &m)))
     }
 
+    /// The caller's project's sandboxes whose labels include every one of `want`.
+    fn selected(&self, who: &crate::Caller, want: BTreeMap<String, String>) -> Vec<Meta> {
+        self.0
+            .metas()
+            .into_iter()
+            .filter(|m| {
+                !m.pending
+                    && m.project == who.project.name
+                    && want.iter().all(|(k, v)| m.labels.get(k) == Some(v))
+            })
+            .collect()
+    }
+
     /// Starts (or finds) journal step `step` of the caller's sandbox for request `r`.
     async fn begin_step(
         &self,
@@ -292,17 +305,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         req: Request<proto::ListRequest>,
     ) -> Result<Response<proto::ListReply>, Status> {
         let who = caller(&self.0, &req).await?;
-        let want: BTreeMap<String, String> = req.into_inner().labels.into_iter().collect();
-        let mut metas: Vec<Meta> = self
-            .0
-            .metas()
-            .into_iter()
-            .filter(|m| {
-                !m.pending
-                    && m.project == who.project.name
-                    && want.iter().all(|(k, v)| m.labels.get(k) == Some(v))
-            })
-            .collect();
+        let mut metas = self.selected(&who, req.into_inner().labels.into_iter().collect());
         metas.sort_by(|a, b| a.created_ms.cmp(&b.created_ms).then(a.id.cmp(&b.id)));
         Ok(Response::new(proto::ListReply {
             sandboxes: metas.iter().map(|m| info(&self.0, m)).collect(),
@@ -731,16 +734,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
                 .map(|id| self.0.meta_for(&who, id))
                 .collect::<Result<Vec<_>, _>>()?
         } else if !r.labels.is_empty() {
-            let want: BTreeMap<String, String> = r.labels.into_iter().collect();
-            self.0
-                .metas()
-                .into_iter()
-                .filter(|m| {
-                    !m.pending
-                        && m.project == who.project.name
-                        && want.iter().all(|(k, v)| m.labels.get(k) == Some(v))
-                })
-                .collect()
+            self.selected(&who, r.labels.into_iter().collect())
         } else {
             return Err(ServiceError::invalid(
                 "ids",
