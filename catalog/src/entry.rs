@@ -58,6 +58,10 @@ pub struct Budgets {
     pub timeout: Option<String>,
     /// Idle time after which a stateful sandbox is reaped.
     pub idle_ttl: Option<String>,
+    /// Idle time after which a sandbox that can (microvm, vm) hibernates: its state to
+    /// disk, its memory and CPUs released, woken by its next call. Others ignore it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auto_hibernate: Option<String>,
 }
 
 /// Parses `512M`, `1G`, `4096` (bytes; K/M/G/T are powers of 1024).
@@ -116,6 +120,9 @@ impl Budgets {
     pub fn idle_ttl(&self) -> Result<Option<Duration>, CatalogError> {
         duration("idle_ttl", &self.idle_ttl)
     }
+    pub fn auto_hibernate(&self) -> Result<Option<Duration>, CatalogError> {
+        duration("auto_hibernate", &self.auto_hibernate)
+    }
 
     /// Checks every field parses.
     pub fn validate(&self) -> Result<(), CatalogError> {
@@ -124,6 +131,7 @@ impl Budgets {
         self.cpu_count()?;
         self.timeout()?;
         self.idle_ttl()?;
+        self.auto_hibernate()?;
         if self.pids == Some(0) {
             return Err(CatalogError::Invalid(
                 "budgets.pids must be at least 1".into(),
@@ -141,6 +149,10 @@ impl Budgets {
             pids: over.pids.or(self.pids),
             timeout: over.timeout.clone().or_else(|| self.timeout.clone()),
             idle_ttl: over.idle_ttl.clone().or_else(|| self.idle_ttl.clone()),
+            auto_hibernate: over
+                .auto_hibernate
+                .clone()
+                .or_else(|| self.auto_hibernate.clone()),
         }
     }
 }

@@ -308,17 +308,23 @@ pub struct ReapReport {
     pub crashed: Vec<String>,
     pub expired: Vec<String>,
     pub orphans: Vec<String>,
+    /// Sandboxes idle past their `auto_hibernate`, hibernated by this reap.
+    pub hibernated: Vec<String>,
 }
 
 impl ReapReport {
     pub fn is_empty(&self) -> bool {
-        self.crashed.is_empty() && self.expired.is_empty() && self.orphans.is_empty()
+        self.crashed.is_empty()
+            && self.expired.is_empty()
+            && self.orphans.is_empty()
+            && self.hibernated.is_empty()
     }
 
     fn merge(&mut self, other: ReapReport) {
         self.crashed.extend(other.crashed);
         self.expired.extend(other.expired);
         self.orphans.extend(other.orphans);
+        self.hibernated.extend(other.hibernated);
     }
 }
 
@@ -729,6 +735,31 @@ impl Runtime {
                 &|pid, start| process_start(pid) == Some(start),
             );
             drop(lock);
+            if let (None, false, Some(r)) = (reason, hibernated, &record) {
+                let idle_past = r
+                    .spec
+                    .limits
+                    .auto_hibernate
+                    .is_some_and(|after| self.idle_for(&id) >= after);
+                if idle_past && self.backend(r.spec.backend).saves_memory() {
+                    let sb = Sandbox {
+                        rt: self.clone(),
+                        record: r.clone(),
+                    };
+                    // A command running now is activity: it is left alone (busy).
+                    match sb.hibernate_waiting(Duration::ZERO) {
+                        Ok(_) => {
+                            let _ = self.audit(&id).record(
+                                "auto-hibernated",
+                                json!({"idle_s": self.idle_for(&id).as_secs()}),
+                            );
+                            report.hibernated.push(id.clone());
+                        }
+                        Err(RuntimeError::Busy(_)) => {}
+                        Err(e) => tracing::warn!("hibernating idle sandbox {id}: {e}"),
+                    }
+                }
+            }
             if let (Some(EndReason::Crashed), Some(r)) = (reason, &record) {
                 let _ = self.audit(&id).record(
                     "init-gone",

@@ -30,6 +30,9 @@ pub struct Limits {
     /// Idle time after which a stateful sandbox is destroyed.
     #[serde(with = "humantime_serde_secs")]
     pub idle_ttl: Duration,
+    /// Idle time after which a sandbox that can hibernate does; `None`: never.
+    #[serde(default)]
+    pub auto_hibernate: Option<Duration>,
 }
 
 mod humantime_serde_secs {
@@ -55,6 +58,7 @@ impl Limits {
             pids: b.pids.unwrap_or(DEFAULT_PIDS),
             timeout: b.timeout().map_err(bad)?.unwrap_or(DEFAULT_TIMEOUT),
             idle_ttl: b.idle_ttl().map_err(bad)?.unwrap_or(DEFAULT_IDLE_TTL),
+            auto_hibernate: b.auto_hibernate().map_err(bad)?,
         };
         if limits.memory_bytes < 8 << 20 {
             return Err(RuntimeError::Invalid(format!(

@@ -685,6 +685,11 @@ impl Node {
             }
         }
         let report = self.rt.reap_report()?;
+        for local in &report.hibernated {
+            if let Err(e) = self.update(local, |m| m.hibernated = true) {
+                tracing::warn!("recording the hibernation of {local}: {e}");
+            }
+        }
         for _ in &report.expired {
             self.metrics.ended(EndReason::IdleTtl.as_str());
         }

@@ -263,6 +263,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         }
         duration("budgets.timeout", &b.timeout)?;
         duration("idle_ttl", &r.idle_ttl)?;
+        duration("auto_hibernate", &r.auto_hibernate)?;
         if b.cpus < 0.0 || !b.cpus.is_finite() {
             return Err(ServiceError::invalid("budgets.cpus", "must be a positive number").into());
         }
@@ -276,6 +277,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
                 pids: (b.pids > 0).then_some(b.pids),
                 timeout: text(b.timeout),
                 idle_ttl: text(r.idle_ttl),
+                auto_hibernate: text(r.auto_hibernate),
             },
             env: r.env.into_iter().collect(),
             network: (r.network_set || !r.network.is_empty()).then_some(r.network),
@@ -325,6 +327,10 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
             n => (n as usize).min(cap),
         };
         let step = std::mem::take(&mut r.step_id);
+        // Checked before a step is recorded as running: a bad field must not use it up.
+        // (A step looked up by its ID alone has no command to check.)
+        let asked = (!r.argv.is_empty() || step.is_empty()).then(|| r.clone());
+        let exec = asked.map(|a| self.exec_request(a, keep)).transpose()?;
         let ticket = if step.is_empty() {
             None
         } else {
@@ -343,7 +349,10 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
                 Begun::Run(t) => Some(t),
             }
         };
-        let exec = self.exec_request(r, keep)?;
+        let exec = match exec {
+            Some(e) => e,
+            None => self.exec_request(r, keep)?,
+        };
         let node = self.0.clone();
         // A task of its own: a client that goes away mid-command does not cancel it, so
         // the journal still records the end.
@@ -397,6 +406,15 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         let sb = blocking(move || node.sandbox(&m)).await?;
         let mut first = first;
         let step = std::mem::take(&mut first.step_id);
+        let mut initial = first.stdin.clone();
+        initial.extend_from_slice(&opening_stdin);
+        // Checked before a step is recorded as running: a bad field must not use it up.
+        // (A step looked up by its ID alone has no command to check.)
+        let asked = (!first.argv.is_empty() || step.is_empty()).then(|| proto::ExecRequest {
+            stdin: Vec::new(),
+            ..first.clone()
+        });
+        let checked = asked.map(|a| self.exec_request(a, 0)).transpose()?;
         let ticket = if step.is_empty() {
             None
         } else {
@@ -405,15 +423,16 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
                 Begun::Run(t) => Some(t),
             }
         };
-        let mut initial = first.stdin.clone();
-        initial.extend_from_slice(&opening_stdin);
-        let mut exec = self.exec_request(
-            proto::ExecRequest {
-                stdin: Vec::new(),
-                ..first
-            },
-            0,
-        )?;
+        let mut exec = match checked {
+            Some(e) => e,
+            None => self.exec_request(
+                proto::ExecRequest {
+                    stdin: Vec::new(),
+                    ..first
+                },
+                0,
+            )?,
+        };
         // Stdin: what the first message carried, then the client's later messages, until
         // it closes stdin or its stream.
         let (stdin_tx, feed) = StdinFeed::channel(EVENT_QUEUE);

@@ -22,6 +22,7 @@ fn build_defaults() -> Budgets {
         pids: Some(4096),
         timeout: Some("30m".into()),
         idle_ttl: Some("2h".into()),
+        auto_hibernate: None,
     }
 }
 

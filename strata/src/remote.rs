@@ -117,6 +117,7 @@ impl Remote {
             network_set: o.net.is_some(),
             network: o.net.clone().unwrap_or_default(),
             idle_ttl: o.idle_ttl.clone().unwrap_or_default(),
+            auto_hibernate: o.auto_hibernate.clone().unwrap_or_default(),
             lifetime: String::new(),
             labels: Default::default(),
         };

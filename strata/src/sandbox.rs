@@ -43,6 +43,10 @@ pub struct SandboxOptions {
     /// Idle time after which a sandbox is destroyed.
     #[arg(long)]
     pub(crate) idle_ttl: Option<String>,
+    /// Idle time after which a microvm or vm hibernates (state to disk, memory released;
+    /// its next call wakes it).
+    #[arg(long)]
+    pub(crate) auto_hibernate: Option<String>,
     /// Allowed network destinations, HOST:PORT, comma-separated (default: none).
     #[arg(long, value_delimiter = ',')]
     pub(crate) net: Option<Vec<String>>,
@@ -83,6 +87,7 @@ impl SandboxOptions {
                 pids: self.pids,
                 timeout: self.timeout.clone(),
                 idle_ttl: self.idle_ttl.clone(),
+                auto_hibernate: self.auto_hibernate.clone(),
             },
             env: parse_env(&self.env)?,
             network: self.net.clone(),

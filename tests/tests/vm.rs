@@ -13,6 +13,18 @@ type Env = SampleEnv;
 
 static ENV: OnceLock<Option<Env>> = OnceLock::new();
 
+/// Held shared by every test that runs machines, exclusively by one that measures the
+/// host's memory (the tests of this file run two at a time).
+static MACHINES: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn machines_shared() -> std::sync::RwLockReadGuard<'static, ()> {
+    MACHINES.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn machines_alone() -> std::sync::RwLockWriteGuard<'static, ()> {
+    MACHINES.write().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The shared environment: one store, one STRATA_HOME, the sample registered once.
 fn env(test: &str) -> Option<&'static Env> {
     if !can_run_vms(test) {
@@ -49,6 +61,7 @@ fn qemu_processes(needle: &str) -> Vec<u32> {
 
 #[test]
 fn the_sample_test_suite_passes_in_a_microvm_and_a_vm() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_sample_suite") else {
         return;
     };
@@ -77,6 +90,7 @@ fn the_sample_test_suite_passes_in_a_microvm_and_a_vm() {
 
 #[test]
 fn a_hostile_command_cannot_take_over_the_guest_agent() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_agent_integrity") else {
         return;
     };
@@ -87,6 +101,7 @@ fn a_hostile_command_cannot_take_over_the_guest_agent() {
 
 #[test]
 fn a_guests_kernel_files_are_masked_and_its_settings_read_only() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_kernel_files") else {
         return;
     };
@@ -95,6 +110,7 @@ fn a_guests_kernel_files_are_masked_and_its_settings_read_only() {
 
 #[test]
 fn a_guests_dangerous_syscalls_are_refused() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_syscalls") else {
         return;
     };
@@ -103,6 +119,7 @@ fn a_guests_dangerous_syscalls_are_refused() {
 
 #[test]
 fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_budgets") else {
         return;
     };
@@ -203,6 +220,7 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
 
 #[test]
 fn pause_resume_and_snapshot_restore_keep_processes_and_files() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_lifecycle") else {
         return;
     };
@@ -320,6 +338,7 @@ fn qmp_query_status(sock: &Path) -> String {
 
 #[test]
 fn a_killed_runtime_or_a_dead_vm_leaves_nothing_behind() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_reap") else {
         return;
     };
@@ -366,6 +385,7 @@ fn a_killed_runtime_or_a_dead_vm_leaves_nothing_behind() {
 
 #[test]
 fn a_bad_accelerator_setting_is_refused_by_name() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_accel") else {
         return;
     };
@@ -384,6 +404,7 @@ fn a_bad_accelerator_setting_is_refused_by_name() {
 
 #[test]
 fn an_allowlist_opens_exactly_its_destinations_in_a_microvm() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_allowlist") else {
         return;
     };
@@ -432,6 +453,7 @@ fn an_allowlist_opens_exactly_its_destinations_in_a_microvm() {
 
 #[test]
 fn a_full_vm_with_a_display_serves_its_screen_over_vnc() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_display") else {
         return;
     };
@@ -490,6 +512,7 @@ fn ext4_disk_image(image: &Path, tree: &Path, size: u64, partitioned: bool) {
 
 #[test]
 fn a_full_vm_boots_a_whole_disk_image_under_the_sample_layers() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_disk_image") else {
         return;
     };
@@ -571,6 +594,7 @@ fn a_full_vm_boots_a_whole_disk_image_under_the_sample_layers() {
 
 #[test]
 fn a_microvms_commit_is_what_its_guest_wrote_and_leaves_no_copy() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_commit") else {
         return;
     };
@@ -654,6 +678,7 @@ fn host_used_bytes() -> u64 {
 
 #[test]
 fn a_microvm_hibernated_and_woken_a_hundred_times_keeps_its_files_and_processes() {
+    let _machines = machines_alone();
     let Some(env) = env("vm_hibernate") else {
         return;
     };
@@ -756,6 +781,7 @@ fn a_microvm_hibernated_and_woken_a_hundred_times_keeps_its_files_and_processes(
 
 #[test]
 fn forks_of_a_microvm_each_continue_its_process_with_their_own_identity() {
+    let _machines = machines_shared();
     let Some(env) = env("vm_fork") else {
         return;
     };
@@ -840,4 +866,44 @@ fn forks_of_a_microvm_each_continue_its_process_with_their_own_identity() {
         .map(|d| d.flatten().map(|e| e.path()).collect())
         .unwrap_or_default();
     assert!(left.is_empty(), "fork snapshots left: {left:?}");
+}
+
+#[test]
+fn an_idle_microvm_hibernates_by_itself_and_wakes_on_its_next_call() {
+    let _machines = machines_shared();
+    let Some(env) = env("vm_auto_hibernate") else {
+        return;
+    };
+    let id = env.create(&["--backend", "microvm", "--auto-hibernate", "2s"]);
+    env.ok(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "echo kept > /work/kept.txt",
+    ]);
+    let state = || {
+        let ls: serde_json::Value =
+            serde_json::from_str(&env.ok(&["sandbox", "ls", "--json"])).expect("ls --json");
+        ls.as_array()
+            .and_then(|a| a.iter().find(|s| s["id"] == id.as_str()))
+            .and_then(|s| s["state"].as_str().map(str::to_string))
+            .unwrap_or_default()
+    };
+    // Idle past its time, the next reap (every CLI call reaps) hibernates it.
+    std::thread::sleep(Duration::from_secs(3));
+    env.ok(&["sandbox", "reap"]);
+    assert_eq!(state(), "hibernated");
+    assert!(qemu_processes(&id).is_empty(), "QEMU still runs");
+    let audit = env.ok(&["sandbox", "audit", &id]);
+    assert!(audit.contains("\"event\":\"auto-hibernated\""), "{audit}");
+    assert_eq!(
+        env.ok(&["sandbox", "exec", &id, "--", "cat", "/work/kept.txt"]),
+        "kept\n"
+    );
+    assert_eq!(state(), "running");
+    env.ok(&["sandbox", "rm", &id]);
+    assert!(qemu_processes(&id).is_empty(), "QEMU of {id} still runs");
 }

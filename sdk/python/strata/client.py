@@ -203,6 +203,7 @@ class AsyncClient:
         timeout: Union[None, str, float] = None,
         idle_ttl: Union[None, str, float] = None,
         lifetime: Union[None, str, float] = None,
+        auto_hibernate: Union[None, str, float] = None,
         env: Optional[Mapping[str, str]] = None,
         network: Optional[Sequence[str]] = None,
         labels: Optional[Mapping[str, str]] = None,
@@ -211,7 +212,8 @@ class AsyncClient:
 
         Budgets left out are the entry's. ``timeout`` is the per-command wall clock,
         ``idle_ttl`` the idle time after which the node destroys it, ``lifetime`` its
-        longest life. ``network`` lists allowed ``HOST:PORT`` destinations (``[]``: none;
+        longest life, ``auto_hibernate`` the idle time after which a microvm or vm
+        hibernates (its next call wakes it). ``network`` lists allowed ``HOST:PORT`` destinations (``[]``: none;
         ``None``: the entry's). Raises :class:`QuotaExceeded` when the project or the node
         is full.
         """
@@ -230,6 +232,7 @@ class AsyncClient:
             network_set=network is not None,
             idle_ttl=_secs(idle_ttl),
             lifetime=_secs(lifetime),
+            auto_hibernate=_secs(auto_hibernate),
             labels=dict(labels or {}),
         )
         info = await self._call(self._sandboxes.Create, req)

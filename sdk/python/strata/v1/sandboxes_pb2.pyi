@@ -31,7 +31,7 @@ class Budgets(_message.Message):
     def __init__(self, memory: _Optional[str] = ..., cpus: _Optional[float] = ..., disk: _Optional[str] = ..., pids: _Optional[int] = ..., timeout: _Optional[str] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("catalog_id", "backend", "budgets", "env", "network", "network_set", "idle_ttl", "lifetime", "labels")
+    __slots__ = ("catalog_id", "backend", "budgets", "env", "network", "network_set", "idle_ttl", "lifetime", "labels", "auto_hibernate")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class CreateRequest(_message.Message):
     IDLE_TTL_FIELD_NUMBER: _ClassVar[int]
     LIFETIME_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    AUTO_HIBERNATE_FIELD_NUMBER: _ClassVar[int]
     catalog_id: str
     backend: str
     budgets: Budgets
@@ -64,7 +65,8 @@ class CreateRequest(_message.Message):
     idle_ttl: str
     lifetime: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, catalog_id: _Optional[str] = ..., backend: _Optional[str] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Iterable[str]] = ..., network_set: _Optional[bool] = ..., idle_ttl: _Optional[str] = ..., lifetime: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    auto_hibernate: str
+    def __init__(self, catalog_id: _Optional[str] = ..., backend: _Optional[str] = ..., budgets: _Optional[_Union[Budgets, _Mapping]] = ..., env: _Optional[_Mapping[str, str]] = ..., network: _Optional[_Iterable[str]] = ..., network_set: _Optional[bool] = ..., idle_ttl: _Optional[str] = ..., lifetime: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., auto_hibernate: _Optional[str] = ...) -> None: ...
 
 class SandboxInfo(_message.Message):
     __slots__ = ("id", "catalog_ref", "backend", "state", "labels", "project", "created_ms", "memory_bytes", "cpus", "disk_bytes", "idle_ttl_ms", "expires_ms", "idle_ms", "node")
