@@ -18,7 +18,7 @@ use std::time::Duration;
 use base64::Engine as _;
 use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
-use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload};
+use object_store::{ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
 use strata_runtime::ExecResult;
 use strata_store::Store;
@@ -298,27 +298,7 @@ impl Journal {
     /// Writes a record; with `create`, only if there is none yet (false: there was one).
     async fn put(&self, step: &Step, create: bool) -> Result<bool, ServiceError> {
         let k = key(&step.sandbox, &step.step_id);
-        let body = serde_json::to_vec(step).map_err(|e| ServiceError::Internal(e.to_string()))?;
-        let opts = PutOptions {
-            mode: if create {
-                PutMode::Create
-            } else {
-                PutMode::Overwrite
-            },
-            ..Default::default()
-        };
-        match self
-            .backend
-            .put_opts(&k, PutPayload::from(body), opts)
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(object_store::Error::AlreadyExists { .. }) if create => Ok(false),
-            Err(source) => Err(ServiceError::Backend {
-                key: k.to_string(),
-                source,
-            }),
-        }
+        crate::projects::write_json(self.backend.as_ref(), &k, step, create).await
     }
 
     async fn overwrite(&self, step: &Step) -> Result<(), ServiceError> {
@@ -452,26 +432,13 @@ impl Journal {
     /// Dates the end of `sandbox` (its journal is kept for the retention from now on).
     pub async fn ended(&self, sandbox: &str) -> Result<(), ServiceError> {
         check_sandbox(sandbox)?;
-        let k = ended_key(sandbox);
-        let body = serde_json::to_vec(&Ended {
+        let ended = Ended {
             ended_ms: crate::node::now_ms(),
-        })
-        .map_err(|e| ServiceError::Internal(e.to_string()))?;
-        let opts = PutOptions {
-            mode: PutMode::Create,
-            ..Default::default()
         };
-        match self
-            .backend
-            .put_opts(&k, PutPayload::from(body), opts)
+        // Dated once: a later end (a second destroy, a sweep) keeps the first date.
+        crate::projects::write_json(self.backend.as_ref(), &ended_key(sandbox), &ended, true)
             .await
-        {
-            Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
-            Err(source) => Err(ServiceError::Backend {
-                key: k.to_string(),
-                source,
-            }),
-        }
+            .map(|_| ())
     }
 
     /// The journals this process owns (`owned`) whose sandbox no longer lives (`live`):
@@ -500,23 +467,22 @@ impl Journal {
                 continue;
             }
             let k = ended_key(&sandbox);
-            let ended = match self.backend.get(&k).await {
-                Ok(r) => r
-                    .bytes()
-                    .await
-                    .ok()
-                    .and_then(|b| serde_json::from_slice::<Ended>(&b).ok()),
-                Err(object_store::Error::NotFound { .. }) => None,
-                Err(source) => {
-                    return Err(ServiceError::Backend {
-                        key: k.to_string(),
-                        source,
-                    })
+            let ended: Ended = match crate::projects::read_json(self.backend.as_ref(), &k).await {
+                Ok(Some(ended)) => ended,
+                Ok(None) => {
+                    self.ended(&sandbox).await?;
+                    continue;
                 }
-            };
-            let Some(ended) = ended else {
-                self.ended(&sandbox).await?;
-                continue;
+                // A marker that does not parse is dated again from now (kept, it would
+                // never let the journal go).
+                Err(ServiceError::Corrupt { .. }) => {
+                    let now = Ended {
+                        ended_ms: crate::node::now_ms(),
+                    };
+                    crate::projects::write_json(self.backend.as_ref(), &k, &now, false).await?;
+                    continue;
+                }
+                Err(e) => return Err(e),
             };
             let age = crate::node::now_ms().saturating_sub(ended.ended_ms);
             if age < self.retention.as_millis() as u64 {

@@ -137,6 +137,34 @@ pub(crate) async fn read_json<T: for<'de> Deserialize<'de>>(
     }
 }
 
+/// Writes `value` as JSON at `key` of `backend`; with `create`, only if nothing is there
+/// yet (`false`: something was, and is left as it is).
+pub(crate) async fn write_json<T: Serialize>(
+    backend: &dyn ObjectStore,
+    key: &ObjectPath,
+    value: &T,
+    create: bool,
+) -> Result<bool, ServiceError> {
+    let body =
+        serde_json::to_vec_pretty(value).map_err(|e| ServiceError::Internal(e.to_string()))?;
+    let opts = PutOptions {
+        mode: if create {
+            PutMode::Create
+        } else {
+            PutMode::Overwrite
+        },
+        ..Default::default()
+    };
+    match backend.put_opts(key, PutPayload::from(body), opts).await {
+        Ok(_) => Ok(true),
+        Err(object_store::Error::AlreadyExists { .. }) if create => Ok(false),
+        Err(source) => Err(ServiceError::Backend {
+            key: key.to_string(),
+            source,
+        }),
+    }
+}
+
 /// The projects and tokens of a store.
 #[derive(Clone)]
 pub struct Projects {
@@ -173,29 +201,10 @@ impl Projects {
         value: &T,
         create: bool,
     ) -> Result<(), ServiceError> {
-        let body =
-            serde_json::to_vec_pretty(value).map_err(|e| ServiceError::Internal(e.to_string()))?;
-        let opts = PutOptions {
-            mode: if create {
-                PutMode::Create
-            } else {
-                PutMode::Overwrite
-            },
-            ..Default::default()
-        };
-        match self
-            .backend
-            .put_opts(key, PutPayload::from(body), opts)
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(object_store::Error::AlreadyExists { .. }) => {
-                Err(ServiceError::AlreadyExists(format!("{key} already exists")))
-            }
-            Err(source) => Err(ServiceError::Backend {
-                key: key.to_string(),
-                source,
-            }),
+        if write_json(self.backend.as_ref(), key, value, create).await? {
+            Ok(())
+        } else {
+            Err(ServiceError::AlreadyExists(format!("{key} already exists")))
         }
     }
 

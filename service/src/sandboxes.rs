@@ -208,21 +208,36 @@ impl SandboxesApi {
             .collect()
     }
 
+    /// The exec `r` asks for, checked before its step (if any) is recorded as running, so
+    /// a bad field cannot use the step up; `None` for a step looked up by its ID alone.
+    fn checked_exec(
+        &self,
+        r: proto::ExecRequest,
+        step: &str,
+        keep: usize,
+    ) -> Result<Option<ExecRequest>, Status> {
+        if r.argv.is_empty() && !step.is_empty() {
+            return Ok(None);
+        }
+        self.exec_request(r, keep).map(Some)
+    }
+
+    /// A step looked up by its ID alone is answered from the journal, never run.
+    fn to_run(exec: Option<ExecRequest>) -> Result<ExecRequest, Status> {
+        exec.ok_or_else(|| Status::internal("a step looked up by its ID alone was to be run"))
+    }
+
     /// Starts (or finds) journal step `step` of the caller's sandbox for request `r`.
     async fn begin_step(
         &self,
         meta: &Meta,
         step: &str,
-        r: &proto::ExecRequest,
+        argv: &[String],
+        cwd: &str,
     ) -> Result<Begun, Status> {
         self.0
             .journal
-            .begin(
-                &meta.id,
-                step,
-                &r.argv,
-                (!r.cwd.is_empty()).then_some(&r.cwd),
-            )
+            .begin(&meta.id, step, argv, (!cwd.is_empty()).then_some(cwd))
             .await
             .map_err(|e| self.0.fail(e))
     }
@@ -327,14 +342,12 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
             n => (n as usize).min(cap),
         };
         let step = std::mem::take(&mut r.step_id);
-        // Checked before a step is recorded as running: a bad field must not use it up.
-        // (A step looked up by its ID alone has no command to check.)
-        let asked = (!r.argv.is_empty() || step.is_empty()).then(|| r.clone());
-        let exec = asked.map(|a| self.exec_request(a, keep)).transpose()?;
+        let (argv, cwd) = (r.argv.clone(), r.cwd.clone());
+        let exec = self.checked_exec(r, &step, keep)?;
         let ticket = if step.is_empty() {
             None
         } else {
-            match self.begin_step(&meta, &step, &r).await? {
+            match self.begin_step(&meta, &step, &argv, &cwd).await? {
                 Begun::Recorded(s) => {
                     let mut done = s.replay()?;
                     let (out, err) = (
@@ -349,10 +362,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
                 Begun::Run(t) => Some(t),
             }
         };
-        let exec = match exec {
-            Some(e) => e,
-            None => self.exec_request(r, keep)?,
-        };
+        let exec = Self::to_run(exec)?;
         let node = self.0.clone();
         // A task of its own: a client that goes away mid-command does not cancel it, so
         // the journal still records the end.
@@ -408,31 +418,24 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         let step = std::mem::take(&mut first.step_id);
         let mut initial = first.stdin.clone();
         initial.extend_from_slice(&opening_stdin);
-        // Checked before a step is recorded as running: a bad field must not use it up.
-        // (A step looked up by its ID alone has no command to check.)
-        let asked = (!first.argv.is_empty() || step.is_empty()).then(|| proto::ExecRequest {
-            stdin: Vec::new(),
-            ..first.clone()
-        });
-        let checked = asked.map(|a| self.exec_request(a, 0)).transpose()?;
+        let (argv, cwd) = (first.argv.clone(), first.cwd.clone());
+        let checked = self.checked_exec(
+            proto::ExecRequest {
+                stdin: Vec::new(),
+                ..first
+            },
+            &step,
+            0,
+        )?;
         let ticket = if step.is_empty() {
             None
         } else {
-            match self.begin_step(&meta, &step, &first).await? {
+            match self.begin_step(&meta, &step, &argv, &cwd).await? {
                 Begun::Recorded(s) => return Ok(Response::new(replay_stream(s.replay()?))),
                 Begun::Run(t) => Some(t),
             }
         };
-        let mut exec = match checked {
-            Some(e) => e,
-            None => self.exec_request(
-                proto::ExecRequest {
-                    stdin: Vec::new(),
-                    ..first
-                },
-                0,
-            )?,
-        };
+        let mut exec = Self::to_run(checked)?;
         // Stdin: what the first message carried, then the client's later messages, until
         // it closes stdin or its stream.
         let (stdin_tx, feed) = StdinFeed::channel(EVENT_QUEUE);

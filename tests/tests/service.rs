@@ -355,6 +355,29 @@ asyncio.run(main())
     }
 }
 
+/// Waits (10 s at most) until step `step` of sandbox `id` shows as running in its journal.
+fn wait_for_running_step(svc: &Service, token: &str, id: &str, step: &str) {
+    let out = python_ok(
+        svc,
+        token,
+        &format!(
+            r#"
+import asyncio, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        sb = await c.get("{id}")
+        for _ in range(200):
+            if {{s.step_id: s.state for s in await sb.journal()}}.get("{step}") == "running":
+                print("running")
+                return
+            await asyncio.sleep(0.05)
+asyncio.run(main())
+"#
+        ),
+    );
+    assert_eq!(out.trim(), "running", "step {step} never showed as running");
+}
+
 /// What a preempted trainer needs: a journaled step's command runs
 /// once whatever happens to the client or the service.
 #[test]
@@ -398,29 +421,7 @@ asyncio.run(main())
     let id = first.trim().to_string();
     assert!(id.starts_with("test-"), "{first}");
     // Killed once its step runs (the journal says so), before it can have its answer.
-    let running = python_ok(
-        &svc,
-        &tokens[0],
-        &format!(
-            r#"
-import asyncio, strata
-async def main():
-    async with strata.AsyncClient() as c:
-        sb = await c.get("{id}")
-        for _ in range(200):
-            if [s.state for s in await sb.journal()] == ["running"]:
-                print("running")
-                return
-            await asyncio.sleep(0.05)
-asyncio.run(main())
-"#
-        ),
-    );
-    assert_eq!(
-        running.trim(),
-        "running",
-        "the step never showed as running"
-    );
+    wait_for_running_step(&svc, &tokens[0], &id, "turn-1");
     trainer.kill().expect("killing the trainer");
     trainer.wait().expect("reaping the trainer");
     // Restarted, it reattaches by ID and repeats its step: it waits for the running one
@@ -495,25 +496,7 @@ asyncio.run(main())
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("python");
-    let running = python_ok(
-        &svc,
-        &tokens[0],
-        &format!(
-            r#"
-import asyncio, strata
-async def main():
-    async with strata.AsyncClient() as c:
-        sb = await c.get("{id}")
-        for _ in range(200):
-            if {{s.step_id: s.state for s in await sb.journal()}}.get("turn-3") == "running":
-                print("running")
-                return
-            await asyncio.sleep(0.05)
-asyncio.run(main())
-"#
-        ),
-    );
-    assert_eq!(running.trim(), "running", "turn-3 never showed as running");
+    wait_for_running_step(&svc, &tokens[0], &id, "turn-3");
     svc.restart();
     let _ = runner.kill();
     let _ = runner.wait();

@@ -416,6 +416,33 @@ impl VmBackend {
         })
     }
 
+    /// Starts QEMU on `files` in `cgroup`, detached (waited for on a thread of its own),
+    /// then the relay to its agent port; QEMU's PID. `fail` explains a relay that did not
+    /// come up (with QEMU's log and the console).
+    fn launch(
+        &self,
+        dir: &Path,
+        cgroup: &Cgroup,
+        shape: &MachineShape,
+        files: &qemu::MachineFiles,
+        fail: &dyn Fn(RuntimeError) -> RuntimeError,
+    ) -> Result<u32, RuntimeError> {
+        let child = Self::spawn_qemu(
+            &self.cfg.qemu,
+            shape,
+            files,
+            &dir.join("qemu.log"),
+            Some(cgroup),
+        )?;
+        let pid = child.id();
+        std::thread::spawn(move || {
+            let mut child = child;
+            child.wait()
+        });
+        self.spawn_relay(dir, cgroup).map_err(fail)?;
+        Ok(pid)
+    }
+
     /// Starts the relay between the VM's port and the agent socket, and waits until it
     /// listens.
     fn spawn_relay(&self, dir: &Path, cgroup: &Cgroup) -> Result<(), RuntimeError> {
@@ -570,6 +597,15 @@ impl VmBackend {
             ))
         })
     }
+}
+
+/// Continues a machine QEMU started from a saved state (`-incoming`) once the state is
+/// loaded; its QMP connection.
+fn continue_loaded(qmp_socket: &Path) -> Result<qemu::Qmp, RuntimeError> {
+    let mut qmp = qemu::Qmp::connect(qmp_socket, Duration::from_secs(30))?;
+    qmp.wait_while("inmigrate", Duration::from_secs(120))?;
+    qmp.execute("cont", serde_json::Value::Null)?;
+    Ok(qmp)
 }
 
 /// How long a template or initramfs may go unused before the maker of a new one removes
@@ -789,18 +825,6 @@ impl VmBackend {
             .unwrap_or_default(),
         )
         .map_err(RuntimeError::io(&files_path))?;
-        let child = Self::spawn_qemu(
-            &self.cfg.qemu,
-            &shape,
-            &files,
-            &ctx.dir.join("qemu.log"),
-            Some(&ctx.cgroup),
-        )?;
-        let pid = child.id();
-        std::thread::spawn(move || {
-            let mut child = child;
-            child.wait()
-        });
         let fail = |e: RuntimeError| {
             RuntimeError::VmStart(format!(
                 "{e}; QEMU: {}; console: {}",
@@ -808,16 +832,12 @@ impl VmBackend {
                 tail(&files.console_log)
             ))
         };
-        self.spawn_relay(ctx.dir, &ctx.cgroup).map_err(fail)?;
+        let pid = self.launch(ctx.dir, &ctx.cgroup, &shape, &files, &fail)?;
         let t_relay = t.elapsed();
         if ctx.restore.is_some() {
             // A snapshot is saved paused (its disk is copied meanwhile): continue it once
             // loaded. A template is saved running and runs by itself.
-            let mut qmp =
-                qemu::Qmp::connect(&files.qmp_socket, Duration::from_secs(30)).map_err(fail)?;
-            qmp.wait_while("inmigrate", Duration::from_secs(120))
-                .map_err(fail)?;
-            qmp.execute("cont", serde_json::Value::Null).map_err(fail)?;
+            continue_loaded(&files.qmp_socket).map_err(fail)?;
         }
         let key = read_key(ctx.dir)?;
         // A restored guest proves the key it was saved with; a template's guest has none.
@@ -1127,18 +1147,6 @@ impl SandboxBackend for VmBackend {
         let l = &sb.record.spec.limits;
         sb.cgroup
             .create(shape.memory_mib * (1 << 20) + VMM_OVERHEAD, l.cpus, 512)?;
-        let child = Self::spawn_qemu(
-            &self.cfg.qemu,
-            &shape,
-            &files,
-            &dir.join("qemu.log"),
-            Some(sb.cgroup),
-        )?;
-        let pid = child.id();
-        std::thread::spawn(move || {
-            let mut child = child;
-            child.wait()
-        });
         let fail = |e: RuntimeError| {
             sb.cgroup.kill_all();
             RuntimeError::VmStart(format!(
@@ -1147,12 +1155,8 @@ impl SandboxBackend for VmBackend {
                 tail(&files.console_log)
             ))
         };
-        self.spawn_relay(dir, sb.cgroup).map_err(fail)?;
-        let mut qmp =
-            qemu::Qmp::connect(&files.qmp_socket, Duration::from_secs(30)).map_err(fail)?;
-        qmp.wait_while("inmigrate", Duration::from_secs(120))
-            .map_err(fail)?;
-        qmp.execute("cont", serde_json::Value::Null).map_err(fail)?;
+        let pid = self.launch(dir, sb.cgroup, &shape, &files, &fail)?;
+        let mut qmp = continue_loaded(&files.qmp_socket).map_err(fail)?;
         let key = read_key(dir)?;
         let reseed = HostMsg::Reseed(Reseed {
             time_ns: now_ns(),
