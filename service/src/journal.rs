@@ -16,7 +16,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use base64::Engine as _;
-use futures::TryStreamExt;
 use object_store::path::Path as ObjectPath;
 use object_store::{ObjectStore, ObjectStoreExt};
 use serde::{Deserialize, Serialize};
@@ -400,18 +399,10 @@ impl Journal {
     pub async fn list(&self, sandbox: &str) -> Result<Vec<Step>, ServiceError> {
         check_sandbox(sandbox)?;
         let prefix = ObjectPath::from(format!("journal/{sandbox}/steps"));
-        let metas: Vec<_> = self
-            .backend
-            .list(Some(&prefix))
-            .try_collect()
-            .await
-            .map_err(|source| ServiceError::Backend {
-                key: prefix.to_string(),
-                source,
-            })?;
+        let keys = crate::projects::list_keys(self.backend.as_ref(), &prefix).await?;
         let mut steps = Vec::new();
-        for m in metas {
-            let Some(name) = m.location.filename().and_then(|f| f.strip_suffix(".json")) else {
+        for k in keys {
+            let Some(name) = k.filename().and_then(|f| f.strip_suffix(".json")) else {
                 continue;
             };
             if let Some(mut s) = self.get(sandbox, name).await? {
@@ -488,21 +479,12 @@ impl Journal {
             if age < self.retention.as_millis() as u64 {
                 continue;
             }
-            let all: Vec<_> = self
-                .backend
-                .list(Some(&prefix))
-                .try_collect()
-                .await
-                .map_err(|source| ServiceError::Backend {
-                    key: prefix.to_string(),
-                    source,
-                })?;
-            for m in all {
-                match self.backend.delete(&m.location).await {
+            for k in crate::projects::list_keys(self.backend.as_ref(), &prefix).await? {
+                match self.backend.delete(&k).await {
                     Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
                     Err(source) => {
                         return Err(ServiceError::Backend {
-                            key: m.location.to_string(),
+                            key: k.to_string(),
                             source,
                         })
                     }

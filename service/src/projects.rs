@@ -137,6 +137,23 @@ pub(crate) async fn read_json<T: for<'de> Deserialize<'de>>(
     }
 }
 
+/// The keys of every object under `prefix` of `backend`.
+pub(crate) async fn list_keys(
+    backend: &dyn ObjectStore,
+    prefix: &ObjectPath,
+) -> Result<Vec<ObjectPath>, ServiceError> {
+    use futures::TryStreamExt;
+    let metas: Vec<_> = backend
+        .list(Some(prefix))
+        .try_collect()
+        .await
+        .map_err(|source| ServiceError::Backend {
+            key: prefix.to_string(),
+            source,
+        })?;
+    Ok(metas.into_iter().map(|m| m.location).collect())
+}
+
 /// Writes `value` as JSON at `key` of `backend`; with `create`, only if nothing is there
 /// yet (`false`: something was, and is left as it is).
 pub(crate) async fn write_json<T: Serialize>(
@@ -233,18 +250,7 @@ impl Projects {
 
     /// The keys of the objects under `prefix`.
     async fn keys(&self, prefix: &str) -> Result<Vec<ObjectPath>, ServiceError> {
-        use futures::TryStreamExt;
-        let prefix = ObjectPath::from(prefix);
-        let metas: Vec<_> = self
-            .backend
-            .list(Some(&prefix))
-            .try_collect()
-            .await
-            .map_err(|source| ServiceError::Backend {
-                key: prefix.to_string(),
-                source,
-            })?;
-        Ok(metas.into_iter().map(|m| m.location).collect())
+        list_keys(self.backend.as_ref(), &ObjectPath::from(prefix)).await
     }
 
     async fn list_prefix<T: for<'de> Deserialize<'de>>(
