@@ -73,6 +73,9 @@ pub enum LayerKind {
     Base,
     Workspace,
     Toolkit,
+    /// A sandbox's saved state (`strata sandbox snapshot --to-store`): its machine state
+    /// and writable disk as files, restored, never stacked.
+    Snapshot,
 }
 
 impl std::fmt::Display for LayerKind {
@@ -81,6 +84,7 @@ impl std::fmt::Display for LayerKind {
             LayerKind::Base => "base",
             LayerKind::Workspace => "workspace",
             LayerKind::Toolkit => "toolkit",
+            LayerKind::Snapshot => "snapshot",
         })
     }
 }
@@ -92,6 +96,7 @@ impl std::str::FromStr for LayerKind {
             "base" => Ok(LayerKind::Base),
             "workspace" => Ok(LayerKind::Workspace),
             "toolkit" => Ok(LayerKind::Toolkit),
+            "snapshot" => Ok(LayerKind::Snapshot),
             other => Err(BuildError::Definition(format!(
                 "unknown layer kind `{other}` (base, workspace or toolkit)"
             ))),

@@ -132,7 +132,7 @@ pub fn parse_kind(text: &str) -> Result<LayerKind, ServiceError> {
     match text {
         "" => Ok(LayerKind::Workspace),
         k => match k.parse() {
-            Ok(LayerKind::Base) | Err(_) => Err(ServiceError::invalid(
+            Ok(LayerKind::Base | LayerKind::Snapshot) | Err(_) => Err(ServiceError::invalid(
                 "kind",
                 format!("`{k}`: a commit is a `workspace` or a `toolkit` layer"),
             )),

@@ -88,17 +88,8 @@ fn restore_many(
     parent: &Sandbox,
     count: usize,
 ) -> Result<Vec<Sandbox>, ServiceError> {
-    let forks = rt.state_dir().join("forks");
     // The parent's memory goes there: the host's other users may not read it.
-    std::fs::create_dir_all(&forks)
-        .and_then(|()| {
-            std::fs::set_permissions(&forks, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-        })
-        .map_err(|source| ServiceError::Io {
-            what: format!("making {}", forks.display()),
-            source,
-        })?;
-    let dir = forks.join(format!("{}-{}", parent.id(), uuid::Uuid::new_v4().simple()));
+    let dir = crate::snapshot::private_dir(&rt.state_dir().join("forks"), parent.id())?;
     let made = parent
         .snapshot(&dir)
         .map_err(ServiceError::from)

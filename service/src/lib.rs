@@ -18,6 +18,7 @@ mod node;
 mod node_api;
 pub mod projects;
 mod sandboxes;
+pub mod snapshot;
 pub mod state;
 
 pub mod proto {

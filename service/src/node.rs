@@ -435,6 +435,29 @@ impl Node {
             strata_runtime::RuntimeError::Invalid(m) => ServiceError::invalid("budgets", m),
             e => e.into(),
         })?;
+        let node = self.clone();
+        let s = spec.clone();
+        let make = async move {
+            tokio::task::spawn_blocking(move || Ok(node.rt.create(s)?))
+                .await
+                .map_err(|e| ServiceError::Internal(e.to_string()))?
+        };
+        self.admit_and_record(caller, &spec, &args, started, serde_json::json!({}), make)
+            .await
+    }
+
+    /// Admits a sandbox of `spec` for `caller` (its project's backends and quota, the
+    /// node's capacity), makes it with `make`, and records it with `args`' labels,
+    /// lifetime and reach; `audit` adds to its service audit record.
+    async fn admit_and_record(
+        self: &Arc<Self>,
+        caller: &Caller,
+        spec: &SandboxSpec,
+        args: &CreateArgs,
+        started: Instant,
+        audit: serde_json::Value,
+        make: impl std::future::Future<Output = Result<Sandbox, ServiceError>>,
+    ) -> Result<Meta, ServiceError> {
         if !caller.project.allows_backend(spec.backend) {
             self.metrics.refused("backend");
             return Err(ServiceError::PermissionDenied(format!(
@@ -467,7 +490,7 @@ impl Node {
             token: caller.token.clone(),
             catalog_ref: spec.catalog_ref.clone(),
             backend: spec.backend,
-            labels: args.labels,
+            labels: args.labels.clone(),
             created_ms: now_ms(),
             expires_ms: lifetime.map(|l| now_ms() + l.as_millis() as u64),
             memory_bytes,
@@ -496,14 +519,7 @@ impl Node {
             map.insert(local.clone(), meta.clone());
         }
         let resolved_ms = started.elapsed().as_secs_f64() * 1e3;
-        let node = self.clone();
-        let made = tokio::task::spawn_blocking(move || -> Result<Sandbox, ServiceError> {
-            let sb = node.rt.create(spec)?;
-            Ok(sb)
-        })
-        .await
-        .map_err(|e| ServiceError::Internal(e.to_string()))
-        .and_then(|r| r);
+        let made = make.await;
         self.lock().remove(&local);
         let sb = made?;
         meta.local = sb.id().to_string();
@@ -513,11 +529,12 @@ impl Node {
             let _ = sb.destroy();
             return Err(e);
         }
-        let _ = self.rt.audit(sb.id()).record(
-            "service",
-            serde_json::json!({"id": meta.id, "project": meta.project, "token": meta.token,
-                               "labels": meta.labels, "expires_ms": meta.expires_ms}),
-        );
+        let mut record = serde_json::json!({"id": meta.id, "project": meta.project,
+            "token": meta.token, "labels": meta.labels, "expires_ms": meta.expires_ms});
+        if let (Some(r), serde_json::Value::Object(extra)) = (record.as_object_mut(), audit) {
+            r.extend(extra);
+        }
+        let _ = self.rt.audit(sb.id()).record("service", record);
         self.lock().insert(meta.local.clone(), meta.clone());
         tracing::debug!(
             sandbox = %meta.id,
@@ -533,6 +550,82 @@ impl Node {
             tokio::task::spawn_blocking(move || node.top_up(backend, disk));
         }
         Ok(meta)
+    }
+
+    /// Where snapshots' machine files wait while they go to or come from the store.
+    fn snapshot_work(&self) -> std::path::PathBuf {
+        self.rt.state_dir().join("service").join("snapshots")
+    }
+
+    /// Takes a snapshot of the caller's sandbox into the store (see [`crate::snapshot`]).
+    pub async fn snapshot_to_store(
+        self: &Arc<Self>,
+        caller: &Caller,
+        meta: &Meta,
+        names: Vec<String>,
+        files_only: bool,
+    ) -> Result<crate::snapshot::StoredSnapshot, ServiceError> {
+        let node = self.clone();
+        let m = meta.clone();
+        let sb = tokio::task::spawn_blocking(move || node.sandbox(&m))
+            .await
+            .map_err(|e| ServiceError::Internal(e.to_string()))??;
+        crate::snapshot::take(
+            &self.store,
+            &sb,
+            &self.snapshot_work(),
+            &crate::snapshot::TakeRequest {
+                sandbox: meta.id.clone(),
+                project: caller.project.name.clone(),
+                taken_by: self.registrant(caller),
+                names,
+                files_only,
+            },
+        )
+        .await
+    }
+
+    /// The caller's snapshot `id` (another project's is not found).
+    pub async fn snapshot_of(
+        &self,
+        caller: &Caller,
+        id: &str,
+    ) -> Result<crate::snapshot::StoredSnapshot, ServiceError> {
+        let snap = crate::snapshot::get(&self.store, id).await?;
+        if snap.project != caller.project.name {
+            return Err(ServiceError::NotFound(format!(
+                "no snapshot {id} in project `{}`",
+                caller.project.name
+            )));
+        }
+        Ok(snap)
+    }
+
+    /// Starts a sandbox from the caller's snapshot `id`, admitted as a create is; `args`
+    /// gives its labels and lifetime (its catalog ID and budgets are the snapshot's).
+    pub async fn restore(
+        self: &Arc<Self>,
+        caller: &Caller,
+        id: &str,
+        args: CreateArgs,
+    ) -> Result<Meta, ServiceError> {
+        let started = Instant::now();
+        let snap = self.snapshot_of(caller, id).await?;
+        let node = self.clone();
+        let (s, identity) = (snap.clone(), caller.identity());
+        let make = async move {
+            crate::snapshot::restore(&node.store, &node.rt, &s, &identity, &node.snapshot_work())
+                .await
+        };
+        self.admit_and_record(
+            caller,
+            &snap.spec,
+            &args,
+            started,
+            serde_json::json!({"restored_from": snap.id}),
+            make,
+        )
+        .await
     }
 
     /// Forks the caller's sandbox `parent` into `count` children (see [`crate::fork`]),

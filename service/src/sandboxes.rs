@@ -823,20 +823,88 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         &self,
         req: Request<proto::SnapshotRequest>,
     ) -> Result<Response<proto::SnapshotReply>, Status> {
-        let id = req.get_ref().id.clone();
-        let (_, sb) = self.open(&req, &id).await?;
-        let dir = req.into_inner().dir;
-        if !dir.starts_with('/') {
-            return Err(
-                ServiceError::invalid("dir", "give an absolute directory on the node").into(),
-            );
+        let who = caller(&self.0, &req).await?;
+        let r = req.into_inner();
+        if !r.to_store {
+            // A client choosing where on the node root writes a machine's memory could
+            // write over the node's own files.
+            return Err(self.0.fail(ServiceError::PermissionDenied(
+                "a snapshot into a directory of the node is for the node's own CLI; set to_store to keep it in the store".into(),
+            )));
         }
-        let s = blocking(move || Ok(sb.snapshot(std::path::Path::new(&dir))?)).await?;
+        let meta = self.0.meta_for(&who, &r.id)?;
+        let snap = self
+            .0
+            .snapshot_to_store(&who, &meta, r.names, r.files_only)
+            .await
+            .map_err(|e| self.0.fail(e))?;
         Ok(Response::new(proto::SnapshotReply {
-            state_bytes: s.state_bytes,
-            disk_bytes: s.disk_bytes,
-            millis: s.millis,
+            state_bytes: snap.state_bytes,
+            disk_bytes: snap.disk_bytes,
+            millis: snap.seconds * 1e3,
+            snapshot: Some(snap.to_proto()),
         }))
+    }
+
+    async fn restore(
+        &self,
+        req: Request<proto::RestoreRequest>,
+    ) -> Result<Response<proto::SandboxInfo>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let r = req.into_inner();
+        let args = CreateArgs {
+            lifetime: duration("lifetime", &r.lifetime)?,
+            labels: r.labels.into_iter().collect(),
+            ..Default::default()
+        };
+        let meta = self
+            .0
+            .restore(&who, &r.snapshot, args)
+            .await
+            .map_err(|e| self.0.fail(e))?;
+        Ok(Response::new(info(&self.0, &meta)))
+    }
+
+    async fn list_snapshots(
+        &self,
+        req: Request<proto::ListSnapshotsRequest>,
+    ) -> Result<Response<proto::ListSnapshotsReply>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let snaps = crate::snapshot::list(self.0.store(), Some(&who.project.name))
+            .await
+            .map_err(|e| self.0.fail(e))?;
+        Ok(Response::new(proto::ListSnapshotsReply {
+            snapshots: snaps.iter().map(|s| s.to_proto()).collect(),
+        }))
+    }
+
+    async fn get_snapshot(
+        &self,
+        req: Request<proto::SnapshotId>,
+    ) -> Result<Response<proto::SnapshotInfo>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let snap = self
+            .0
+            .snapshot_of(&who, &req.get_ref().id)
+            .await
+            .map_err(|e| self.0.fail(e))?;
+        Ok(Response::new(snap.to_proto()))
+    }
+
+    async fn remove_snapshot(
+        &self,
+        req: Request<proto::SnapshotId>,
+    ) -> Result<Response<proto::Done>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let snap = self
+            .0
+            .snapshot_of(&who, &req.get_ref().id)
+            .await
+            .map_err(|e| self.0.fail(e))?;
+        crate::snapshot::remove(self.0.store(), &snap)
+            .await
+            .map_err(|e| self.0.fail(e))?;
+        Ok(Response::new(proto::Done {}))
     }
 
     async fn commit(

@@ -14,6 +14,7 @@ mod output;
 mod remote;
 mod sandbox;
 mod serve;
+mod snapshot;
 mod store;
 
 use anyhow::{Context, Result};
@@ -58,6 +59,10 @@ enum Command {
     /// Stateful sandboxes: create, exec, cp, ps, ls, rm.
     #[command(subcommand)]
     Sandbox(sandbox::SandboxCommand),
+    /// Snapshots in the store (`strata sandbox snapshot --to-store`): list, inspect,
+    /// remove.
+    #[command(subcommand)]
+    Snapshot(snapshot::SnapshotCommand),
     /// The node service: the runtime, catalog and store behind a gRPC API for the CLI
     /// (`--server`), the Python SDK and other clients.
     Serve(serve::ServeArgs),
@@ -135,10 +140,14 @@ fn main() {
     };
     let result = runtime.block_on(async {
         let s = &settings;
-        // `layer`, `catalog`, `run` and `sandbox` go to the node service when one is set.
+        // `layer`, `catalog`, `run`, `sandbox` and `snapshot` go to the node service when one is set.
         let served = matches!(
             cli.command,
-            Command::Layer(_) | Command::Catalog(_) | Command::Run(_) | Command::Sandbox(_)
+            Command::Layer(_)
+                | Command::Catalog(_)
+                | Command::Run(_)
+                | Command::Sandbox(_)
+                | Command::Snapshot(_)
         );
         if let (Some(url), true) = (&s.server, served) {
             let r = remote::Remote::connect(url, s.token.as_deref()).await?;
@@ -147,6 +156,7 @@ fn main() {
                 Command::Catalog(c) => remote::catalog(&r, c).await,
                 Command::Run(a) => remote::run(&r, a).await,
                 Command::Sandbox(c) => remote::sandbox(&r, c).await,
+                Command::Snapshot(c) => snapshot::remote(&r, c).await,
                 _ => unreachable!("only served commands get here"),
             };
         }
@@ -161,6 +171,7 @@ fn main() {
             Command::Lazyfs(lazy::LazyfsCommand::Stop) => lazy::stop(s).await,
             Command::Run(a) => sandbox::run(&open_store(s)?, s, a).await,
             Command::Sandbox(c) => sandbox::sandbox(&open_store(s)?, s, c).await,
+            Command::Snapshot(c) => snapshot::run(&open_store(s)?, c).await,
             Command::Serve(a) => serve::serve(open_store(s)?, s, a).await,
             Command::Project(c) => serve::project(&open_store(s)?, c).await,
             Command::Token(c) => serve::token(&open_store(s)?, c).await,

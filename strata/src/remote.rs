@@ -58,7 +58,7 @@ impl Remote {
         })
     }
 
-    fn req<T>(&self, msg: T) -> tonic::Request<T> {
+    pub(crate) fn req<T>(&self, msg: T) -> tonic::Request<T> {
         let mut r = tonic::Request::new(msg);
         if let Ok(v) = format!("Bearer {}", self.token).parse() {
             r.metadata_mut().insert("authorization", v);
@@ -66,7 +66,7 @@ impl Remote {
         r
     }
 
-    fn sandboxes(&self) -> SandboxesClient<Channel> {
+    pub(crate) fn sandboxes(&self) -> SandboxesClient<Channel> {
         SandboxesClient::new(self.channel.clone())
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20)
@@ -80,7 +80,7 @@ impl Remote {
         LayersClient::new(self.channel.clone())
     }
 
-    fn err(&self) -> impl Fn(tonic::Status) -> anyhow::Error + '_ {
+    pub(crate) fn err(&self) -> impl Fn(tonic::Status) -> anyhow::Error + '_ {
         status(&self.url)
     }
 
@@ -472,6 +472,42 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
                 seconds: r.seconds,
             };
             crate::sandbox::print_committed(&done, json)?;
+        }
+        SandboxCommand::Snapshot {
+            id,
+            to_store: true,
+            names,
+            json,
+            ..
+        } => {
+            let r = sbs
+                .snapshot(remote.req(proto::SnapshotRequest {
+                    id,
+                    dir: String::new(),
+                    to_store: true,
+                    names,
+                    files_only: false,
+                }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            let snap = r.snapshot.context("the service answered no snapshot")?;
+            crate::snapshot::print_taken(&snap, json)?;
+        }
+        SandboxCommand::Restore { from, json } if strata_service::snapshot::is_id(&from) => {
+            let info = sbs
+                .restore(remote.req(proto::RestoreRequest {
+                    snapshot: from,
+                    labels: Default::default(),
+                    lifetime: String::new(),
+                }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            if json {
+                print_json(&info_json(&info))?;
+            }
+            println!("{}", info.id);
         }
         SandboxCommand::Snapshot { .. }
         | SandboxCommand::Restore { .. }

@@ -212,16 +212,27 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Save a microvm or vm sandbox (memory, processes, files) into DIR; it keeps running.
+    /// Save a sandbox; it keeps running. With --to-store: into the store, restorable on
+    /// any node sharing it (microvm and vm: memory, processes and files; container and
+    /// fncall: its files), printing the snapshot ID last. Else a microvm or vm into DIR
+    /// on this host.
     Snapshot {
         id: String,
-        dir: PathBuf,
+        #[arg(required_unless_present = "to_store", conflicts_with = "to_store")]
+        dir: Option<PathBuf>,
+        #[arg(long)]
+        to_store: bool,
+        /// A name to list the stored snapshot under (repeatable).
+        #[arg(long = "name", requires = "to_store")]
+        names: Vec<String>,
         #[arg(long)]
         json: bool,
     },
-    /// Start a new sandbox from a snapshot DIR; prints its ID as the last line.
+    /// Start a new sandbox from a snapshot: a SNAPSHOT_ID in the store (on any node
+    /// sharing it) or a snapshot DIR on this host; prints its ID as the last line.
     Restore {
-        dir: PathBuf,
+        /// snap-<16 hex>, or a directory.
+        from: String,
         #[arg(long)]
         json: bool,
     },
@@ -700,6 +711,57 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
         };
         return exec_step(store, &settings, id, step, req).await;
     }
+    if let SandboxCommand::Snapshot {
+        id,
+        to_store: true,
+        names,
+        json,
+        ..
+    } = &cmd
+    {
+        let (s2, id2) = (settings.clone(), id.clone());
+        let (rt, sb) = tokio::task::spawn_blocking(move || -> Result<_> {
+            let rt = open_runtime(&s2)?;
+            let sb = rt.get(&id2)?;
+            Ok((rt, sb))
+        })
+        .await??;
+        let snap = strata_service::snapshot::take(
+            store,
+            &sb,
+            &rt.state_dir().join("snapshots"),
+            &strata_service::snapshot::TakeRequest {
+                sandbox: sb.id().to_string(),
+                project: String::new(),
+                taken_by: settings.registrant.clone(),
+                names: names.clone(),
+                files_only: false,
+            },
+        )
+        .await?;
+        crate::snapshot::print_taken(&snap.to_proto(), *json)?;
+        return Ok(0);
+    }
+    if let SandboxCommand::Restore { from, json } = &cmd {
+        if strata_service::snapshot::is_id(from) {
+            let snap = strata_service::snapshot::get(store, from).await?;
+            let s2 = settings.clone();
+            let rt = tokio::task::spawn_blocking(move || open_runtime(&s2)).await??;
+            let sb = strata_service::snapshot::restore(
+                store,
+                &rt,
+                &snap,
+                &settings.registrant,
+                &rt.state_dir().join("snapshots"),
+            )
+            .await?;
+            if *json {
+                print_json(sb.record())?;
+            }
+            println!("{}", sb.id());
+            return Ok(0);
+        }
+    }
     if let SandboxCommand::Fork { id, count } = &cmd {
         strata_service::fork::check_count(*count)?;
         let (s2, id2) = (settings.clone(), id.clone());
@@ -915,7 +977,13 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
                 rt.get(&id)?.set_network(rules)?;
                 Ok(0)
             }
-            SandboxCommand::Snapshot { id, dir, json } => {
+            SandboxCommand::Snapshot {
+                id,
+                dir: Some(dir),
+                to_store: false,
+                json,
+                ..
+            } => {
                 let info = rt.get(&id)?.snapshot(&dir)?;
                 if json {
                     print_json(&info)?;
@@ -930,8 +998,11 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
                 }
                 Ok(0)
             }
-            SandboxCommand::Restore { dir, json } => {
-                let sb = rt.restore(&dir, false)?;
+            SandboxCommand::Snapshot { .. } => {
+                bail!("give a DIR for the snapshot, or --to-store")
+            }
+            SandboxCommand::Restore { from, json, .. } => {
+                let sb = rt.restore(std::path::Path::new(&from), false)?;
                 if json {
                     print_json(sb.record())?;
                 }

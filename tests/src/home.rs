@@ -100,6 +100,14 @@ impl CliHome {
         CliHome { home, store }
     }
 
+    /// A fresh home whose store is `url` (an S3 store, say).
+    pub fn with_store(prefix: &str, url: &str) -> CliHome {
+        CliHome {
+            store: PathBuf::from(url),
+            ..CliHome::new(prefix)
+        }
+    }
+
     /// Another fresh home on this host that shares this one's store (as the nodes of a
     /// cluster do).
     pub fn sharing_store(&self, prefix: &str) -> CliHome {

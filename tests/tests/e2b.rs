@@ -157,6 +157,17 @@ fn e2b_python_sdks_drive_container_and_fncall_sandboxes() {
         "container",
         &env.reference,
     );
+    // Store snapshots as templates, with both SDK generations.
+    for version in E2B_PYTHON {
+        run_suite(
+            &svc,
+            &token,
+            version,
+            "snapshot",
+            "container",
+            &env.reference,
+        );
+    }
     assert_nothing_left(&home);
 }
 
@@ -240,6 +251,15 @@ fn e2b_python_sdk_drives_microvm_and_vm_sandboxes() {
         &token,
         E2B_PYTHON[0],
         "fork",
+        "microvm",
+        &env.reference,
+    );
+    // create_snapshot of a microVM: sandboxes from it continue its process.
+    run_suite(
+        &svc,
+        &token,
+        E2B_PYTHON[0],
+        "snapshot",
         "microvm",
         &env.reference,
     );

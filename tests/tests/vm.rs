@@ -316,6 +316,138 @@ fn pause_resume_and_snapshot_restore_keep_processes_and_files() {
     assert!(qemu_processes(&format!("sandboxes/{restored}/")).is_empty());
 }
 
+/// Two nodes (homes) sharing one S3 store (radosgw): a microVM's snapshot taken on A
+/// restores on B, which never saw its layers, with its process still counting and its
+/// files; a container's snapshot brings its files. Both are listed, inspected and removed
+/// from B, and no machine file is left on either node.
+#[test]
+fn a_snapshot_in_the_store_restores_on_another_node_with_its_processes_and_files() {
+    let _machines = machines_shared();
+    if !can_run_vms("vm_snapshot_s3") {
+        return;
+    }
+    let Some(server) = strata_tests::s3::S3Server::start("vm_snapshot_s3") else {
+        return;
+    };
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let a = strata_tests::home::CliHome::with_store("snap-a-", &server.url);
+    let b = strata_tests::home::CliHome::with_store("snap-b-", &server.url);
+    strata_tests::sh(&format!(
+        "bash {}/datasets/base/make-rootfs.sh >/dev/null",
+        repo.display()
+    ));
+    let last = |s: String| s.lines().last().unwrap_or_default().trim().to_string();
+    let base = last(a.ok(&[
+        "layer",
+        "build",
+        repo.join("datasets/base/debian.toml").to_str().unwrap(),
+    ]));
+    let scratch = tempfile::tempdir_in(strata_tests::scratch_root()).unwrap();
+    let entry = scratch.path().join("entry.toml");
+    std::fs::write(
+        &entry,
+        format!(
+            "id = \"tests/snapshot-nodes\"\nbase = \"{base}\"\nbackend = \"microvm\"\nworkdir = \"/root\"\n[budgets]\nmemory = \"256M\"\ndisk = \"512M\"\n"
+        ),
+    )
+    .unwrap();
+    let reference = last(a.ok(&["catalog", "register", entry.to_str().unwrap()]));
+    let sh = |home: &strata_tests::home::CliHome, id: &str, script: &str| -> String {
+        let o = home.cli(&["sandbox", "exec", id, "--", "sh", "-c", script]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{script}: {out}{err}");
+        out
+    };
+
+    // A: a microVM counting in the background, with a file; and a container with a file.
+    let vm = last(a.ok(&["sandbox", "create", &reference]));
+    sh(
+        &a,
+        &vm,
+        "echo from-a > /root/note; \
+         (i=0; while true; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done) >/dev/null 2>&1 &",
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let vm_snap = last(a.ok(&[
+        "sandbox",
+        "snapshot",
+        &vm,
+        "--to-store",
+        "--name",
+        "counting",
+    ]));
+    assert!(vm_snap.starts_with("snap-"), "{vm_snap}");
+    let counted_at_snapshot: u64 = sh(&a, &vm, "cat /root/count").trim().parse().unwrap();
+    let ct = last(a.ok(&["sandbox", "create", "--backend", "container", &reference]));
+    sh(&a, &ct, "echo container-file > /root/ct-note");
+    let ct_snap = last(a.ok(&["sandbox", "snapshot", &ct, "--to-store"]));
+    a.ok(&["sandbox", "rm", &vm, &ct]);
+
+    // B, a fresh node: both listed, the microVM's with its memory.
+    let listed: Vec<serde_json::Value> =
+        serde_json::from_str(&b.ok(&["snapshot", "ls", "--json"])).unwrap();
+    let find = |id: &str| {
+        listed
+            .iter()
+            .find(|s| s["id"] == id)
+            .unwrap_or_else(|| panic!("{id} not listed: {listed:?}"))
+            .clone()
+    };
+    let (v, c) = (find(&vm_snap), find(&ct_snap));
+    assert_eq!(v["memory"], true, "{v}");
+    assert_eq!(v["names"], serde_json::json!(["counting"]), "{v}");
+    assert!(v["state_bytes"].as_u64().unwrap() > 1 << 20, "{v}");
+    assert_eq!(c["memory"], false, "{c}");
+    assert!(b
+        .ok(&["snapshot", "inspect", &vm_snap])
+        .contains("processes, memory and files"));
+
+    // Restored on B: the process goes on counting from where it was, the file is there.
+    let restored = last(b.ok(&["sandbox", "restore", &vm_snap]));
+    let count = |id: &str| -> u64 { sh(&b, id, "cat /root/count").trim().parse().unwrap() };
+    let first = count(&restored);
+    assert!(
+        first + 25 >= counted_at_snapshot && first > 0,
+        "restored count {first}, at the snapshot {counted_at_snapshot}"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        count(&restored) > first,
+        "the restored process does not count"
+    );
+    assert_eq!(sh(&b, &restored, "cat /root/note").trim(), "from-a");
+    let ct_restored = last(b.ok(&["sandbox", "restore", &ct_snap]));
+    assert_eq!(
+        sh(&b, &ct_restored, "cat /root/ct-note").trim(),
+        "container-file"
+    );
+    b.ok(&["sandbox", "rm", &restored, &ct_restored]);
+    b.assert_sandbox_gone(&restored, &[]);
+    b.assert_sandbox_gone(&ct_restored, &[]);
+
+    // Removed: gone from the list, and a restore says so by name.
+    let out = b.ok(&["snapshot", "rm", &vm_snap, &ct_snap]);
+    assert!(
+        out.contains(&format!("removed {vm_snap} and its layer")),
+        "{out}"
+    );
+    let o = b.cli(&["sandbox", "restore", &vm_snap]);
+    assert!(!o.status.success());
+    assert!(
+        text(&o).1.contains(&format!("no snapshot {vm_snap}")),
+        "{}",
+        text(&o).1
+    );
+    // Neither node keeps a copy of the machine's files.
+    for home in [&a, &b] {
+        let work = home.runtime_dir().join("snapshots");
+        let left: Vec<_> = std::fs::read_dir(&work)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "snapshot files left: {left:?}");
+    }
+}
+
 /// `query-status` over a VM's QMP socket.
 fn qmp_query_status(sock: &Path) -> String {
     use std::io::{BufRead, BufReader, Write};

@@ -248,6 +248,32 @@ class AsyncClient:
         r = await self._call(self._sandboxes.List, pb.ListRequest(labels=dict(labels or {})))
         return [AsyncSandbox(self, i) for i in r.sandboxes]
 
+    async def restore(
+        self,
+        snapshot_id: str,
+        *,
+        lifetime: Union[None, str, float] = None,
+        labels: Optional[Mapping[str, str]] = None,
+    ) -> "AsyncSandbox":
+        """A new sandbox from the project's snapshot ``snapshot_id`` (``snap-...``, from
+        :meth:`AsyncSandbox.snapshot`), on this node, wherever it was taken: a microvm's or
+        vm's continues its processes and memory, a container's or fncall's has its files."""
+        info = await self._call(
+            self._sandboxes.Restore,
+            pb.RestoreRequest(
+                snapshot=snapshot_id, lifetime=_secs(lifetime), labels=dict(labels or {})
+            ),
+        )
+        return AsyncSandbox(self, info)
+
+    async def snapshots(self) -> List["pb.SnapshotInfo"]:
+        """The project's snapshots in the store, oldest first."""
+        r = await self._call(self._sandboxes.ListSnapshots, pb.ListSnapshotsRequest())
+        return list(r.snapshots)
+
+    async def remove_snapshot(self, snapshot_id: str) -> None:
+        await self._call(self._sandboxes.RemoveSnapshot, pb.SnapshotId(id=snapshot_id))
+
     # -- node and catalog ------------------------------------------------------------
 
     async def hibernate(self, labels: Mapping[str, str]) -> "pb.HibernateReply":
@@ -522,6 +548,20 @@ class AsyncSandbox:
             pb.CommitRequest(id=self.id, kind=kind, register=register or ""),
         )
 
+    async def snapshot(self, name: Optional[str] = None, *, files_only: bool = False) -> "pb.SnapshotInfo":
+        """Saves the sandbox into the store as a snapshot any node sharing the store
+        restores (:meth:`AsyncClient.restore`): a microvm's or vm's processes, memory and
+        files; a container's or fncall's files (``files_only``: the files of any). The
+        sandbox runs on. The reply has ``id``
+        (``snap-...``), ``memory`` and the sizes."""
+        r = await self._client._call(
+            self._client._sandboxes.Snapshot,
+            pb.SnapshotRequest(
+                id=self.id, to_store=True, names=[name] if name else [], files_only=files_only
+            ),
+        )
+        return r.snapshot
+
     async def journal(self) -> List["pb.JournalStep"]:
         """The steps of the sandbox's command journal (execs given a ``step_id``), oldest
         first: ``step_id``, ``argv``, ``state`` (running, done, failed, interrupted),
@@ -670,6 +710,9 @@ class Sandbox:
     def commit(self, kind: str = "workspace", register: Optional[str] = None) -> "pb.CommitReply":
         return self._loop.run(self._sb.commit(kind, register))
 
+    def snapshot(self, name: Optional[str] = None, *, files_only: bool = False) -> "pb.SnapshotInfo":
+        return self._loop.run(self._sb.snapshot(name, files_only=files_only))
+
     def journal(self) -> List["pb.JournalStep"]:
         return self._loop.run(self._sb.journal())
 
@@ -712,6 +755,15 @@ class Client:
 
     def hibernate(self, labels: Mapping[str, str]) -> "pb.HibernateReply":
         return self._loop.run(self._c.hibernate(labels))
+
+    def restore(self, snapshot_id: str, **kw: Any) -> Sandbox:
+        return Sandbox(self._loop, self._loop.run(self._c.restore(snapshot_id, **kw)))
+
+    def snapshots(self) -> List["pb.SnapshotInfo"]:
+        return self._loop.run(self._c.snapshots())
+
+    def remove_snapshot(self, snapshot_id: str) -> None:
+        self._loop.run(self._c.remove_snapshot(snapshot_id))
 
     def health(self) -> str:
         return self._loop.run(self._c.health())

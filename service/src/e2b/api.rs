@@ -2,8 +2,10 @@
 //! a project token, `templateID` a catalog ID, `timeout` the sandbox's lifetime from now
 //! (and its idle TTL: E2B sandboxes do not end early for being idle), `envVars` its
 //! environment, `metadata` its labels, `network` its egress allowlist. Creates go
-//! through the node's admission like any other, as do a fork's children. Snapshots
-//! answer with an E2B-shaped error until store snapshots exist.
+//! through the node's admission like any other, as do a fork's children and sandboxes
+//! started from a snapshot. A snapshot (`create_snapshot`) is a store snapshot of the
+//! project (see [`crate::snapshot`]): its ID is a `templateID` any node sharing the store
+//! creates from, listed under `/snapshots` and removed as a template.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -256,24 +258,18 @@ pub(super) async fn handle(e: &Arc<E2b>, req: Request) -> Response {
         (&Method::DELETE, ["sandboxes", id]) => kill(e, &caller, id).await,
         (&Method::POST, ["sandboxes", id, "timeout"]) => set_timeout(e, &caller, id, req).await,
         (&Method::POST, ["sandboxes", id, "pause"]) => pause(e, &caller, id).await,
-        (&Method::POST, ["sandboxes", id, "connect" | "resume"] | ["v2", "sandboxes", id, "connect"]) => {
-            connect(e, &caller, id, req).await
-        }
+        (
+            &Method::POST,
+            ["sandboxes", id, "connect" | "resume"] | ["v2", "sandboxes", id, "connect"],
+        ) => connect(e, &caller, id, req).await,
         (&Method::GET, ["sandboxes", id, "metrics"]) => metrics(e, &caller, id).await,
         (&Method::PUT, ["sandboxes", id, "network"]) => update_network(e, &caller, id, req).await,
         (&Method::POST, ["sandboxes", id, "fork"]) => fork(e, &caller, id, req).await,
-        (&Method::POST, ["sandboxes", id, "snapshots"]) => match e.node.meta_for(&caller, id) {
-            Ok(_) => api_error(
-                StatusCode::NOT_IMPLEMENTED,
-                "snapshots in the store through the E2B API are not served yet (pause/connect keeps a sandbox's state, fork copies it)",
-            ),
-            Err(err) => error_response(&err),
-        },
-        (&Method::GET, ["snapshots"]) => json_reply(StatusCode::OK, json!([])),
-        (&Method::DELETE, ["templates", ..]) => api_error(
-            StatusCode::NOT_FOUND,
-            "no such snapshot: snapshots are not served through the E2B API yet",
-        ),
+        (&Method::POST, ["sandboxes", id, "snapshots"]) => {
+            create_snapshot(e, &caller, id, req).await
+        }
+        (&Method::GET, ["snapshots"]) => list_snapshots(e, &caller, query(&req)).await,
+        (&Method::DELETE, ["templates", id]) => delete_snapshot(e, &caller, id).await,
         _ => api_error(
             StatusCode::NOT_FOUND,
             format!("the E2B API has no {method} {path} here"),
@@ -326,6 +322,19 @@ async fn create(e: &Arc<E2b>, caller: &Caller, req: Request) -> Response {
         Ok(n) => n,
         Err(r) => return r.into_response(),
     };
+    if crate::snapshot::is_id(template) {
+        // A snapshot's stack, budgets, environment and network are its own.
+        let args = CreateArgs {
+            lifetime: Some(Duration::from_secs(timeout)),
+            labels,
+            inbound,
+            ..Default::default()
+        };
+        return match e.node.restore(caller, template, args).await {
+            Ok(m) => json_reply(StatusCode::CREATED, sandbox_json(e, &m)),
+            Err(err) => error_response(&err),
+        };
+    }
     let args = CreateArgs {
         catalog_id: catalog_id(template),
         backend,
@@ -358,6 +367,95 @@ async fn create(e: &Arc<E2b>, caller: &Caller, req: Request) -> Response {
             };
             error_response(&err)
         }
+    }
+}
+
+/// `POST /sandboxes/{id}/snapshots`: a store snapshot of the sandbox (`name` lists it).
+async fn create_snapshot(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
+    let meta = match e.node.meta_for(caller, id) {
+        Ok(m) => m,
+        Err(err) => return error_response(&err),
+    };
+    let v = match body_json(req).await {
+        Ok(v) => v,
+        Err(r) => return r.into_response(),
+    };
+    let names = match v.get("name") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::String(n)) if !n.is_empty() && n.len() <= 128 => vec![n.clone()],
+        Some(_) => return api_error(StatusCode::BAD_REQUEST, "name: give a short text"),
+    };
+    // `mode="filesystem"` sends `memory: false`.
+    let files_only = v.get("memory").and_then(Value::as_bool) == Some(false);
+    match e
+        .node
+        .snapshot_to_store(caller, &meta, names, files_only)
+        .await
+    {
+        Ok(s) => json_reply(
+            StatusCode::CREATED,
+            json!({"snapshotID": s.id, "names": s.names}),
+        ),
+        Err(err) => error_response(&err),
+    }
+}
+
+/// `GET /snapshots?sandboxID=&name=&limit=&nextToken=`: the project's, oldest first.
+async fn list_snapshots(e: &Arc<E2b>, caller: &Caller, q: Vec<(String, String)>) -> Response {
+    let get = |k: &str| q.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    let snaps = match crate::snapshot::list(e.node.store(), Some(&caller.project.name)).await {
+        Ok(s) => s,
+        Err(err) => return error_response(&err),
+    };
+    let (of, name) = (get("sandboxID"), get("name"));
+    let snaps: Vec<_> = snaps
+        .into_iter()
+        .filter(|s| of.as_ref().is_none_or(|id| &s.sandbox == id))
+        .filter(|s| {
+            name.as_ref()
+                .is_none_or(|n| &s.id == n || s.names.contains(n))
+        })
+        .collect();
+    let limit = get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .unwrap_or(PAGE)
+        .clamp(1, PAGE);
+    let start = match get("nextToken") {
+        Some(t) => snaps.iter().position(|s| s.id == t).unwrap_or(snaps.len()),
+        None => 0,
+    };
+    let page: Vec<Value> = snaps
+        .iter()
+        .skip(start)
+        .take(limit)
+        .map(|s| json!({"snapshotID": s.id, "names": s.names}))
+        .collect();
+    let mut r = json_reply(StatusCode::OK, Value::Array(page));
+    if let Some(next) = snaps.get(start + limit) {
+        if let Ok(v) = next.id.parse() {
+            r.headers_mut().insert("x-next-token", v);
+        }
+    }
+    r
+}
+
+/// `DELETE /templates/{id}`: removes the project's snapshot `id` (templates proper are
+/// catalog entries, removed through the catalog).
+async fn delete_snapshot(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
+    // Snapshot IDs need no URL-decoding; anything else is no snapshot of ours.
+    if !crate::snapshot::is_id(id) {
+        return api_error(
+            StatusCode::NOT_FOUND,
+            format!("no snapshot `{id}` (catalog entries are removed with `strata catalog rm`)"),
+        );
+    }
+    let removed = match e.node.snapshot_of(caller, id).await {
+        Ok(s) => crate::snapshot::remove(e.node.store(), &s).await,
+        Err(err) => Err(err),
+    };
+    match removed {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(err) => error_response(&err),
     }
 }
 
@@ -600,6 +698,10 @@ async fn metrics(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
     let m = meta.clone();
     let seen = e.cpu_seen.clone();
     let cpus = meta.cpus.ceil().max(1.0) as u64;
+    if meta.hibernated {
+        // Nothing of it runs, and asking must not wake it.
+        return json_reply(StatusCode::OK, json!([]));
+    }
     let sample = blocking(move || {
         let sb = node.sandbox(&m)?;
         let mem = sb.cgroup().memory_usage();

@@ -345,22 +345,97 @@ class ForkReply(_message.Message):
     def __init__(self, children: _Optional[_Iterable[_Union[SandboxInfo, _Mapping]]] = ..., processes: _Optional[bool] = ..., ms: _Optional[int] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ("id", "dir")
+    __slots__ = ("id", "dir", "to_store", "names", "files_only")
     ID_FIELD_NUMBER: _ClassVar[int]
     DIR_FIELD_NUMBER: _ClassVar[int]
+    TO_STORE_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    FILES_ONLY_FIELD_NUMBER: _ClassVar[int]
     id: str
     dir: str
-    def __init__(self, id: _Optional[str] = ..., dir: _Optional[str] = ...) -> None: ...
+    to_store: bool
+    names: _containers.RepeatedScalarFieldContainer[str]
+    files_only: bool
+    def __init__(self, id: _Optional[str] = ..., dir: _Optional[str] = ..., to_store: _Optional[bool] = ..., names: _Optional[_Iterable[str]] = ..., files_only: _Optional[bool] = ...) -> None: ...
 
 class SnapshotReply(_message.Message):
-    __slots__ = ("state_bytes", "disk_bytes", "millis")
+    __slots__ = ("state_bytes", "disk_bytes", "millis", "snapshot")
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MILLIS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     state_bytes: int
     disk_bytes: int
     millis: float
-    def __init__(self, state_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., millis: _Optional[float] = ...) -> None: ...
+    snapshot: SnapshotInfo
+    def __init__(self, state_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., millis: _Optional[float] = ..., snapshot: _Optional[_Union[SnapshotInfo, _Mapping]] = ...) -> None: ...
+
+class SnapshotId(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class SnapshotInfo(_message.Message):
+    __slots__ = ("id", "layer", "memory", "backend", "sandbox", "catalog_ref", "project", "names", "taken_ms", "state_bytes", "disk_bytes", "stored_bytes", "uploaded_bytes", "seconds", "taken_by")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    CATALOG_REF_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TAKEN_BY_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    layer: str
+    memory: bool
+    backend: str
+    sandbox: str
+    catalog_ref: str
+    project: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    taken_ms: int
+    state_bytes: int
+    disk_bytes: int
+    stored_bytes: int
+    uploaded_bytes: int
+    seconds: float
+    taken_by: str
+    def __init__(self, id: _Optional[str] = ..., layer: _Optional[str] = ..., memory: _Optional[bool] = ..., backend: _Optional[str] = ..., sandbox: _Optional[str] = ..., catalog_ref: _Optional[str] = ..., project: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ..., taken_ms: _Optional[int] = ..., state_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., uploaded_bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., taken_by: _Optional[str] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("snapshot", "labels", "lifetime")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    LIFETIME_FIELD_NUMBER: _ClassVar[int]
+    snapshot: str
+    labels: _containers.ScalarMap[str, str]
+    lifetime: str
+    def __init__(self, snapshot: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., lifetime: _Optional[str] = ...) -> None: ...
+
+class ListSnapshotsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSnapshotsReply(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotInfo]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotInfo, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("id", "kind", "register")

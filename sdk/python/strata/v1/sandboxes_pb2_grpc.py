@@ -124,6 +124,26 @@ class SandboxesStub:
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotReply.FromString,
                 _registered_method=True)
+        self.Restore = channel.unary_unary(
+                '/strata.v1.Sandboxes/Restore',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
+                _registered_method=True)
+        self.ListSnapshots = channel.unary_unary(
+                '/strata.v1.Sandboxes/ListSnapshots',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.ListSnapshotsRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.ListSnapshotsReply.FromString,
+                _registered_method=True)
+        self.GetSnapshot = channel.unary_unary(
+                '/strata.v1.Sandboxes/GetSnapshot',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotId.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotInfo.FromString,
+                _registered_method=True)
+        self.RemoveSnapshot = channel.unary_unary(
+                '/strata.v1.Sandboxes/RemoveSnapshot',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotId.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.Done.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/strata.v1.Sandboxes/Commit',
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.CommitRequest.SerializeToString,
@@ -278,7 +298,36 @@ class SandboxesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Snapshot(self, request, context):
-        """Saves a microvm or vm sandbox into a directory on the node; it keeps running.
+        """Saves a sandbox; it keeps running. `to_store`: into the store as a snapshot any node
+        sharing the store restores (microvm and vm: processes, memory and files; container
+        and fncall: its files). Else a microvm or vm into a directory on the node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restore(self, request, context):
+        """A new sandbox from a snapshot in the store, admitted as a create, on this node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSnapshots(self, request, context):
+        """The project's snapshots in the store, oldest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSnapshot(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveSnapshot(self, request, context):
+        """Removes a snapshot (and its layer when no other snapshot holds it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -422,6 +471,26 @@ def add_SandboxesServicer_to_server(servicer, server):
                     servicer.Snapshot,
                     request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotRequest.FromString,
                     response_serializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotReply.SerializeToString,
+            ),
+            'Restore': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restore,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.RestoreRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.SerializeToString,
+            ),
+            'ListSnapshots': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSnapshots,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.ListSnapshotsRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.ListSnapshotsReply.SerializeToString,
+            ),
+            'GetSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSnapshot,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotId.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotInfo.SerializeToString,
+            ),
+            'RemoveSnapshot': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveSnapshot,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.SnapshotId.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.Done.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -940,6 +1009,114 @@ class Sandboxes:
             '/strata.v1.Sandboxes/Snapshot',
             strata_dot_v1_dot_sandboxes__pb2.SnapshotRequest.SerializeToString,
             strata_dot_v1_dot_sandboxes__pb2.SnapshotReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/Restore',
+            strata_dot_v1_dot_sandboxes__pb2.RestoreRequest.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSnapshots(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/ListSnapshots',
+            strata_dot_v1_dot_sandboxes__pb2.ListSnapshotsRequest.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.ListSnapshotsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/GetSnapshot',
+            strata_dot_v1_dot_sandboxes__pb2.SnapshotId.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.SnapshotInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/RemoveSnapshot',
+            strata_dot_v1_dot_sandboxes__pb2.SnapshotId.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.Done.FromString,
             options,
             channel_credentials,
             insecure,
