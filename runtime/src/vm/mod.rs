@@ -778,7 +778,7 @@ impl VmBackend {
         let incoming = match ctx.restore {
             Some(snapshot) => {
                 let rec: SnapshotRecord = read_snapshot(snapshot)?;
-                if rec.shape != shape {
+                if !rec.shape.restores_as(&shape) {
                     return Err(RuntimeError::Invalid(format!(
                         "snapshot {} was taken on a different machine ({:?}); this host would run {:?}",
                         snapshot.display(),

@@ -90,6 +90,26 @@ pub struct MachineShape {
     pub initramfs: PathBuf,
 }
 
+impl MachineShape {
+    /// Whether a machine saved as `self` restores as `other`: the same devices, memory
+    /// and boot files, wherever each node keeps them (the initramfs's name is the key of
+    /// what it holds).
+    pub fn restores_as(&self, other: &MachineShape) -> bool {
+        let names = |s: &MachineShape| {
+            (
+                s.kernel.file_name().map(|n| n.to_os_string()),
+                s.initramfs.file_name().map(|n| n.to_os_string()),
+            )
+        };
+        let here = MachineShape {
+            kernel: other.kernel.clone(),
+            initramfs: other.initramfs.clone(),
+            ..self.clone()
+        };
+        here == *other && names(self) == names(other)
+    }
+}
+
 /// The files and sockets of one machine (kept with a VM sandbox, `machine-files.json`,
 /// so a hibernated one starts again on the same ones).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -493,4 +513,38 @@ pub fn kvm_works(qemu: &Path, shape: &MachineShape, scratch: &Path) -> bool {
         let _ = std::fs::remove_file(f);
     }
     ok
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(root: &str) -> MachineShape {
+        MachineShape {
+            machine: Machine::Microvm,
+            accel: Accel::Tcg,
+            memory_mib: 384,
+            vcpus: 1,
+            layers: 1,
+            network: false,
+            display: false,
+            kernel: PathBuf::from(format!("{root}/guest/vmlinux")),
+            initramfs: PathBuf::from(format!("{root}/vm/initramfs-8ecfb83f00603453.cpio")),
+        }
+    }
+
+    #[test]
+    fn a_snapshot_restores_on_a_node_keeping_the_same_files_elsewhere() {
+        assert!(shape("/a").restores_as(&shape("/b")));
+        let other_initramfs = MachineShape {
+            initramfs: PathBuf::from("/b/vm/initramfs-0000000000000000.cpio"),
+            ..shape("/b")
+        };
+        assert!(!shape("/a").restores_as(&other_initramfs));
+        let bigger = MachineShape {
+            memory_mib: 512,
+            ..shape("/a")
+        };
+        assert!(!shape("/a").restores_as(&bigger));
+    }
 }
