@@ -1,7 +1,8 @@
 //! The `state` suite: durable rollout state against a cold create of the same entry in
 //! the same run. Hibernate and wake of a microVM (wake to first exec against a create to
 //! first exec), the hibernated state's size against the memory its guest uses, and fork
-//! of N children per backend against N creates. Container and fncall sandboxes cannot
+//! of N children per backend against N creates; a snapshot into the store (time, size)
+//! and its restore on another node. Container and fncall sandboxes cannot
 //! hibernate here (no CRIU): their rows are absent, as the README says.
 
 use std::path::Path;
@@ -85,7 +86,35 @@ pub fn run(
         check(&sb, "test -s /root/blob")?;
         wake.push(ms(t));
     }
+    // A snapshot into the store, restored by another node (a fresh home sharing the store:
+    // its own lazyfs cache, nothing of the sandbox).
+    let t = Instant::now();
+    let snap = rt.block_on(strata_service::snapshot::take(
+        &store,
+        &sb,
+        &scratch.join("snapshot-work"),
+        &strata_service::snapshot::TakeRequest {
+            sandbox: sb.id().to_string(),
+            taken_by: "strata-bench".into(),
+            ..Default::default()
+        },
+    ))?;
+    let snap_ms = ms(t);
     sb.destroy()?;
+    let node_b = Runtime::open(runtime_config(&scratch.join("node-b"), &s.store_url)?)?;
+    let t = Instant::now();
+    let restored = rt.block_on(strata_service::snapshot::restore(
+        &store,
+        &node_b,
+        &snap,
+        "strata-bench",
+        &scratch.join("restore-work"),
+    ))?;
+    check(&restored, "test -s /root/blob")?;
+    let restore_ms = ms(t);
+    restored.destroy()?;
+    node_b.drain_pool();
+    rt.block_on(strata_service::snapshot::remove(&store, &snap))?;
     let mut cold: Vec<f64> = (0..if quick { 3 } else { 5 })
         .map(|_| once(&runtime, &microvm))
         .collect::<Result<_>>()?;
@@ -116,6 +145,36 @@ pub fn run(
         used_kib / 1024.0,
         "lower",
         "target: at most what the guest uses (its files stay on its disk)",
+    ));
+    rows.push(Row::new(
+        "microvm snapshot into the store",
+        "ms",
+        snap_ms,
+        "create -> first exec, p50",
+        cold50,
+        "lower",
+        "machine saved (paused for the save and the disk copy), built as a layer of chunks",
+    ));
+    rows.push(Row::new(
+        "microvm snapshot size (state + disk written)",
+        "MiB",
+        (snap.state_bytes + snap.disk_bytes) as f64 / 1_048_576.0,
+        "memory the guest uses + 16 MiB written",
+        used_kib / 1024.0 + 16.0,
+        "lower",
+        &format!(
+            "target: at most the baseline; {:.1} MiB new in the store after lz4 and dedup",
+            snap.uploaded_bytes as f64 / 1_048_576.0
+        ),
+    ));
+    rows.push(Row::new(
+        "microvm restore on another node -> first exec",
+        "ms",
+        restore_ms,
+        "create -> first exec, p50",
+        cold50,
+        "lower",
+        "cold node: its layers and the snapshot fetched from the store, a new QEMU; processes and files kept",
     ));
 
     // Fork of N against N creates, per backend.

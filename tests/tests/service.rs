@@ -610,6 +610,87 @@ asyncio.run(main())
     );
 }
 
+/// Snapshots through the SDK: a container's snapshot in the store restores as a new
+/// sandbox with its files; another project neither sees nor restores it; a client cannot
+/// have the node write a snapshot into a directory of its choosing.
+#[test]
+fn a_projects_snapshots_restore_through_the_sdk_and_stay_its_own() {
+    // Threat model: "clients with a token" (SECURITY.md): snapshots are a project's.
+    let Some(env) = env("service_snapshots") else {
+        return;
+    };
+    let (p, q) = (unique("snap"), unique("snap-other"));
+    let (home, tokens) = home_with_projects(env, "service-snap-", &[(&p, &[]), (&q, &[])]);
+    let svc = Service::start(&home, "");
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import json, strata
+from strata.v1 import sandboxes_pb2 as pb
+c = strata.Client()
+sb = c.create("{sample}", backend="container")
+sb.files.write("/work/kept.txt", b"in the snapshot")
+snap = sb.snapshot(name="turn-3")
+assert snap.id.startswith("snap-") and not snap.memory and list(snap.names) == ["turn-3"], snap
+sb.files.write("/work/kept.txt", b"after it")
+assert [s.id for s in c.snapshots()] == [snap.id]
+again = c.restore(snap.id, labels={{"from": "snapshot"}})
+assert again.id != sb.id
+assert again.files.read("/work/kept.txt") == b"in the snapshot"
+assert again.info.labels["from"] == "snapshot"
+try:
+    c._loop.run(c._c._call(c._c._sandboxes.Snapshot, pb.SnapshotRequest(id=sb.id, dir="/etc")))
+    raise AssertionError("the node wrote a snapshot where a client said")
+except strata.PermissionDenied as e:
+    assert "to_store" in str(e), e
+print(json.dumps({{"snapshot": snap.id}}))
+"#,
+            sample = env.reference
+        ),
+    );
+    let snap: serde_json::Value = serde_json::from_str(out.trim()).expect("report");
+    let id = snap["snapshot"].as_str().unwrap().to_string();
+    // Another project: not listed, not restored, not removed.
+    python_ok(
+        &svc,
+        &tokens[1],
+        &format!(
+            r#"
+import strata
+c = strata.Client()
+assert c.snapshots() == []
+for call in (lambda: c.restore("{id}"), lambda: c.remove_snapshot("{id}")):
+    try:
+        call()
+        raise AssertionError("another project reached the snapshot")
+    except strata.NotFound:
+        pass
+"#
+        ),
+    );
+    python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import strata
+c = strata.Client()
+c.remove_snapshot("{id}")
+assert c.snapshots() == []
+try:
+    c.restore("{id}")
+    raise AssertionError("a removed snapshot restored")
+except strata.NotFound:
+    pass
+for sb in c.list():
+    sb.destroy()
+"#
+        ),
+    );
+}
+
 #[test]
 fn sixty_four_concurrent_sandboxes_from_python_run_the_suite_and_leave_nothing() {
     let Some(env) = env("service_sixty_four") else {
