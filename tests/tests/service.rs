@@ -1002,6 +1002,44 @@ fn cli_subset(how: &str, sample: &str, cli: &Cli) -> String {
         (Some("append-1"), Some("done"), Some(5), Some(2)),
         "{how}: {steps}"
     );
+    // A snapshot in the store (its ID last), listed, restored as a new sandbox with the
+    // files, removed.
+    let o = cli(&["sandbox", "snapshot", &id, "--to-store"], None);
+    assert!(o.status.success(), "{how}: {:?}", text(&o));
+    let snap = text(&o).0.lines().last().unwrap_or_default().to_string();
+    assert!(snap.starts_with("snap-"), "{how}: {snap}");
+    let o = cli(&["snapshot", "ls"], None);
+    assert!(text(&o).0.contains(&snap), "{how}: {:?}", text(&o));
+    let o = cli(&["snapshot", "inspect", &snap], None);
+    assert!(
+        text(&o).0.contains("holds      files"),
+        "{how}: {:?}",
+        text(&o)
+    );
+    let o = cli(&["sandbox", "restore", &snap], None);
+    assert!(o.status.success(), "{how}: {:?}", text(&o));
+    let restored = text(&o).0.lines().last().unwrap_or_default().to_string();
+    let o = cli(
+        &[
+            "sandbox",
+            "exec",
+            &restored,
+            "--",
+            "cat",
+            "/work/copied.txt",
+        ],
+        None,
+    );
+    assert_eq!(text(&o).0, "copied in", "{how}: {:?}", text(&o));
+    assert!(
+        cli(&["sandbox", "rm", &restored], None).status.success(),
+        "{how}"
+    );
+    let o = cli(&["snapshot", "rm", &snap], None);
+    assert!(o.status.success(), "{how}: {:?}", text(&o));
+    let o = cli(&["snapshot", "inspect", &snap], None);
+    assert_eq!(o.status.code(), Some(1), "{how}: {:?}", text(&o));
+    assert!(text(&o).1.contains("no snapshot"), "{how}: {:?}", text(&o));
     assert!(cli(&["sandbox", "rm", &id], None).status.success(), "{how}");
     // The journal outlives its sandbox (for `journal_retention`).
     assert_eq!(journal()[0]["state"].as_str(), Some("done"), "{how}");
