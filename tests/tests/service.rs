@@ -610,6 +610,70 @@ asyncio.run(main())
     );
 }
 
+/// Preemption in bulk: 64 microVMs of one training job hibernate by their label at once
+/// (within the node's `hibernate_concurrency`); all are hibernated, the node's committed
+/// memory falls by all of theirs, QEMU is gone for each, and one wakes where it was.
+#[test]
+fn sixty_four_microvms_of_a_job_hibernate_by_label() {
+    if !strata_tests::home::can_run_vms("service_hibernate_64") {
+        return;
+    }
+    let Some(env) = env("service_hibernate_64") else {
+        return;
+    };
+    let p = unique("hibernate-64");
+    let (home, tokens) = home_with_projects(env, "service-hibernate-64-", &[(&p, &[])]);
+    // 64 machines of one CPU on two cores: CPU is overcommitted on purpose here.
+    let svc = Service::start(&home, "cpu_overcommit = 64.0\nhibernate_concurrency = 8\n");
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, json, time, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        sem = asyncio.Semaphore(4)
+        async def one(i):
+            async with sem:
+                sb = await c.create("{sample}", backend="microvm", memory="128M", labels={{"job": "run-64"}})
+                r = await sb.exec(f"echo {{i}} > /work/mine.txt; nohup sleep 100000 >/dev/null 2>&1 &")
+                assert r.exit_code == 0, r
+                return sb
+        t = time.monotonic()
+        job = await asyncio.gather(*(one(i) for i in range(64)))
+        made = time.monotonic() - t
+        held = (await c.capacity()).committed_memory_bytes
+        r = await c.hibernate({{"job": "run-64"}})
+        errors = [h.error for h in r.sandboxes if h.error]
+        assert len(r.sandboxes) == 64 and not errors, errors
+        states = [(await sb.refresh()).state for sb in job]
+        assert states == ["hibernated"] * 64, states
+        freed = held - (await c.capacity()).committed_memory_bytes
+        assert freed == sum(sb.info.memory_bytes for sb in job), (held, freed)
+        assert (await job[17].files.read("/work/mine.txt")) == b"17\n"
+        assert any("sleep 100000" in p.cmdline for p in await job[17].processes())
+        print(json.dumps({{"ids": [sb.id for sb in job], "ms": r.ms, "bytes": sum(h.state_bytes for h in r.sandboxes), "made_s": made}}))
+        for sb in job:
+            await sb.destroy()
+asyncio.run(main())
+"#,
+            sample = env.reference
+        ),
+    );
+    let report: serde_json::Value = serde_json::from_str(out.trim()).expect("report");
+    eprintln!(
+        "hibernate --label of 64 microVMs: {} ms, {} MiB written (made in {:.0} s)",
+        report["ms"],
+        report["bytes"].as_u64().unwrap_or(0) >> 20,
+        report["made_s"].as_f64().unwrap_or(0.0)
+    );
+    for id in report["ids"].as_array().unwrap() {
+        let local = id.as_str().unwrap().rsplit('-').next().unwrap().to_string();
+        home.assert_sandbox_gone(&local, &[]);
+    }
+}
+
 /// Snapshots through the SDK: a container's snapshot in the store restores as a new
 /// sandbox with its files; another project neither sees nor restores it; a client cannot
 /// have the node write a snapshot into a directory of its choosing.
