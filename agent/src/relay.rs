@@ -63,11 +63,13 @@ pub fn main(args: &[String]) -> Result<(), String> {
                         std::process::exit(0);
                     }
                 }
+                // Known before its first bytes go out: the guest's answer may come back
+                // before `join` returns, and one to a conversation not (yet) in the map is
+                // dropped (a lost `welcome` once made the next frame look like the
+                // handshake's answer, with 64 VMs on two cores).
+                let mut map = conns.lock().unwrap_or_else(|p| p.into_inner());
                 if let Ok(conv) = mux::join(id, client, out.clone()) {
-                    conns
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(id, conv);
+                    map.insert(id, conv);
                 }
             }
         });

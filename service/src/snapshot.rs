@@ -120,7 +120,9 @@ pub fn is_id(text: &str) -> bool {
     check_id(text).is_ok()
 }
 
-/// A directory of `parent` only root may read (a snapshot holds a machine's memory).
+/// A new work directory in `parent`, which only root may read (a snapshot holds a
+/// machine's memory). Its name carries this process's ID, so the next one made there
+/// removes what a process that died mid-way left.
 pub(crate) fn private_dir(parent: &Path, name: &str) -> Result<PathBuf, ServiceError> {
     use std::os::unix::fs::PermissionsExt;
     std::fs::create_dir_all(parent)
@@ -129,7 +131,29 @@ pub(crate) fn private_dir(parent: &Path, name: &str) -> Result<PathBuf, ServiceE
             what: format!("making {}", parent.display()),
             source,
         })?;
-    Ok(parent.join(format!("{name}-{}", uuid::Uuid::new_v4().simple())))
+    if let Ok(entries) = std::fs::read_dir(parent) {
+        for e in entries.flatten() {
+            let file = e.file_name();
+            let dead = file
+                .to_string_lossy()
+                .split('.')
+                .nth(1)
+                .and_then(|pid| pid.parse::<u32>().ok())
+                .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+            if dead {
+                tracing::info!(
+                    "removing {}, left by a process that died",
+                    e.path().display()
+                );
+                remove_work(&e.path());
+            }
+        }
+    }
+    Ok(parent.join(format!(
+        "{name}.{}.{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    )))
 }
 
 /// Removes a work directory, saying so if it cannot.
@@ -368,5 +392,19 @@ mod tests {
             check_id("/tmp/snap"),
             Err(ServiceError::InvalidArgument { .. })
         ));
+    }
+
+    #[test]
+    fn a_work_directory_a_dead_process_left_is_removed_by_the_next() {
+        let root = tempfile::tempdir().unwrap();
+        let parent = root.path().join("work");
+        let mine = private_dir(&parent, "s1").unwrap();
+        std::fs::create_dir_all(&mine).unwrap();
+        // PIDs above the kernel's pid_max never run.
+        let dead = parent.join("s2.4194305.0123");
+        std::fs::create_dir_all(dead.join("files")).unwrap();
+        let again = private_dir(&parent, "s3").unwrap();
+        assert!(mine.exists() && !dead.exists());
+        assert_ne!(again, mine);
     }
 }
