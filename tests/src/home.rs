@@ -15,6 +15,25 @@ static HOMES: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 extern "C" fn clean_homes_at_exit() {
     let homes = HOMES.lock().map(|h| h.clone()).unwrap_or_default();
     for home in homes {
+        // Sandboxes a failed test left (a VM's QEMU would otherwise run on, taking the
+        // CPU from every later test, after its directory is gone).
+        let left: Vec<String> = std::fs::read_dir(home.join("runtime").join("sandboxes"))
+            .map(|d| {
+                d.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| !n.starts_with('.'))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !left.is_empty() {
+            let _ = Command::new(strata_bin())
+                .args(["sandbox", "rm"])
+                .args(&left)
+                .env("STRATA_HOME", &home)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+        }
         for args in [["sandbox", "pool", "--drain"], ["lazyfs", "stop", ""]] {
             let _ = Command::new(strata_bin())
                 .args(args.iter().filter(|a| !a.is_empty()))

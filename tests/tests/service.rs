@@ -610,20 +610,23 @@ asyncio.run(main())
     );
 }
 
-/// Preemption in bulk: 64 microVMs of one training job hibernate by their label at once
-/// (within the node's `hibernate_concurrency`); all are hibernated, the node's committed
-/// memory falls by all of theirs, QEMU is gone for each, and one wakes where it was.
+/// Preemption in bulk: a job's microVMs hibernate by their label at once (within the
+/// node's `hibernate_concurrency`); all are hibernated, the node's committed memory falls
+/// by all of theirs, and one is read back where it was. 16 here: 64 (the issue's figure,
+/// measured by hand with `JOB = 64`, see the README) take 4 to 12 minutes of CI under TCG,
+/// where every idle guest still takes CPU from the next one's start.
 #[test]
-fn sixty_four_microvms_of_a_job_hibernate_by_label() {
-    if !strata_tests::home::can_run_vms("service_hibernate_64") {
+fn a_jobs_sixteen_microvms_hibernate_by_label_at_once() {
+    const JOB: usize = 16;
+    if !strata_tests::home::can_run_vms("service_hibernate_job") {
         return;
     }
-    let Some(env) = env("service_hibernate_64") else {
+    let Some(env) = env("service_hibernate_job") else {
         return;
     };
-    let p = unique("hibernate-64");
-    let (home, tokens) = home_with_projects(env, "service-hibernate-64-", &[(&p, &[])]);
-    // 64 machines of one CPU on two cores: CPU is overcommitted on purpose here.
+    let p = unique("hibernate-job");
+    let (home, tokens) = home_with_projects(env, "service-hibernate-job-", &[(&p, &[])]);
+    // Machines of one CPU on two cores: CPU is overcommitted on purpose here.
     let svc = Service::start(&home, "cpu_overcommit = 64.0\nhibernate_concurrency = 8\n");
     let out = python_ok(
         &svc,
@@ -641,29 +644,30 @@ async def main():
                 assert r.exit_code == 0, r
                 return sb
         t = time.monotonic()
-        job = await asyncio.gather(*(one(i) for i in range(64)))
+        job = await asyncio.gather(*(one(i) for i in range({n})))
         made = time.monotonic() - t
         held = (await c.capacity()).committed_memory_bytes
         r = await c.hibernate({{"job": "run-64"}})
         errors = [h.error for h in r.sandboxes if h.error]
-        assert len(r.sandboxes) == 64 and not errors, errors
+        assert len(r.sandboxes) == {n} and not errors, errors
         states = [(await sb.refresh()).state for sb in job]
-        assert states == ["hibernated"] * 64, states
+        assert states == ["hibernated"] * {n}, states
         freed = held - (await c.capacity()).committed_memory_bytes
         assert freed == sum(sb.info.memory_bytes for sb in job), (held, freed)
-        assert (await job[17].files.read("/work/mine.txt")) == b"17\n"
-        assert any("sleep 100000" in p.cmdline for p in await job[17].processes())
+        assert (await job[7].files.read("/work/mine.txt")) == b"7\n"
+        assert any("sleep 100000" in p.cmdline for p in await job[7].processes())
         print(json.dumps({{"ids": [sb.id for sb in job], "ms": r.ms, "bytes": sum(h.state_bytes for h in r.sandboxes), "made_s": made}}))
         for sb in job:
             await sb.destroy()
 asyncio.run(main())
 "#,
-            sample = env.reference
+            sample = env.reference,
+            n = JOB
         ),
     );
     let report: serde_json::Value = serde_json::from_str(out.trim()).expect("report");
     eprintln!(
-        "hibernate --label of 64 microVMs: {} ms, {} MiB written (made in {:.0} s)",
+        "hibernate --label of {JOB} microVMs: {} ms, {} MiB written (made in {:.0} s)",
         report["ms"],
         report["bytes"].as_u64().unwrap_or(0) >> 20,
         report["made_s"].as_f64().unwrap_or(0.0)
