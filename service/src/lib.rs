@@ -30,6 +30,15 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 pub use error::ServiceError;
+
+/// Runs blocking runtime work off the async threads.
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ServiceError> + Send + 'static,
+) -> Result<T, ServiceError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ServiceError::Internal(e.to_string()))?
+}
 pub use node::{Node, NodeSize};
 pub use projects::{Caller, Project, Projects, TokenRecord};
 

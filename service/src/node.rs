@@ -437,11 +437,7 @@ impl Node {
         })?;
         let node = self.clone();
         let s = spec.clone();
-        let make = async move {
-            tokio::task::spawn_blocking(move || Ok(node.rt.create(s)?))
-                .await
-                .map_err(|e| ServiceError::Internal(e.to_string()))?
-        };
+        let make = crate::blocking(move || Ok(node.rt.create(s)?));
         self.admit_and_record(caller, &spec, &args, started, serde_json::json!({}), make)
             .await
     }
@@ -567,9 +563,7 @@ impl Node {
     ) -> Result<crate::snapshot::StoredSnapshot, ServiceError> {
         let node = self.clone();
         let m = meta.clone();
-        let sb = tokio::task::spawn_blocking(move || node.sandbox(&m))
-            .await
-            .map_err(|e| ServiceError::Internal(e.to_string()))??;
+        let sb = crate::blocking(move || node.sandbox(&m)).await?;
         crate::snapshot::take(
             &self.store,
             &sb,

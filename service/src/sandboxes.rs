@@ -49,10 +49,7 @@ fn text(s: String) -> Option<String> {
 async fn blocking<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, ServiceError> + Send + 'static,
 ) -> Result<T, Status> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(Status::from)
+    crate::blocking(f).await.map_err(Status::from)
 }
 
 fn info(node: &Node, m: &Meta) -> proto::SandboxInfo {

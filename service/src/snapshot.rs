@@ -24,7 +24,7 @@ use strata_runtime::{Runtime, Sandbox, SandboxSpec};
 use strata_store::{Digest, Store};
 
 use crate::projects::{list_keys, read_json, write_json};
-use crate::ServiceError;
+use crate::{blocking, ServiceError};
 
 /// The record format this build writes and reads.
 pub const FORMAT: u32 = 1;
@@ -56,7 +56,7 @@ pub struct StoredSnapshot {
     pub state_bytes: u64,
     /// Bytes the writable disk's copy held (memory snapshots), or the committed files.
     pub disk_bytes: u64,
-    /// Bytes of the layer's files (what a restore fetches, before holes).
+    /// Bytes a restore fetches (before compression; a disk's holes are not stored).
     pub stored_bytes: u64,
     /// Bytes the store did not already have when it was taken.
     pub uploaded_bytes: u64,
@@ -165,14 +165,6 @@ fn remove_work(dir: &Path) {
     }
 }
 
-async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ServiceError> + Send + 'static,
-) -> Result<T, ServiceError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ServiceError::Internal(e.to_string()))?
-}
-
 /// Takes a snapshot of `sandbox` into `store` (see the module's comment); the sandbox
 /// runs on. `work` is a node-local directory for the machine's files meanwhile.
 pub async fn take(
@@ -204,12 +196,16 @@ pub async fn take(
             };
             let report = strata_builder::build(store, &build, None)
                 .await
-                .map_err(|e| ServiceError::Internal(format!("storing the snapshot: {e}")))?;
+                .map_err(|e| match e {
+                    strata_builder::BuildError::Store(s) => ServiceError::Store(s),
+                    e => ServiceError::Internal(format!("storing the snapshot: {e}")),
+                })?;
             Ok::<_, ServiceError>((
                 report.id,
                 info.state_bytes,
                 info.disk_bytes,
-                report.logical_bytes,
+                // The disk's unwritten space is holes: neither stored nor fetched.
+                info.state_bytes + info.disk_bytes,
                 report.uploaded_bytes,
             ))
         }

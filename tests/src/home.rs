@@ -17,14 +17,7 @@ extern "C" fn clean_homes_at_exit() {
     for home in homes {
         // Sandboxes a failed test left (a VM's QEMU would otherwise run on, taking the
         // CPU from every later test, after its directory is gone).
-        let left: Vec<String> = std::fs::read_dir(home.join("runtime").join("sandboxes"))
-            .map(|d| {
-                d.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .filter(|n| !n.starts_with('.'))
-                    .collect()
-            })
-            .unwrap_or_default();
+        let left = sandboxes_in(&home);
         if !left.is_empty() {
             let _ = Command::new(strata_bin())
                 .args(["sandbox", "rm"])
@@ -53,6 +46,18 @@ extern "C" fn clean_homes_at_exit() {
             }
         }
     }
+}
+
+/// The IDs of the sandboxes a home's runtime holds (their directories).
+pub fn sandboxes_in(home: &Path) -> Vec<String> {
+    std::fs::read_dir(home.join("runtime").join("sandboxes"))
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| !n.starts_with('.'))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Whether this host can run sandboxes (root, FUSE, the container engine, the tools the

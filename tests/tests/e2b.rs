@@ -114,15 +114,7 @@ fn tail(s: &str) -> String {
 
 /// Nothing of the home's sandboxes is left: no record, mount or cgroup.
 fn assert_nothing_left(home: &CliHome) {
-    let sandboxes = home.runtime_dir().join("sandboxes");
-    let left: Vec<_> = std::fs::read_dir(&sandboxes)
-        .map(|d| {
-            d.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| !n.starts_with('.'))
-                .collect()
-        })
-        .unwrap_or_default();
+    let left = strata_tests::home::sandboxes_in(&home.home);
     assert!(left.is_empty(), "sandboxes left: {left:?}");
     let mounts: Vec<_> = mounts_under(&home.runtime_dir().join("sandboxes"));
     assert!(mounts.is_empty(), "mounts left: {mounts:?}");

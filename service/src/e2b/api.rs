@@ -416,23 +416,36 @@ async fn list_snapshots(e: &Arc<E2b>, caller: &Caller, q: Vec<(String, String)>)
                 .is_none_or(|n| &s.id == n || s.names.contains(n))
         })
         .collect();
-    let limit = get("limit")
+    page(
+        &snaps,
+        |s| &s.id,
+        get("limit"),
+        get("nextToken"),
+        |s| json!({"snapshotID": s.id, "names": s.names}),
+    )
+}
+
+/// One page of `items` (in their order) as E2B lists answer: at most `limit` (default
+/// and cap [`PAGE`]) from the one whose ID is `after`, the next one's ID in `x-next-token`.
+fn page<T>(
+    items: &[T],
+    id: impl Fn(&T) -> &String,
+    limit: Option<String>,
+    after: Option<String>,
+    show: impl Fn(&T) -> Value,
+) -> Response {
+    let limit = limit
         .and_then(|l| l.parse::<usize>().ok())
         .unwrap_or(PAGE)
         .clamp(1, PAGE);
-    let start = match get("nextToken") {
-        Some(t) => snaps.iter().position(|s| s.id == t).unwrap_or(snaps.len()),
+    let start = match &after {
+        Some(t) => items.iter().position(|i| id(i) == t).unwrap_or(items.len()),
         None => 0,
     };
-    let page: Vec<Value> = snaps
-        .iter()
-        .skip(start)
-        .take(limit)
-        .map(|s| json!({"snapshotID": s.id, "names": s.names}))
-        .collect();
-    let mut r = json_reply(StatusCode::OK, Value::Array(page));
-    if let Some(next) = snaps.get(start + limit) {
-        if let Ok(v) = next.id.parse() {
+    let shown: Vec<Value> = items.iter().skip(start).take(limit).map(show).collect();
+    let mut r = json_reply(StatusCode::OK, Value::Array(shown));
+    if let Some(next) = items.get(start + limit) {
+        if let Ok(v) = id(next).parse() {
             r.headers_mut().insert("x-next-token", v);
         }
     }
@@ -479,10 +492,7 @@ fn list(e: &E2b, caller: &Caller, req: &Request, v1: bool) -> Response {
         None if v1 => vec!["running".into()],
         None => vec![],
     };
-    let limit = get("limit")
-        .and_then(|l| l.parse::<usize>().ok())
-        .unwrap_or(PAGE)
-        .clamp(1, PAGE);
+    let limit = get("limit");
     let desc = get("order").is_some_and(|o| o.eq_ignore_ascii_case("desc"));
     let after = get("nextToken");
     let mut metas: Vec<Meta> = e
@@ -500,23 +510,7 @@ fn list(e: &E2b, caller: &Caller, req: &Request, v1: bool) -> Response {
     if desc {
         metas.reverse();
     }
-    let start = match &after {
-        Some(t) => metas.iter().position(|m| &m.id == t).unwrap_or(metas.len()),
-        None => 0,
-    };
-    let page: Vec<Value> = metas
-        .iter()
-        .skip(start)
-        .take(limit)
-        .map(|m| detail_json(e, m))
-        .collect();
-    let mut r = json_reply(StatusCode::OK, Value::Array(page));
-    if let Some(next) = metas.get(start + limit) {
-        if let Ok(v) = next.id.parse() {
-            r.headers_mut().insert("x-next-token", v);
-        }
-    }
-    r
+    page(&metas, |m| &m.id, limit, after, |m| detail_json(e, m))
 }
 
 async fn kill(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {

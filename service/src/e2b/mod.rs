@@ -180,14 +180,7 @@ pub(crate) fn error_response(e: &ServiceError) -> Response {
     r
 }
 
-/// Runs blocking runtime work off the async threads.
-pub(crate) async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ServiceError> + Send + 'static,
-) -> Result<T, ServiceError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| ServiceError::Internal(e.to_string()))?
-}
+pub(crate) use crate::blocking;
 
 fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
     h.get(name)
