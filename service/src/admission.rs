@@ -157,6 +157,7 @@ mod tests {
             max_sandboxes: max,
             max_memory: mem,
             max_cpus: None,
+            max_snapshot_storage: None,
             namespaces: vec![],
             backends: vec![],
             allow_internet: false,

@@ -561,6 +561,26 @@ impl Node {
         names: Vec<String>,
         files_only: bool,
     ) -> Result<crate::snapshot::StoredSnapshot, ServiceError> {
+        if let Some(max) = caller.project.max_snapshot_storage {
+            let held: u64 = crate::snapshot::list(&self.store, Some(&caller.project.name))
+                .await?
+                .iter()
+                .map(|s| s.stored_bytes)
+                .sum();
+            if held >= max {
+                self.metrics.refused("snapshot-storage");
+                return Err(ServiceError::Exhausted {
+                    reason: "snapshot-storage",
+                    message: format!(
+                        "project `{}`'s snapshots hold {:.1} MiB of its {:.1} MiB (--max-snapshot-storage): remove some (`strata snapshot rm`)",
+                        caller.project.name,
+                        held as f64 / 1_048_576.0,
+                        max as f64 / 1_048_576.0
+                    ),
+                    retry_after: self.cfg.retry_after,
+                });
+            }
+        }
         let node = self.clone();
         let m = meta.clone();
         let sb = crate::blocking(move || node.sandbox(&m)).await?;

@@ -31,6 +31,10 @@ pub struct Project {
     /// CPU budgets of its live sandboxes together.
     #[serde(default)]
     pub max_cpus: Option<f64>,
+    /// Bytes its store snapshots may hold together (what their restores fetch); a
+    /// snapshot is refused once they hold this much.
+    #[serde(default)]
+    pub max_snapshot_storage: Option<u64>,
     /// Catalog namespaces it registers and removes in (it resolves every entry).
     #[serde(default)]
     pub namespaces: Vec<String>,

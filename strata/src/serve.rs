@@ -159,6 +159,9 @@ pub enum ProjectCommand {
         /// CPU budgets of its live sandboxes together.
         #[arg(long)]
         max_cpus: Option<f64>,
+        /// Bytes its snapshots in the store may hold together (100G).
+        #[arg(long)]
+        max_snapshot_storage: Option<String>,
         /// Catalog namespaces it may register in, comma-separated.
         #[arg(long, value_delimiter = ',')]
         namespaces: Vec<String>,
@@ -208,6 +211,7 @@ pub async fn project(store: &Store, cmd: ProjectCommand) -> Result<i32> {
             max_sandboxes,
             max_memory,
             max_cpus,
+            max_snapshot_storage,
             namespaces,
             backends,
             allow_internet,
@@ -232,6 +236,11 @@ pub async fn project(store: &Store, cmd: ProjectCommand) -> Result<i32> {
                     .transpose()
                     .context("--max-memory")?,
                 max_cpus,
+                max_snapshot_storage: max_snapshot_storage
+                    .as_deref()
+                    .map(strata_catalog::parse_size)
+                    .transpose()
+                    .context("--max-snapshot-storage")?,
                 namespaces,
                 backends,
                 allow_internet,
@@ -253,17 +262,18 @@ pub async fn project(store: &Store, cmd: ProjectCommand) -> Result<i32> {
                 print_json(&all)?;
             } else {
                 println!(
-                    "{:<20} {:>9} {:>10} {:>6}  {:<24} BACKENDS",
-                    "PROJECT", "SANDBOXES", "MEMORY", "CPUS", "NAMESPACES"
+                    "{:<20} {:>9} {:>10} {:>6} {:>10}  {:<24} BACKENDS",
+                    "PROJECT", "SANDBOXES", "MEMORY", "CPUS", "SNAPSHOTS", "NAMESPACES"
                 );
                 for p in all {
                     let or_any = |v: Option<String>| v.unwrap_or_else(|| "-".into());
                     println!(
-                        "{:<20} {:>9} {:>10} {:>6}  {:<24} {}",
+                        "{:<20} {:>9} {:>10} {:>6} {:>10}  {:<24} {}",
                         p.name,
                         or_any(p.max_sandboxes.map(|n| n.to_string())),
                         or_any(p.max_memory.map(crate::output::human_bytes)),
                         or_any(p.max_cpus.map(|c| c.to_string())),
+                        or_any(p.max_snapshot_storage.map(crate::output::human_bytes)),
                         if p.namespaces.is_empty() {
                             "-".into()
                         } else {

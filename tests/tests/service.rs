@@ -552,7 +552,7 @@ fn a_jobs_microvms_hibernate_by_label_and_wake_on_their_next_call() {
         &format!(
             r#"
 import asyncio, json, strata
-COUNTER = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &"
+COUNTER = "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &"
 async def count(sb):
     return int((await sb.exec("cat /tmp/count")).stdout)
 async def main():
@@ -688,7 +688,11 @@ fn a_projects_snapshots_restore_through_the_sdk_and_stay_its_own() {
         return;
     };
     let (p, q) = (unique("snap"), unique("snap-other"));
-    let (home, tokens) = home_with_projects(env, "service-snap-", &[(&p, &[]), (&q, &[])]);
+    let (home, tokens) = home_with_projects(
+        env,
+        "service-snap-",
+        &[(&p, &["--max-snapshot-storage", "1K"]), (&q, &[])],
+    );
     let svc = Service::start(&home, "");
     let out = python_ok(
         &svc,
@@ -704,6 +708,12 @@ snap = sb.snapshot(name="turn-3")
 assert snap.id.startswith("snap-") and not snap.memory and list(snap.names) == ["turn-3"], snap
 sb.files.write("/work/kept.txt", b"after it")
 assert [s.id for s in c.snapshots()] == [snap.id]
+# The project's snapshots now hold more than its 1 KiB of snapshot storage.
+try:
+    sb.snapshot()
+    raise AssertionError("a snapshot beyond the project's storage was taken")
+except strata.QuotaExceeded as e:
+    assert "max-snapshot-storage" in str(e), e
 again = c.restore(snap.id, labels={{"from": "snapshot"}})
 assert again.id != sb.id
 assert again.files.read("/work/kept.txt") == b"in the snapshot"

@@ -365,7 +365,7 @@ fn a_snapshot_in_the_store_restores_on_another_node_with_its_processes_and_files
         &a,
         &vm,
         "echo from-a > /root/note; \
-         (i=0; while true; do i=$((i+1)); echo $i > /root/count; sleep 0.2; done) >/dev/null 2>&1 &",
+         (i=0; while true; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; sleep 0.2; done) >/dev/null 2>&1 &",
     );
     std::thread::sleep(Duration::from_secs(1));
     // Counted before: the snapshot is taken when asked, the store written after.
@@ -826,7 +826,7 @@ fn a_microvm_hibernated_and_woken_a_hundred_times_keeps_its_files_and_processes(
     let id = env.create(&["--backend", "microvm"]);
     let counter = env.sh(
         &id,
-        "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &",
+        "nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 &",
     );
     assert!(counter.status.success(), "{:?}", text(&counter));
     let (mut last, mut awake_max, mut hibernated_max) = (0u64, 0u64, 0u64);
@@ -925,7 +925,7 @@ fn forks_of_a_microvm_each_continue_its_process_with_their_own_identity() {
     // State that lives only in a process's memory: the shell's variable.
     let counter = env.sh(
         &parent,
-        "echo from-the-parent > /work/parent.txt; nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count; sleep 0.05; done' >/dev/null 2>&1 & sleep 0.5; cat /tmp/count",
+        "echo from-the-parent > /work/parent.txt; nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 & sleep 0.5; cat /tmp/count",
     );
     let at_fork: u64 = text(&counter).0.trim().parse().expect("the parent's count");
     let before = host_used_bytes();
