@@ -704,7 +704,9 @@ from strata.v1 import sandboxes_pb2 as pb
 c = strata.Client()
 sb = c.create("{sample}", backend="container")
 sb.files.write("/work/kept.txt", b"in the snapshot")
+sb.files.write("/work/weight.bin", b"w" * 8192)
 snap = sb.snapshot(name="turn-3")
+assert snap.stored_bytes >= 8192, snap
 assert snap.id.startswith("snap-") and not snap.memory and list(snap.names) == ["turn-3"], snap
 sb.files.write("/work/kept.txt", b"after it")
 assert [s.id for s in c.snapshots()] == [snap.id]
