@@ -96,7 +96,9 @@ impl std::str::FromStr for LayerKind {
             "base" => Ok(LayerKind::Base),
             "workspace" => Ok(LayerKind::Workspace),
             "toolkit" => Ok(LayerKind::Toolkit),
-            "snapshot" => Ok(LayerKind::Snapshot),
+            "snapshot" => Err(BuildError::Definition(
+                "a snapshot layer is made by `strata sandbox snapshot --to-store`, not built".into(),
+            )),
             other => Err(BuildError::Definition(format!(
                 "unknown layer kind `{other}` (base, workspace or toolkit)"
             ))),
