@@ -97,7 +97,8 @@ impl std::str::FromStr for LayerKind {
             "workspace" => Ok(LayerKind::Workspace),
             "toolkit" => Ok(LayerKind::Toolkit),
             "snapshot" => Err(BuildError::Definition(
-                "a snapshot layer is made by `strata sandbox snapshot --to-store`, not built".into(),
+                "a snapshot layer is made by `strata sandbox snapshot --to-store`, not built"
+                    .into(),
             )),
             other => Err(BuildError::Definition(format!(
                 "unknown layer kind `{other}` (base, workspace or toolkit)"

@@ -370,15 +370,26 @@ async fn create(e: &Arc<E2b>, caller: &Caller, req: Request) -> Response {
     }
 }
 
+/// The caller's sandbox `id` and the request's JSON body, or the answer refusing either.
+async fn meta_and_body(
+    e: &E2b,
+    caller: &Caller,
+    id: &str,
+    req: Request,
+) -> Result<(Meta, Value), Response> {
+    let meta = e
+        .node
+        .meta_for(caller, id)
+        .map_err(|err| error_response(&err))?;
+    let v = body_json(req).await.map_err(IntoResponse::into_response)?;
+    Ok((meta, v))
+}
+
 /// `POST /sandboxes/{id}/snapshots`: a store snapshot of the sandbox (`name` lists it).
 async fn create_snapshot(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
-    let meta = match e.node.meta_for(caller, id) {
-        Ok(m) => m,
-        Err(err) => return error_response(&err),
-    };
-    let v = match body_json(req).await {
-        Ok(v) => v,
-        Err(r) => return r.into_response(),
+    let (meta, v) = match meta_and_body(e, caller, id, req).await {
+        Ok(x) => x,
+        Err(r) => return r,
     };
     let names = match v.get("name") {
         None | Some(Value::Null) => Vec::new(),
@@ -545,13 +556,9 @@ async fn extend(
 }
 
 async fn set_timeout(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
-    let meta = match e.node.meta_for(caller, id) {
-        Ok(m) => m,
-        Err(err) => return error_response(&err),
-    };
-    let v = match body_json(req).await {
-        Ok(v) => v,
-        Err(r) => return r.into_response(),
+    let (meta, v) = match meta_and_body(e, caller, id, req).await {
+        Ok(x) => x,
+        Err(r) => return r,
     };
     let secs = match timeout_of(&v) {
         Ok(Some(s)) => s,
@@ -603,13 +610,9 @@ async fn pause(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
 /// Fork: `count` (default 1) children of the sandbox (see [`crate::fork`]), all or none,
 /// each given `timeout` as its lifetime from now when one is sent.
 async fn fork(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
-    let meta = match e.node.meta_for(caller, id) {
-        Ok(m) => m,
-        Err(err) => return error_response(&err),
-    };
-    let v = match body_json(req).await {
-        Ok(v) => v,
-        Err(r) => return r.into_response(),
+    let (meta, v) = match meta_and_body(e, caller, id, req).await {
+        Ok(x) => x,
+        Err(r) => return r,
     };
     let timeout = match timeout_of(&v) {
         Ok(t) => t,
@@ -646,13 +649,9 @@ async fn fork(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response
 
 /// Connect: resumes a paused sandbox; a timeout extends a shorter lifetime.
 async fn connect(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
-    let mut meta = match e.node.meta_for(caller, id) {
-        Ok(m) => m,
-        Err(err) => return error_response(&err),
-    };
-    let v = match body_json(req).await {
-        Ok(v) => v,
-        Err(r) => return r.into_response(),
+    let (mut meta, v) = match meta_and_body(e, caller, id, req).await {
+        Ok(x) => x,
+        Err(r) => return r,
     };
     let timeout = match timeout_of(&v) {
         Ok(t) => t,
@@ -749,13 +748,9 @@ fn cpu_used_pct(used: Duration, wall: Duration, cpus: u64) -> f64 {
 /// Replaces a running sandbox's egress policy, checked as a create's would be; the
 /// body holds everything (what it leaves out is no longer allowed).
 async fn update_network(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Response {
-    let meta = match e.node.meta_for(caller, id) {
-        Ok(m) => m,
-        Err(err) => return error_response(&err),
-    };
-    let v = match body_json(req).await {
-        Ok(v) => v,
-        Err(r) => return r.into_response(),
+    let (meta, v) = match meta_and_body(e, caller, id, req).await {
+        Ok(x) => x,
+        Err(r) => return r,
     };
     let (rules, _) = match network_of(
         caller,
