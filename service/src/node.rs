@@ -438,8 +438,30 @@ impl Node {
         let node = self.clone();
         let s = spec.clone();
         let make = crate::blocking(move || Ok(node.rt.create(s)?));
-        self.admit_and_record(caller, &spec, &args, started, serde_json::json!({}), make)
+        self.admit_and_record_detached(caller, spec, args, started, serde_json::json!({}), make)
             .await
+    }
+
+    /// [`Self::admit_and_record`] on a task of its own: a client that goes away mid-way
+    /// (its deadline, a dropped connection) does not cut the create off between the
+    /// sandbox being made and its record, so the node never holds a sandbox the service
+    /// does not know (it answers no one, and the reaper ends it by its TTL).
+    async fn admit_and_record_detached(
+        self: &Arc<Self>,
+        caller: &Caller,
+        spec: SandboxSpec,
+        args: CreateArgs,
+        started: Instant,
+        audit: serde_json::Value,
+        make: impl std::future::Future<Output = Result<Sandbox, ServiceError>> + Send + 'static,
+    ) -> Result<Meta, ServiceError> {
+        let (node, caller) = (self.clone(), caller.clone());
+        tokio::spawn(async move {
+            node.admit_and_record(&caller, &spec, &args, started, audit, make)
+                .await
+        })
+        .await
+        .map_err(|e| ServiceError::Internal(e.to_string()))?
     }
 
     /// Admits a sandbox of `spec` for `caller` (its project's backends and quota, the
@@ -631,10 +653,10 @@ impl Node {
             crate::snapshot::restore(&node.store, &node.rt, &s, &identity, &node.snapshot_work())
                 .await
         };
-        self.admit_and_record(
+        self.admit_and_record_detached(
             caller,
-            &snap.spec,
-            &args,
+            snap.spec.clone(),
+            args,
             started,
             serde_json::json!({"restored_from": snap.id}),
             make,

@@ -594,7 +594,23 @@ async def main():
         assert idle.state == "hibernated", idle.state
         assert (await idle.exec("echo awake")).stdout == "awake\n"
         assert (await idle.refresh()).state == "running"
-        for sb in job + [other, box, idle]:
+        # A create whose client gives up (its 50 ms deadline, far less than a microVM's
+        # start) is still finished and recorded: the service never holds a sandbox it
+        # does not know.
+        from strata.v1 import sandboxes_pb2 as pb
+        try:
+            await c._call(c._sandboxes.Create, pb.CreateRequest(catalog_id="{sample}", backend="microvm", budgets=pb.Budgets(memory="256M"), labels={{"job": "gave-up"}}), timeout=0.05)
+            raise AssertionError("a microVM was made within 50 ms")
+        except strata.Timeout:
+            pass
+        late = []
+        for _ in range(120):
+            late = await c.list({{"job": "gave-up"}})
+            if late and late[0].state == "running":
+                break
+            await asyncio.sleep(0.5)
+        assert [s.state for s in late] == ["running"], [s.state for s in late]
+        for sb in job + [other, box, idle] + late:
             await sb.destroy()
         print(json.dumps({{"ms": r.ms, "bytes": sum(h.state_bytes for h in r.sandboxes)}}))
 asyncio.run(main())
