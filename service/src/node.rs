@@ -666,8 +666,21 @@ impl Node {
 
     /// Forks the caller's sandbox `parent` into `count` children (see [`crate::fork`]),
     /// each admitted as a create would be (all before any is made) and recorded with the
-    /// parent's project, labels and lifetime end. Whether they kept its processes.
+    /// parent's project, labels and lifetime end. Whether they kept its processes. Runs on
+    /// a task of its own, as a create does (see [`Self::admit_and_record_detached`]).
     pub async fn fork(
+        self: &Arc<Self>,
+        caller: &Caller,
+        parent: &Meta,
+        count: usize,
+    ) -> Result<(Vec<Meta>, bool, f64), ServiceError> {
+        let (node, caller, parent) = (self.clone(), caller.clone(), parent.clone());
+        tokio::spawn(async move { node.fork_now(&caller, &parent, count).await })
+            .await
+            .map_err(|e| ServiceError::Internal(e.to_string()))?
+    }
+
+    async fn fork_now(
         self: &Arc<Self>,
         caller: &Caller,
         parent: &Meta,
