@@ -532,20 +532,30 @@ asyncio.run(main())
     home.assert_sandbox_gone(id.trim_start_matches("test-"), &[]);
 }
 
+/// A service with one project for a test that runs microVMs (`test` names the skip), with
+/// `config` added to its settings; `None` when this host cannot run VMs.
+fn vm_service(
+    test: &str,
+    config: &str,
+) -> Option<(&'static SampleEnv, CliHome, Service, Vec<String>)> {
+    if !strata_tests::home::can_run_vms(test) {
+        return None;
+    }
+    let env = env(test)?;
+    let p = unique(test);
+    let (home, tokens) = home_with_projects(env, &format!("{test}-"), &[(&p, &[])]);
+    let svc = Service::start(&home, config);
+    Some((env, home, svc, tokens))
+}
+
 /// A preempted training job's sandboxes hibernate at once by their label: their memory
 /// goes back to the node (admission's count with it), each wakes where it was on its next
 /// call.
 #[test]
 fn a_jobs_microvms_hibernate_by_label_and_wake_on_their_next_call() {
-    if !strata_tests::home::can_run_vms("service_hibernate") {
-        return;
-    }
-    let Some(env) = env("service_hibernate") else {
+    let Some((env, _home, svc, tokens)) = vm_service("service_hibernate", "") else {
         return;
     };
-    let p = unique("hibernate");
-    let (home, tokens) = home_with_projects(env, "service-hibernate-", &[(&p, &[])]);
-    let svc = Service::start(&home, "");
     let out = python_ok(
         &svc,
         &tokens[0],
@@ -634,16 +644,11 @@ asyncio.run(main())
 #[test]
 fn a_jobs_sixteen_microvms_hibernate_by_label_at_once() {
     const JOB: usize = 16;
-    if !strata_tests::home::can_run_vms("service_hibernate_job") {
-        return;
-    }
-    let Some(env) = env("service_hibernate_job") else {
+    // Machines of one CPU on two cores: CPU is overcommitted on purpose here.
+    let config = "cpu_overcommit = 64.0\nhibernate_concurrency = 8\n";
+    let Some((env, home, svc, tokens)) = vm_service("service_hibernate_job", config) else {
         return;
     };
-    let p = unique("hibernate-job");
-    let (home, tokens) = home_with_projects(env, "service-hibernate-job-", &[(&p, &[])]);
-    // Machines of one CPU on two cores: CPU is overcommitted on purpose here.
-    let svc = Service::start(&home, "cpu_overcommit = 64.0\nhibernate_concurrency = 8\n");
     let out = python_ok(
         &svc,
         &tokens[0],
