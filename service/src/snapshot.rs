@@ -303,9 +303,10 @@ pub async fn list(
     Ok(out)
 }
 
-/// Removes a snapshot: its record and, when no other snapshot holds it, its layer
-/// (its chunks go at the next `store gc`). A files-only snapshot's layer is a commit
-/// like any other and stays.
+/// Removes a snapshot: its record and, for a memory snapshot, its layer (its chunks go at
+/// the next `store gc`). That layer is the snapshot's own: its `snapshot.json` carries the
+/// time it was taken, so no two snapshots have one layer. A files-only snapshot's layer is
+/// a commit like any other and stays.
 pub async fn remove(store: &Store, snap: &StoredSnapshot) -> Result<bool, ServiceError> {
     let k = key(&snap.id);
     store
@@ -317,13 +318,6 @@ pub async fn remove(store: &Store, snap: &StoredSnapshot) -> Result<bool, Servic
             source,
         })?;
     if !snap.memory {
-        return Ok(false);
-    }
-    let shared = list(store, None)
-        .await?
-        .iter()
-        .any(|s| s.layer == snap.layer && s.id != snap.id);
-    if shared {
         return Ok(false);
     }
     store.remove_layers(&[snap.layer]).await?;

@@ -290,6 +290,20 @@ pub fn runtime_config(settings: &Settings) -> Result<RuntimeConfig> {
     Ok(cfg)
 }
 
+/// The local runtime and its sandbox `id`, opened off the async threads.
+async fn runtime_and_sandbox(
+    settings: &Settings,
+    id: &str,
+) -> Result<(Runtime, strata_runtime::Sandbox)> {
+    let (s, id) = (settings.clone(), id.to_string());
+    tokio::task::spawn_blocking(move || -> Result<_> {
+        let rt = open_runtime(&s)?;
+        let sb = rt.get(&id)?;
+        Ok((rt, sb))
+    })
+    .await?
+}
+
 pub fn open_runtime(settings: &Settings) -> Result<Runtime> {
     Ok(Runtime::open(runtime_config(settings)?)?)
 }
@@ -482,10 +496,7 @@ async fn exec_step(
     step: &str,
     req: ExecRequest,
 ) -> Result<i32> {
-    let (s2, id2) = (settings.clone(), id.to_string());
-    let sb =
-        tokio::task::spawn_blocking(move || -> Result<_> { Ok(open_runtime(&s2)?.get(&id2)?) })
-            .await??;
+    let (_, sb) = runtime_and_sandbox(settings, id).await?;
     let journal = embedded_journal(store, settings);
     let sandbox = sb.id().to_string();
     let ticket = match journal
@@ -669,10 +680,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
     } = &cmd
     {
         let kind = strata_service::commit::parse_kind(kind)?;
-        let (id, s2) = (id.clone(), settings.clone());
-        let sb =
-            tokio::task::spawn_blocking(move || -> Result<_> { Ok(open_runtime(&s2)?.get(&id)?) })
-                .await??;
+        let (_, sb) = runtime_and_sandbox(&settings, id).await?;
         let done = strata_service::commit::commit(
             store,
             &sb,
@@ -719,13 +727,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
         ..
     } = &cmd
     {
-        let (s2, id2) = (settings.clone(), id.clone());
-        let (rt, sb) = tokio::task::spawn_blocking(move || -> Result<_> {
-            let rt = open_runtime(&s2)?;
-            let sb = rt.get(&id2)?;
-            Ok((rt, sb))
-        })
-        .await??;
+        let (rt, sb) = runtime_and_sandbox(&settings, id).await?;
         let snap = strata_service::snapshot::take(
             store,
             &sb,
@@ -764,13 +766,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
     }
     if let SandboxCommand::Fork { id, count } = &cmd {
         strata_service::fork::check_count(*count)?;
-        let (s2, id2) = (settings.clone(), id.clone());
-        let (rt, parent) = tokio::task::spawn_blocking(move || -> Result<_> {
-            let rt = open_runtime(&s2)?;
-            let parent = rt.get(&id2)?;
-            Ok((rt, parent))
-        })
-        .await??;
+        let (rt, parent) = runtime_and_sandbox(&settings, id).await?;
         let forked =
             strata_service::fork::fork(store, &rt, &parent, *count, &settings.registrant).await?;
         eprintln!(
