@@ -3,7 +3,7 @@
 # userspace (FUSE, erofs-utils for fsck), the container engines (crun, runc, catatonit as
 # init), the VM engine (QEMU) and the guest kernel for microVMs and VMs, the S3 test
 # server (Ceph radosgw), Node.js and npm and openssl for the E2B tests, and the Rust
-# toolchain's components. Idempotent: a second run
+# toolchain's components, and CRIU (scripts/criu.sh). Idempotent: a second run
 # only checks.
 set -euo pipefail
 
@@ -38,6 +38,9 @@ fi
 
 # The guest kernel (Debian's, as an uncompressed vmlinux) and its modules for VM sandboxes.
 bash "$(dirname "$0")/guest-kernel.sh"
+
+# CRIU 4.1 (built from Debian 13's source, patched) for container hibernation.
+bash "$(dirname "$0")/criu.sh"
 
 if ! command -v cargo >/dev/null 2>&1; then
   echo "setup: cargo not found; install the Rust toolchain (rustup) first" >&2

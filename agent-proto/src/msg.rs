@@ -106,6 +106,12 @@ pub enum HostMsg {
     Connect {
         port: u16,
     },
+    /// To a container's agent before its process checkpoint: stop serving and hold no
+    /// descriptor of the host's (its listening socket is replaced by an unbound socket of
+    /// its own at the same descriptor number); answered with `Done` once no other
+    /// conversation is open, after which the agent closes this one too. It serves again
+    /// once that socket listens: the host takes it (`pidfd_getfd`), binds and listens.
+    Park,
 }
 
 /// One layer of a guest's root: the serial of its metadata image's disk and of its data

@@ -372,21 +372,28 @@ struct GuestRules {
     seccomp: Vec<seccompiler::BpfProgram>,
 }
 
-/// The descriptor of the ruleset `make` builds, where this kernel's Landlock is usable.
-fn usable_ruleset(make: fn() -> Result<landlock::RulesetCreated, String>) -> Option<OwnedFd> {
-    landlock_usable()
-        .then(make)
-        .and_then(Result::ok)
-        .and_then(Option::<OwnedFd>::from)
+/// `make`, where this kernel's Landlock is usable and `make` builds a ruleset on it.
+fn usable_rules(
+    make: fn() -> Result<landlock::RulesetCreated, String>,
+) -> Option<fn() -> Result<landlock::RulesetCreated, String>> {
+    (landlock_usable() && make().ok().and_then(Option::<OwnedFd>::from).is_some()).then_some(make)
 }
 
-/// What each command enters between fork and exec. Prepared once (everything that
-/// allocates or opens happens here); [`Jail::enter`] only makes system calls.
+/// What each command enters between fork and exec. Its Landlock ruleset is built afresh
+/// for each command, in the agent before the fork ([`Jail::prepare`]), so the agent holds
+/// no ruleset descriptor between commands (a process checkpoint cannot save one).
 pub struct Jail {
-    /// A Landlock ruleset to restrict each command with (a new domain per command); none
-    /// where the kernel has no Landlock.
-    ruleset: Option<OwnedFd>,
+    /// Builds the Landlock ruleset each command is restricted with (a new domain per
+    /// command); none where the kernel has no usable Landlock.
+    rules: Option<fn() -> Result<landlock::RulesetCreated, String>>,
     guest: Option<GuestRules>,
+}
+
+/// A [`Jail`] made ready for one command: everything that allocates or opens is done, so
+/// [`JailEntry::enter`] only makes system calls.
+pub struct JailEntry {
+    ruleset: Option<OwnedFd>,
+    jail: &'static Jail,
 }
 
 impl Jail {
@@ -394,7 +401,7 @@ impl Jail {
     /// confined, so a new domain per command is what is added.
     pub fn scope() -> Jail {
         Jail {
-            ruleset: usable_ruleset(scope_rules),
+            rules: usable_rules(scope_rules),
             guest: None,
         }
     }
@@ -403,7 +410,7 @@ impl Jail {
     /// fncall confinement, which the privileged guest agent does not have itself.
     pub fn guest() -> Result<Jail, String> {
         Ok(Jail {
-            ruleset: usable_ruleset(filesystem_rules),
+            rules: usable_rules(filesystem_rules),
             guest: Some(GuestRules {
                 seccomp: seccomp_programs()?,
             }),
@@ -414,32 +421,54 @@ impl Jail {
     /// (they are the guest's root with every capability, as a nesting host needs).
     pub fn privileged() -> Jail {
         Jail {
-            ruleset: None,
+            rules: None,
             guest: None,
         }
     }
 
     /// Whether commands get a Landlock domain of their own (the kernel has Landlock).
     pub fn scoped(&self) -> bool {
-        self.ruleset.is_some()
+        self.rules.is_some()
     }
 
+    /// Readies the jail for one command; its ruleset descriptor closes with the entry.
+    pub fn prepare(&'static self) -> std::io::Result<JailEntry> {
+        let ruleset = match self.rules {
+            Some(make) => Some(
+                make()
+                    .ok()
+                    .and_then(Option::<OwnedFd>::from)
+                    .ok_or_else(|| std::io::Error::other("cannot build the Landlock ruleset"))?,
+            ),
+            None => None,
+        };
+        Ok(JailEntry {
+            ruleset,
+            jail: self,
+        })
+    }
+}
+
+impl JailEntry {
     /// Enters the jail as `uid`:`gid`. Only system calls, nothing allocated on success: it
     /// runs in a forked child of the multi-threaded agent.
     pub fn enter(&self, uid: u32, gid: u32) -> std::io::Result<()> {
+        let guest = self.jail.guest.as_ref();
         sys::cloexec_from(3)?;
-        if self.guest.is_some() {
+        if guest.is_some() {
             sys::no_new_privs()?;
             sys::drop_bounding(KEPT_CAPS)?;
             sys::no_core_dumps();
         }
         sys::set_ids(uid, gid)?;
-        if self.guest.is_some() && uid == 0 {
+        if guest.is_some() && uid == 0 {
             // A non-root user lost every capability with setuid; root keeps the policy's.
             sys::keep_caps(KEPT_CAPS)?;
         }
-        self.restrict()?;
-        if let Some(g) = &self.guest {
+        if let Some(fd) = &self.ruleset {
+            sys::landlock_restrict(fd)?;
+        }
+        if let Some(g) = guest {
             for prog in &g.seccomp {
                 seccompiler::apply_filter(prog).map_err(|e| match e {
                     seccompiler::Error::Seccomp(io) | seccompiler::Error::Prctl(io) => io,
@@ -448,12 +477,5 @@ impl Jail {
             }
         }
         Ok(())
-    }
-
-    fn restrict(&self) -> std::io::Result<()> {
-        match &self.ruleset {
-            Some(fd) => sys::landlock_restrict(fd),
-            None => Ok(()),
-        }
     }
 }

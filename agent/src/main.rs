@@ -77,9 +77,12 @@ fn container_init() -> Result<(), String> {
     };
     let key = SandboxKey::from_hex(&read_fd(key)?).map_err(|e| e.to_string())?;
     serve::set_key(key);
-    let listener = UnixListener::from(sys::take_fd(listen));
+    let listener = sys::take_fd(listen);
+    // Nothing the OCI runtime passed stays open but the listening socket (the agent's own
+    // executable among them): a process checkpoint saves every descriptor.
+    sys::close_all_but(listen);
     close_inherited_stdio();
-    serve::serve(listener, confine::Jail::scope());
+    serve::serve_parkable(listener, confine::Jail::scope());
     Ok(())
 }
 

@@ -5,9 +5,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
+use std::os::fd::{IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -73,11 +75,120 @@ pub fn serve(listener: UnixListener, jail: Jail) {
     let shared = start_reaper();
     for conn in listener.incoming() {
         let Ok(conn) = conn else { continue };
-        let shared = shared.clone();
-        std::thread::spawn(move || {
-            let _ = handle(conn, shared);
-        });
+        spawn_conversation(conn, shared.clone());
     }
+}
+
+fn spawn_conversation(conn: UnixStream, shared: Shared) {
+    OPEN_CONVERSATIONS.fetch_add(1, Ordering::SeqCst);
+    std::thread::spawn(move || {
+        let _ = handle(conn, shared);
+        OPEN_CONVERSATIONS.fetch_sub(1, Ordering::SeqCst);
+    });
+}
+
+/// Conversations being served now (a park waits until it is the only one).
+static OPEN_CONVERSATIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// A container agent's listening descriptor: set when it serves parkably.
+static LISTEN_FD: OnceLock<RawFd> = OnceLock::new();
+
+/// A park's progress: asked for (the accept loop stops), then done (the listening socket
+/// is replaced by the unbound one).
+#[derive(Default)]
+struct ParkState {
+    asked: bool,
+    parked: bool,
+}
+
+static PARK: (Mutex<ParkState>, Condvar) = (
+    Mutex::new(ParkState {
+        asked: false,
+        parked: false,
+    }),
+    Condvar::new(),
+);
+
+/// How often a parked agent looks for the listening socket a restore puts in place.
+const PARKED_POLL: Duration = Duration::from_millis(10);
+
+/// [`serve`] for a container's init, which a process checkpoint may save and restore: on
+/// `Park` it stops accepting, replaces its listening socket (made in the host's
+/// namespaces, where a checkpoint cannot follow) with an unbound socket of its own at the
+/// same descriptor number, and serves again once that socket listens: the host binds it
+/// at its path and makes it listen, after the restore (or after a checkpoint that
+/// failed).
+pub fn serve_parkable(listener: OwnedFd, jail: Jail) {
+    let _ = JAIL.set(jail);
+    let shared = start_reaper();
+    let fd = listener.into_raw_fd();
+    let _ = LISTEN_FD.set(fd);
+    loop {
+        let listener = crate::sys::borrow_listener(fd);
+        for conn in listener.incoming() {
+            match conn {
+                Ok(conn) => spawn_conversation(conn, shared.clone()),
+                Err(_) if PARK.0.lock().unwrap_or_else(|p| p.into_inner()).asked => break,
+                Err(_) => continue,
+            }
+        }
+        let placed = crate::sys::park_listener(fd);
+        {
+            let mut p = PARK.0.lock().unwrap_or_else(|p| p.into_inner());
+            p.parked = placed.is_ok();
+            if placed.is_err() {
+                // The listener is still there (shut down): nothing to wait for.
+                p.asked = false;
+            }
+            PARK.1.notify_all();
+        }
+        while !crate::sys::is_listening(fd) {
+            std::thread::sleep(PARKED_POLL);
+        }
+        let mut p = PARK.0.lock().unwrap_or_else(|p| p.into_inner());
+        *p = ParkState::default();
+    }
+}
+
+/// Answers `Park` (see [`serve_parkable`]).
+fn park() -> Result<AgentMsg, AgentError> {
+    let Some(&fd) = LISTEN_FD.get() else {
+        return Err(AgentError::new(
+            ErrorKind::Invalid,
+            "only a container's agent parks for a checkpoint",
+        ));
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // Every other conversation ends first: their descriptors are the host's too.
+    while OPEN_CONVERSATIONS.load(Ordering::SeqCst) > 1 {
+        if std::time::Instant::now() > deadline {
+            return Err(AgentError::new(
+                ErrorKind::Invalid,
+                "other conversations with the agent are still open",
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut p = PARK.0.lock().unwrap_or_else(|p| p.into_inner());
+    p.asked = true;
+    crate::sys::shut_listener(fd);
+    while !p.parked {
+        let (next, timeout) = PARK
+            .1
+            .wait_timeout(
+                p,
+                deadline.saturating_duration_since(std::time::Instant::now()),
+            )
+            .unwrap_or_else(|e| e.into_inner());
+        p = next;
+        if timeout.timed_out() && !p.parked {
+            return Err(AgentError::new(
+                ErrorKind::Invalid,
+                "the agent's accept loop did not stop",
+            ));
+        }
+    }
+    Ok(AgentMsg::Done)
 }
 
 fn send(writer: &Mutex<UnixStream>, msg: &AgentMsg) -> std::io::Result<()> {
@@ -199,6 +310,7 @@ pub(crate) fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
             list_dir(&path).map(|list| AgentMsg::Entries { list }),
         )),
         HostMsg::Connect { port } => relay_port(port, reader, &writer),
+        HostMsg::Park => reply(result(park())),
         HostMsg::Reseed(r) => reply(result(
             crate::guest::reseed(r.time_ns, &r.seed, r.hostname.as_deref())
                 .and_then(|()| SandboxKey::from_hex(&r.key).map_err(bad_key))
@@ -288,13 +400,25 @@ fn exec(
         .stderr(Stdio::piped());
     let procs = COMMAND_CGROUP.get().cloned();
     let (uid, gid) = (spec.uid, spec.gid);
+    let entry = match jail.prepare() {
+        Ok(entry) => entry,
+        Err(e) => {
+            return send(
+                &AgentError::new(
+                    ErrorKind::ExecFailed,
+                    format!("cannot confine the command: {e}"),
+                )
+                .into(),
+            )
+        }
+    };
     crate::sys::before_exec(&mut cmd, move || {
         if let Some(procs) = &procs {
             // Join the budget cgroup, and be an OOM victim again (the agent is not).
             crate::sys::write_now(procs, b"0")?;
             crate::sys::write_now(c"/proc/self/oom_score_adj", b"0")?;
         }
-        jail.enter(uid, gid)
+        entry.enter(uid, gid)
     });
     let (lock, cv) = &*shared;
     lock.lock().unwrap_or_else(|p| p.into_inner()).spawning += 1;

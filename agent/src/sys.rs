@@ -23,6 +23,72 @@ pub fn fork_single_threaded() -> nix::Result<nix::unistd::ForkResult> {
     unsafe { nix::unistd::fork() }
 }
 
+/// The listening socket at `fd`, which stays open when the returned value is dropped (a
+/// parked agent replaces it in place; see `serve::serve_parkable`).
+pub fn borrow_listener(fd: RawFd) -> std::mem::ManuallyDrop<std::os::unix::net::UnixListener> {
+    // SAFETY: `fd` is the agent's listening descriptor, owned by the serving loop for the
+    // process's life; ManuallyDrop keeps this value from closing it.
+    std::mem::ManuallyDrop::new(unsafe { std::os::unix::net::UnixListener::from_raw_fd(fd) })
+}
+
+/// Wakes an `accept` blocked on the listening socket `fd` (it fails from then on).
+pub fn shut_listener(fd: RawFd) {
+    // SAFETY: shutdown(2) on a descriptor number; no pointers.
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+}
+
+/// Replaces the listening socket at `fd` with a new unix socket, neither bound nor
+/// listening: one a process checkpoint can save (it is the sandbox's own, not the host's),
+/// and which the host, taking a copy of it with `pidfd_getfd`, binds at its own path and
+/// makes listen, after a restore or a checkpoint that failed alike.
+pub fn park_listener(fd: RawFd) -> std::io::Result<()> {
+    use nix::sys::socket::{socket, AddressFamily, SockFlag, SockType};
+    let sock = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .map_err(std::io::Error::from)?;
+    // SAFETY: dup3 onto the agent's own listening descriptor number, which only the
+    // serving loop uses; the socket's original descriptor closes with `sock`.
+    let done = unsafe { libc::dup3(sock.as_raw_fd(), fd, libc::O_CLOEXEC) };
+    if done < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Whether `fd` is a listening socket.
+pub fn is_listening(fd: RawFd) -> bool {
+    let mut value: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes one int into `value`, whose size `len` gives.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ACCEPTCONN,
+            (&mut value as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    r == 0 && value == 1
+}
+
+/// Closes every descriptor from 3 up but `keep`.
+pub fn close_all_but(keep: RawFd) {
+    let keep = keep.max(3) as libc::c_uint;
+    // SAFETY: close_range takes no pointers; the descriptors closed are no one's after
+    // the agent's start (what the OCI runtime passed and the agent has read).
+    unsafe {
+        if keep > 3 {
+            libc::syscall(libc::SYS_close_range, 3u32, keep - 1, 0u32);
+        }
+        libc::syscall(libc::SYS_close_range, keep + 1, u32::MAX, 0u32);
+    }
+}
+
 /// Points descriptor `target` at `fd` (stdio onto /dev/null).
 pub fn dup_onto(fd: &OwnedFd, target: RawFd) {
     // SAFETY: dup2 of a descriptor we own onto a standard descriptor number.

@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -59,6 +59,63 @@ fn shorten(path: &Path) -> io::Result<Short> {
 pub fn bind(path: &Path) -> io::Result<UnixListener> {
     let short = shorten(path)?;
     UnixListener::bind(&short.path)
+}
+
+/// Binds `sock`, an unbound unix stream socket (one another process made, taken with
+/// [`take_fd`]), at `path`, however long, and makes it listen.
+pub fn listen_at(sock: &OwnedFd, path: &Path) -> io::Result<()> {
+    let short = shorten(path)?;
+    let bytes = short.path.as_os_str().as_bytes();
+    // SAFETY: sockaddr_un is a plain C struct, for which all zeroes is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "socket path too long",
+        ));
+    }
+    for (to, from) in addr.sun_path.iter_mut().zip(bytes) {
+        *to = *from as libc::c_char;
+    }
+    let len = std::mem::offset_of!(libc::sockaddr_un, sun_path) + bytes.len() + 1;
+    // SAFETY: bind(2) reads `len` bytes of `addr`, which holds them (the path and its
+    // terminating zero fit, checked above).
+    let r = unsafe {
+        libc::bind(
+            sock.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: listen(2) on a descriptor we hold; no pointers.
+    if unsafe { libc::listen(sock.as_raw_fd(), 128) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A descriptor of this process for the open file behind descriptor `fd` of process `pid`
+/// (`pidfd_getfd`, Linux 5.6+; the caller needs to be allowed to ptrace `pid`).
+pub fn take_fd(pid: u32, fd: i32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a PID and flags, no pointers; a descriptor it returns is
+    // ours alone.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if pidfd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above: the new descriptor is this process's own.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    // SAFETY: pidfd_getfd takes descriptors and flags, no pointers.
+    let got = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    if got < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pidfd_getfd made this descriptor for us (close-on-exec).
+    Ok(unsafe { OwnedFd::from_raw_fd(got as i32) })
 }
 
 /// Connects to the socket at `path`, however long.

@@ -219,6 +219,29 @@ impl AgentClient {
         }
     }
 
+    /// Parks a container's agent for its checkpoint (see `HostMsg::Park`): returns once
+    /// it has parked and closed this conversation, its last descriptor of the host's.
+    pub(crate) fn park(&self) -> Result<(), RuntimeError> {
+        let mut c = Conversation::open(
+            &self.socket,
+            self.key.as_ref(),
+            &HostMsg::Park,
+            Some(REQUEST_TIMEOUT),
+        )?;
+        match c.reply()? {
+            AgentMsg::Done => {}
+            other => return Err(unexpected("park", &other)),
+        }
+        let _ = c.writer.shutdown(std::net::Shutdown::Write);
+        match c.next() {
+            Err(RuntimeError::AgentGone(_)) => Ok(()),
+            Ok(_) => Err(RuntimeError::Protocol(
+                "the sandbox agent went on talking after it parked".into(),
+            )),
+            Err(e) => Err(e),
+        }
+    }
+
     pub(crate) fn read_file(&self, path: &str) -> Result<Vec<u8>, RuntimeError> {
         let msg = HostMsg::ReadFile { path: path.into() };
         match self.request(&msg, None, REQUEST_TIMEOUT) {

@@ -80,6 +80,9 @@ pub(crate) trait Hierarchy: Send + Sync + fmt::Debug {
     fn freeze(&self, name: &str, frozen: bool) -> Result<(), RuntimeError>;
     /// Whether cgroup `name` is frozen (or freezing).
     fn frozen(&self, name: &str) -> bool;
+    /// The directory of cgroup `name` that freezes it (a process checkpoint freezes
+    /// through it).
+    fn freezer(&self, name: &str) -> PathBuf;
     fn counters(&self, name: &str) -> Counters;
     fn memory_usage(&self, name: &str) -> u64;
     /// CPU time the cgroup's processes used, dead ones included, in nanoseconds.
@@ -174,6 +177,10 @@ impl Hierarchy for V1 {
             &self.dir("freezer", name).join("freezer.state"),
             if frozen { "FROZEN" } else { "THAWED" },
         )
+    }
+
+    fn freezer(&self, name: &str) -> PathBuf {
+        self.dir("freezer", name)
     }
 
     fn frozen(&self, name: &str) -> bool {
@@ -297,6 +304,10 @@ impl Hierarchy for V2 {
             std::thread::sleep(Duration::from_millis(1));
         }
         Ok(())
+    }
+
+    fn freezer(&self, name: &str) -> PathBuf {
+        self.dir(name)
     }
 
     fn frozen(&self, name: &str) -> bool {
@@ -509,6 +520,11 @@ impl Cgroup {
 
     pub fn is_frozen(&self) -> bool {
         self.h.frozen(&self.name)
+    }
+
+    /// The directory that freezes this cgroup.
+    pub fn freezer_dir(&self) -> PathBuf {
+        self.h.freezer(&self.name)
     }
 
     /// Moves a process in (costs an RCU grace period per hierarchy).

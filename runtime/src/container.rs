@@ -25,7 +25,7 @@ use oci_spec::runtime::{
 };
 use strata_agent_proto::policy::{self, DENIED_SYSCALLS, KEPT_CAPS};
 
-use crate::backend::{Host, NewSandbox, SandboxBackend, SandboxRef};
+use crate::backend::{HibernateInfo, Host, NewSandbox, SandboxBackend, SandboxRef};
 use crate::cgroup::Cgroup;
 use crate::exec::ExecEnv;
 use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream, OUTPUT_QUEUE};
@@ -75,6 +75,10 @@ impl OciRuntime {
 
 #[derive(Clone)]
 pub struct ContainerBackend {
+    /// Checkpoints containers for hibernation; none: they cannot hibernate.
+    pub(crate) criu: Option<crate::checkpoint::Criu>,
+    /// Where a networked container's named namespace is.
+    pub(crate) networks: crate::network::Networks,
     pub runtime: OciRuntime,
     /// The runtime's own state directory (`--root`).
     pub state_root: PathBuf,
@@ -129,6 +133,8 @@ impl ContainerBackend {
         let root = self.state_root.with_file_name(other.name());
         if root.join(id).exists() {
             return ContainerBackend {
+                criu: self.criu.clone(),
+                networks: self.networks.clone(),
                 runtime: other,
                 state_root: root,
                 init: self.init.clone(),
@@ -379,6 +385,32 @@ impl ContainerBackend {
     }
 }
 
+impl ContainerBackend {
+    /// What checkpointing this container takes: CRIU, and the static agent as its init
+    /// (catatonit's containers take each command through the OCI runtime, whose state a
+    /// restore would not match).
+    fn checkpointing(
+        &self,
+        sb: &SandboxRef,
+    ) -> Result<(&crate::checkpoint::Criu, &Path), RuntimeError> {
+        let Some(criu) = &self.criu else {
+            return Err(RuntimeError::Unsupported(
+                "hibernating a container needs CRIU: build it with scripts/criu.sh (or set STRATA_CRIU to a CRIU 4.1+ built with scripts/criu/landlock-children.patch); pause it (memory kept) or commit its files meanwhile".into(),
+            ));
+        };
+        match &self.agent {
+            Some(agent) if crate::agent::socket_path(sb.dir).exists() => Ok((criu, agent)),
+            _ => Err(RuntimeError::Unsupported(
+                "hibernating a container needs the static agent as its init (this one runs catatonit): build it as scripts/test.sh does".into(),
+            )),
+        }
+    }
+
+    fn named_netns(&self, id: &str) -> Option<PathBuf> {
+        Some(self.networks.netns_path(id)).filter(|p| p.exists())
+    }
+}
+
 impl SandboxBackend for ContainerBackend {
     fn create(&self, host: &Host, new: &NewSandbox) -> Result<u32, RuntimeError> {
         let root = hostroot::prepare(host, new)?;
@@ -587,6 +619,71 @@ impl SandboxBackend for ContainerBackend {
         // `delete --force` kills what is left with SIGKILL itself.
         let _ = engine.run_checked(&["delete", "--force", &rec.id], "delete");
         Ok(())
+    }
+
+    /// Checkpoints the process tree with CRIU (see [`crate::checkpoint`]): the agent
+    /// parks, the tree is saved under `to` and ends; its root stays mounted. A paused
+    /// sandbox is thawed for the agent to park (the checkpoint freezes it again).
+    fn hibernate(&self, sb: &SandboxRef, to: &Path) -> Result<HibernateInfo, RuntimeError> {
+        let t = std::time::Instant::now();
+        let (criu, agent) = self.checkpointing(sb)?;
+        if sb.cgroup.is_frozen() {
+            sb.cgroup.freeze(false)?;
+        }
+        crate::agent::AgentClient::of(sb.dir)?.park()?;
+        let netns = self.named_netns(&sb.record.id);
+        let dumped = criu.dump(&crate::checkpoint::Dump {
+            init_pid: sb.record.init_pid,
+            cgroup: sb.cgroup,
+            to,
+            netns: netns.as_deref(),
+            agent,
+        });
+        match dumped {
+            Ok(state_bytes) => {
+                // The checkpoint ended the tree; nothing of it may outlive it.
+                sb.cgroup.kill_all();
+                Ok(HibernateInfo {
+                    state_bytes,
+                    millis: t.elapsed().as_secs_f64() * 1e3,
+                })
+            }
+            Err(e) => {
+                // The tree runs on where it was (CRIU resumes it): its agent serves again.
+                if let Err(again) = crate::checkpoint::rebind_agent(
+                    sb.record.init_pid,
+                    &crate::agent::socket_path(sb.dir),
+                    std::time::Duration::from_secs(5),
+                ) {
+                    tracing::warn!(sandbox = %sb.record.id, error = %again, "the agent of a container whose checkpoint failed does not serve again");
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Restores the checkpointed tree over the same root, in a fresh PID namespace and
+    /// the sandbox's cgroup, and makes its agent serve again.
+    fn wake(&self, sb: &SandboxRef, from: &Path, paused: bool) -> Result<u32, RuntimeError> {
+        let (criu, agent) = self.checkpointing(sb)?;
+        let netns = self.named_netns(&sb.record.id);
+        let pid = criu.restore(&crate::checkpoint::Restore {
+            from,
+            root: &sb.dir.join("rootfs"),
+            cgroup: sb.cgroup,
+            netns: netns.as_deref(),
+            agent,
+            pid_file: &sb.dir.join("init.pid"),
+        })?;
+        crate::checkpoint::rebind_agent(
+            pid,
+            &crate::agent::socket_path(sb.dir),
+            std::time::Duration::from_secs(10),
+        )?;
+        if paused {
+            sb.cgroup.freeze(true)?;
+        }
+        Ok(pid)
     }
 
     fn runtime_written_paths(&self, spec: &crate::SandboxSpec) -> Vec<String> {

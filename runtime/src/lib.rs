@@ -17,6 +17,7 @@ mod audit;
 mod backend;
 mod cgroup;
 mod changes;
+mod checkpoint;
 mod container;
 pub mod doctor;
 mod exec;
@@ -86,6 +87,9 @@ pub enum RuntimeError {
         message: String,
     },
     /// QEMU's machine protocol failed (pause, resume, saving state).
+    /// A process checkpoint (CRIU) failed, or cannot be restored.
+    #[error("process checkpoint (CRIU): {0}")]
+    Checkpoint(String),
     #[error("QMP: {0}")]
     Qmp(String),
     /// A VM did not come up (QEMU, its relay or its guest).
@@ -244,6 +248,9 @@ pub struct RuntimeConfig {
     pub container_agent: Option<PathBuf>,
     /// How microVMs and VMs run here.
     pub vm: vm::VmConfig,
+    /// The CRIU binary that checkpoints containers for hibernation (scripts/criu.sh
+    /// builds it); none: containers cannot hibernate.
+    pub criu: Option<PathBuf>,
     /// Where the host's cgroups are mounted (`/sys/fs/cgroup`).
     pub cgroup_root: PathBuf,
     /// Where networked sandboxes' address slots are claimed, shared by every home on the
@@ -268,6 +275,7 @@ impl RuntimeConfig {
             container_init: PathBuf::from("/usr/bin/catatonit"),
             container_agent: None,
             vm: vm::VmConfig::default(),
+            criu: None,
             cgroup_root: PathBuf::from("/sys/fs/cgroup"),
             net_slots: PathBuf::from("/run/strata/net"),
             reap_at_open: true,
@@ -350,7 +358,10 @@ impl Runtime {
         )?;
         let cgroups = Cgroups::probe(&cfg.cgroup_root, cgroup::parent_for(&cfg.state_dir))?;
         tracing::debug!(mode = %cgroups.mode(), "cgroups");
+        let networks = network::Networks::new(&cfg.state_dir, cfg.net_slots.clone());
         let container = container::ContainerBackend {
+            criu: cfg.criu.clone().map(|binary| checkpoint::Criu { binary }),
+            networks: networks.clone(),
             runtime: cfg.oci_runtime.clone(),
             state_root: cfg.state_dir.join(cfg.oci_runtime.name()),
             init: cfg.container_init.clone(),
@@ -376,7 +387,7 @@ impl Runtime {
         let rt = Runtime {
             inner: Arc::new(Inner {
                 cgroups,
-                networks: network::Networks::new(&cfg.state_dir, cfg.net_slots.clone()),
+                networks,
                 cfg,
                 uppers,
                 container,

@@ -128,6 +128,9 @@ impl CaBundle {
 /// Where the system CA bundle is on Debian and its derivatives.
 const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
+/// Where scripts/criu.sh installs CRIU.
+pub const DEFAULT_CRIU: &str = "/usr/local/lib/strata/criu/criu";
+
 /// Every setting of the binary, resolved.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -155,6 +158,8 @@ pub struct Settings {
     pub agent: Option<PathBuf>,
     /// The static `strata-agent`; default: where `cargo build --target ...` put it.
     pub static_agent: Option<PathBuf>,
+    /// The CRIU binary containers hibernate with; default: scripts/criu.sh's, if built.
+    pub criu: Option<PathBuf>,
     pub vm: VmConfig,
     pub registry: RegistrySettings,
     pub build_ca_bundle: CaBundle,
@@ -213,6 +218,7 @@ struct FileSettings {
     oci_runtime: Option<String>,
     agent: Option<PathBuf>,
     static_agent: Option<PathBuf>,
+    criu: Option<PathBuf>,
     qemu: Option<PathBuf>,
     guest_dir: Option<PathBuf>,
     vm_accel: Option<VmAccel>,
@@ -648,6 +654,13 @@ impl Settings {
             static_agent: l
                 .env_path("STRATA_STATIC_AGENT")
                 .or_else(|| l.file_path(&f.static_agent)),
+            criu: l
+                .env_path("STRATA_CRIU")
+                .or_else(|| l.file_path(&f.criu))
+                .or_else(|| {
+                    let built = PathBuf::from(DEFAULT_CRIU);
+                    built.is_file().then_some(built)
+                }),
             home,
             store,
             store_given,

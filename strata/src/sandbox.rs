@@ -282,6 +282,7 @@ pub fn runtime_config(settings: &Settings) -> Result<RuntimeConfig> {
     let mut cfg = RuntimeConfig::new(settings.runtime_dir(), lazyfs, agent_path(settings)?);
     cfg.oci_runtime = settings.oci_runtime.clone();
     cfg.vm = settings.vm.clone();
+    cfg.criu = settings.criu.clone();
     cfg.container_agent = settings.static_agent.clone().or_else(|| {
         std::env::current_exe()
             .ok()

@@ -1,0 +1,327 @@
+//! Process checkpoints of a container sandbox with CRIU: what a hibernation saves of its
+//! process tree (the agent as the tree's root, every process under it, their memory,
+//! descriptors, namespaces and mounts) and how a wake restores it over the same root, in
+//! a fresh PID namespace.
+//!
+//! What lives outside the sandbox is named to CRIU rather than saved: the sandbox's root
+//! (its overlay mount stays mounted on the host while it hibernates), the named network
+//! namespace of a networked sandbox, the `/dev/null` binds over masked kernel files, and
+//! the agent's own executable (a host file, handed back at the restore). The agent holds
+//! nothing else of the host's when it is saved: it parks first (see
+//! `strata_agent_proto::HostMsg::Park`), and after the restore its parked socket is bound
+//! and made to listen again from here ([`rebind_agent`]).
+//!
+//! Landlock domains are not visible to a checkpoint, so the restore runs with the build's
+//! `--landlock-children` (scripts/criu/landlock-children.patch): every tree under the
+//! agent comes back in a domain of its own, as each exec's tree started in one, so a
+//! process that survived a hibernation still cannot reach the agent or a later exec.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use serde::{Deserialize, Serialize};
+
+use crate::cgroup::Cgroup;
+use crate::RuntimeError;
+
+/// Where the images go inside a hibernation directory.
+const IMAGES: &str = "criu";
+/// What a restore needs besides the images.
+const PLAN: &str = "checkpoint.json";
+/// The key the named network namespace is saved under.
+const NETNS_KEY: &str = "strata-netns";
+/// The agent's listening descriptor (see `container::LISTEN_FD`).
+pub(crate) const AGENT_LISTEN_FD: i32 = 3;
+
+/// What a checkpoint recorded for its restore.
+#[derive(Debug, Serialize, Deserialize)]
+struct Plan {
+    /// CRIU's key of the agent's executable (`file[MNT:INODE]`).
+    exe_key: String,
+    /// The agent binary's identity when saved: a restore maps the same file again, so a
+    /// changed binary is refused rather than mapped under the saved code.
+    agent_tag: String,
+    /// Masked kernel files (binds of `/dev/null`), inside the sandbox.
+    masked_files: Vec<String>,
+    /// Whether the sandbox's network namespace is a named one left in place.
+    external_netns: bool,
+}
+
+/// A CRIU binary and how this host runs it.
+#[derive(Debug, Clone)]
+pub struct Criu {
+    pub binary: PathBuf,
+}
+
+/// What [`Criu::dump`] saves and how.
+pub(crate) struct Dump<'a> {
+    pub init_pid: u32,
+    pub cgroup: &'a Cgroup,
+    /// The hibernation directory.
+    pub to: &'a Path,
+    /// The named network namespace the sandbox is in, if it is one.
+    pub netns: Option<&'a Path>,
+    /// The agent binary (for its identity).
+    pub agent: &'a Path,
+}
+
+/// What [`Criu::restore`] restores and how.
+pub(crate) struct Restore<'a> {
+    pub from: &'a Path,
+    pub root: &'a Path,
+    pub cgroup: &'a Cgroup,
+    pub netns: Option<&'a Path>,
+    pub agent: &'a Path,
+    /// Where the restored init's PID is written.
+    pub pid_file: &'a Path,
+}
+
+fn agent_tag(agent: &Path) -> Result<String, RuntimeError> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(agent).map_err(RuntimeError::io(agent))?;
+    Ok(format!(
+        "{}-{}.{}-{}",
+        m.len(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ino()
+    ))
+}
+
+/// The mount ID and inode of the file behind `link` (a `/proc/PID/...` link).
+fn file_key(link: &Path) -> Result<String, RuntimeError> {
+    use std::os::unix::fs::MetadataExt;
+    let f = File::open(link).map_err(RuntimeError::io(link))?;
+    let ino = f.metadata().map_err(RuntimeError::io(link))?.ino();
+    let info_path = PathBuf::from(format!("/proc/self/fdinfo/{}", f.as_raw_fd()));
+    let info = std::fs::read_to_string(&info_path).map_err(RuntimeError::io(&info_path))?;
+    let mnt: u64 = info
+        .lines()
+        .find_map(|l| l.strip_prefix("mnt_id:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| RuntimeError::Internal(format!("no mnt_id in {}", info_path.display())))?;
+    Ok(format!("file[{mnt:x}:{ino:x}]"))
+}
+
+/// The masked files of the sandbox whose init is `pid`: mounts over files (binds of
+/// `/dev/null`), as its mount table shows them.
+fn masked_files(pid: u32) -> Vec<String> {
+    let table = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap_or_default();
+    table
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // Field 4 is the mount's root within its filesystem, 5 its mount point.
+            (f.len() > 5 && f[3] == "/null").then(|| f[4].to_string())
+        })
+        .filter(|p| strata_agent_proto::policy::MASKED_PATHS.contains(&p.as_str()))
+        .collect()
+}
+
+/// The last error lines of a CRIU log, as a message.
+fn log_errors(log: &Path) -> String {
+    let mut text = String::new();
+    if let Ok(mut f) = File::open(log) {
+        let mut buf = Vec::new();
+        let _ = f.by_ref().take(64 << 20).read_to_end(&mut buf);
+        text = String::from_utf8_lossy(&buf).into_owned();
+    }
+    let errors: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("Error") && !l.contains("RLIMIT_NOFILE"))
+        .collect();
+    let tail = &errors[errors.len().saturating_sub(4)..];
+    if tail.is_empty() {
+        format!("see {}", log.display())
+    } else {
+        format!("{} (log: {})", tail.join("; "), log.display())
+    }
+}
+
+impl Criu {
+    fn run(&self, mut cmd: Command, what: &str, log: &Path) -> Result<(), RuntimeError> {
+        let status = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map_err(|e| {
+                RuntimeError::Setup(format!(
+                    "cannot run CRIU at {}: {e} (scripts/criu.sh builds it)",
+                    self.binary.display()
+                ))
+            })?;
+        if !status.success() {
+            return Err(RuntimeError::Checkpoint(format!(
+                "{what} failed: {}",
+                log_errors(log)
+            )));
+        }
+        Ok(())
+    }
+
+    /// Saves the tree of `d.init_pid` under `d.to` and ends it (its processes exit).
+    pub(crate) fn dump(&self, d: &Dump) -> Result<u64, RuntimeError> {
+        let images = d.to.join(IMAGES);
+        std::fs::create_dir_all(&images).map_err(RuntimeError::io(&images))?;
+        for p in [d.to, images.as_path()] {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
+                .map_err(RuntimeError::io(p))?;
+        }
+        let exe_key = file_key(Path::new(&format!("/proc/{}/exe", d.init_pid)))?;
+        let plan = Plan {
+            exe_key,
+            agent_tag: agent_tag(d.agent)?,
+            masked_files: masked_files(d.init_pid),
+            external_netns: d.netns.is_some(),
+        };
+        let log = images.join("dump.log");
+        let mut cmd = Command::new(&self.binary);
+        cmd.arg("dump")
+            .arg("--tree")
+            .arg(d.init_pid.to_string())
+            .arg("--images-dir")
+            .arg(&images)
+            .arg("--log-file")
+            .arg(&log)
+            .args(["-v2", "--manage-cgroups=ignore", "--file-locks"])
+            .arg("--freeze-cgroup")
+            .arg(d.cgroup.freezer_dir())
+            .arg("--external")
+            .arg(&plan.exe_key);
+        for m in &plan.masked_files {
+            cmd.arg("--ext-mount-map").arg(format!("{m}:{m}"));
+        }
+        if let Some(ns) = d.netns {
+            use std::os::unix::fs::MetadataExt;
+            let ino = std::fs::metadata(ns).map_err(RuntimeError::io(ns))?.ino();
+            cmd.arg("--external").arg(format!("net[{ino}]:{NETNS_KEY}"));
+        }
+        self.run(cmd, "checkpoint", &log)?;
+        let plan_path = d.to.join(PLAN);
+        std::fs::write(
+            &plan_path,
+            serde_json::to_vec(&plan).map_err(|e| RuntimeError::Internal(e.to_string()))?,
+        )
+        .map_err(RuntimeError::io(&plan_path))?;
+        Ok(dir_bytes(&images))
+    }
+
+    /// Restores what [`Criu::dump`] saved under `r.from` over the root `r.root`, inside
+    /// `r.cgroup`; the restored init's PID. Its agent is parked: [`rebind_agent`] next.
+    pub(crate) fn restore(&self, r: &Restore) -> Result<u32, RuntimeError> {
+        let images = r.from.join(IMAGES);
+        let plan_path = r.from.join(PLAN);
+        let plan: Plan = serde_json::from_slice(
+            &std::fs::read(&plan_path).map_err(RuntimeError::io(&plan_path))?,
+        )
+        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", plan_path.display())))?;
+        if agent_tag(r.agent)? != plan.agent_tag {
+            return Err(RuntimeError::Checkpoint(format!(
+                "the agent binary {} changed since this sandbox hibernated (the saved agent maps its code from that file); wake it with the build that hibernated it, or destroy it",
+                r.agent.display()
+            )));
+        }
+        if plan.external_netns && r.netns.is_none() {
+            return Err(RuntimeError::Checkpoint(
+                "the sandbox's network namespace is gone".into(),
+            ));
+        }
+        let exe = File::open(r.agent).map_err(RuntimeError::io(r.agent))?;
+        let netns = match r.netns.filter(|_| plan.external_netns) {
+            Some(p) => Some(File::open(p).map_err(RuntimeError::io(p))?),
+            None => None,
+        };
+        let log = images.join("restore.log");
+        let _ = std::fs::remove_file(r.pid_file);
+        let mut cmd = Command::new(&self.binary);
+        cmd.arg("restore")
+            .arg("--images-dir")
+            .arg(&images)
+            .arg("--log-file")
+            .arg(&log)
+            .args(["-v2", "--manage-cgroups=ignore", "--file-locks"])
+            .arg("--restore-detached")
+            .arg("--root")
+            .arg(r.root)
+            .arg("--pidfile")
+            .arg(r.pid_file)
+            // The passed descriptors are 3 (the agent's executable) and 4 (the netns).
+            .arg("--inherit-fd")
+            .arg(format!("fd[3]:{}", plan.exe_key));
+        if strata_host::landlock_abi() >= 1 {
+            cmd.arg("--landlock-children");
+        }
+        for m in &plan.masked_files {
+            cmd.arg("--ext-mount-map").arg(format!("{m}:/dev/null"));
+        }
+        let mut pass = vec![exe.as_raw_fd()];
+        if let Some(ns) = &netns {
+            pass.push(ns.as_raw_fd());
+            cmd.arg("--inherit-fd").arg(format!("fd[4]:{NETNS_KEY}"));
+        }
+        strata_host::exec::pass_fds_and_hide(&mut cmd, pass, None);
+        // Restored tasks are forked by CRIU: in the sandbox's cgroup from the start.
+        r.cgroup.join_on_exec(&mut cmd)?;
+        self.run(cmd, "restore", &log)?;
+        drop((exe, netns));
+        let pid = std::fs::read_to_string(r.pid_file)
+            .map_err(RuntimeError::io(r.pid_file))?
+            .trim()
+            .parse()
+            .map_err(|_| {
+                RuntimeError::Checkpoint(format!("bad PID in {}", r.pid_file.display()))
+            })?;
+        Ok(pid)
+    }
+}
+
+/// Makes a parked container agent serve again: its parked socket, bound at `socket` and
+/// listening. Waits (up to `within`) for the agent to have parked it.
+pub(crate) fn rebind_agent(
+    init_pid: u32,
+    socket: &Path,
+    within: std::time::Duration,
+) -> Result<(), RuntimeError> {
+    let deadline = std::time::Instant::now() + within;
+    let _ = std::fs::remove_file(socket);
+    loop {
+        let sock = strata_host::unix::take_fd(init_pid, AGENT_LISTEN_FD).map_err(|e| {
+            RuntimeError::AgentGone(format!("taking the parked agent's socket: {e}"))
+        })?;
+        match strata_host::unix::listen_at(&sock, socket) {
+            Ok(()) => return Ok(()),
+            // Not parked yet: its descriptor is still the old listener (bound already).
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {}
+            Err(e) => {
+                return Err(RuntimeError::AgentGone(format!(
+                    "binding the parked agent's socket at {}: {e}",
+                    socket.display()
+                )))
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            return Err(RuntimeError::AgentGone(
+                "the agent did not park its socket".into(),
+            ));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// Bytes of the files under `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.flatten()
+                .filter_map(|e| e.metadata().ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
