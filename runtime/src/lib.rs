@@ -100,7 +100,7 @@ pub enum RuntimeError {
     Internal(String),
     #[error("exec: {0}")]
     Exec(String),
-    #[error("{0} is not supported yet (use the container backend for it)")]
+    #[error("not supported: {0}")]
     Unsupported(String),
     /// The sandbox is doing something the request must not cut short (a running command).
     #[error("busy: {0}")]

@@ -98,6 +98,30 @@ pub fn can_run_vms(test: &str) -> bool {
     ready
 }
 
+/// Whether containers can hibernate here: the sandboxes' needs and the CRIU that
+/// `scripts/criu.sh` builds (same failure/skip rule as [`crate::have_root`]).
+pub fn can_hibernate_containers(test: &str) -> bool {
+    if !can_run_sandboxes(test) {
+        return false;
+    }
+    let criu = std::env::var_os("STRATA_CRIU")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/local/lib/strata/criu/criu"));
+    if !criu.is_file() {
+        assert!(
+            !crate::privileged_required(),
+            "{test}: no CRIU at {} (run scripts/setup.sh)",
+            criu.display()
+        );
+        crate::not_run(
+            test,
+            &format!("no CRIU at {} (run scripts/setup.sh)", criu.display()),
+        );
+        return false;
+    }
+    true
+}
+
 /// A `STRATA_HOME` with its own local store.
 pub struct CliHome {
     pub home: PathBuf,

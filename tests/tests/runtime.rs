@@ -7,7 +7,8 @@ use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use strata_tests::home::{can_run_sandboxes, text, SampleEnv};
+use strata_tests::home::{can_hibernate_containers, can_run_sandboxes, text, SampleEnv};
+use strata_tests::host_used_bytes;
 use strata_tests::{have_tool, scratch_root, strata_bin, HostServer};
 
 const BACKENDS: [&str; 2] = ["fncall", "container"];
@@ -783,4 +784,158 @@ fn a_commit_becomes_a_layer_and_an_entry_a_fresh_home_starts_from() {
         env.ok(&["sandbox", "rm", &id]);
         env.assert_gone(&id, &[pid]);
     }
+}
+
+/// What the container hibernation test's process does: holds 64 MiB of its own memory,
+/// counts, and records which `SECRET_MARK` environments it can read: its own child's (the
+/// control) and, if a restore lost its Landlock domain, a later exec's too.
+const WATCHER: &str = r#"
+import os, time
+ballast = bytearray(64 << 20)
+for k in range(0, len(ballast), 4096):
+    ballast[k] = 1
+if os.fork() == 0:
+    os.execve("/bin/sleep", ["sleep", "infinity"], {"SECRET_MARK": "control"})
+i = 0
+while True:
+    i += 1
+    seen = set()
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                env = open(f"/proc/{p}/environ", "rb").read()
+            except OSError:
+                continue
+            seen.update(v[12:].decode() for v in env.split(b"\0") if v.startswith(b"SECRET_MARK="))
+    with open("/tmp/count.new", "w") as f:
+        f.write(f"{i} {' '.join(sorted(seen))}\n")
+    os.rename("/tmp/count.new", "/tmp/count")
+    time.sleep(0.05)
+"#;
+
+/// Container hibernation (CRIU): files and a running process's memory survive every
+/// cycle, the host's memory comes back while it hibernates, and a restored process keeps
+/// a Landlock domain of its own (SECURITY.md, "The agent's integrity", point 2: it reads
+/// no later exec's environment).
+#[test]
+fn a_container_hibernated_and_woken_a_hundred_times_keeps_its_files_processes_and_scope() {
+    let Some(env) = env("container_hibernate") else {
+        return;
+    };
+    if !can_hibernate_containers("container_hibernate") {
+        return;
+    }
+    /// What a hibernated container may still hold of the host's memory (the runtime's
+    /// and the lazyfs daemon's own move a little between cycles).
+    const HIBERNATED_SLACK: u64 = 16 << 20;
+    let warm = env.create(&["--backend", "container"]);
+    env.ok(&["sandbox", "rm", &warm]);
+    let before = host_used_bytes();
+    let id = env.create(&["--backend", "container"]);
+    let script = format!("cat > /tmp/watch.py <<'EOF'\n{WATCHER}\nEOF\nnohup python3 /tmp/watch.py >/dev/null 2>&1 &");
+    let started = env.sh(&id, &script);
+    assert!(started.status.success(), "{:?}", text(&started));
+    std::thread::sleep(Duration::from_millis(500));
+    let watcher_runs = || {
+        std::process::Command::new("pgrep")
+            .args(["-f", "python3 /tmp/watch.py"])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let (mut last, mut awake_max, mut hibernated_max) = (0u64, 0u64, 0u64);
+    let t = Instant::now();
+    for cycle in 0..100 {
+        // The next call wakes it: the count goes on from where it was.
+        let mark = format!("SECRET_MARK=exec{cycle}");
+        let out = env.ok(&[
+            "sandbox",
+            "exec",
+            "--env",
+            &mark,
+            &id,
+            "--",
+            "sh",
+            "-c",
+            &format!("echo {cycle} > /work/cycle-{cycle}; sleep 0.3; cat /tmp/count"),
+        ]);
+        let mut fields = out.split_whitespace();
+        let count: u64 = fields
+            .next()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or_else(|| panic!("cycle {cycle}: {out}"));
+        let seen: Vec<&str> = fields.collect();
+        assert!(
+            count > last,
+            "cycle {cycle}: the count went from {last} to {count}"
+        );
+        assert_eq!(
+            seen,
+            ["control"],
+            "cycle {cycle}: the watcher reads its own child's environment and no exec's"
+        );
+        last = count;
+        awake_max = awake_max.max(host_used_bytes().saturating_sub(before));
+        env.ok(&["sandbox", "hibernate", &id]);
+        assert!(!watcher_runs(), "cycle {cycle}: the watcher still runs");
+        hibernated_max = hibernated_max.max(host_used_bytes().saturating_sub(before));
+    }
+    let per_cycle = t.elapsed() / 100;
+    let state = env
+        .sandboxes()
+        .into_iter()
+        .find(|s| s["id"] == id.as_str())
+        .map(|s| s["state"].clone());
+    assert_eq!(state, Some("hibernated".into()));
+    assert_eq!(env.ok(&["sandbox", "wake", &id]).trim(), id);
+    let files = env.ok(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "for i in $(seq 0 99); do cat /work/cycle-$i; done | sort -n | uniq | wc -l",
+    ]);
+    assert_eq!(
+        files.trim(),
+        "100",
+        "a file written between cycles was lost"
+    );
+    let audit = env.ok(&["sandbox", "audit", &id]);
+    let count = |event: &str| {
+        audit
+            .lines()
+            .filter(|l| l.contains(&format!("\"event\":\"{event}\"")))
+            .count()
+    };
+    eprintln!(
+        "100 container hibernate/wake cycles: {per_cycle:?} each; host memory over the start: up to {} MiB awake, {} MiB hibernated",
+        awake_max >> 20,
+        hibernated_max >> 20
+    );
+    assert_eq!((count("hibernated"), count("woken")), (100, 100));
+    // The measure sees the container: awake, it holds its 64 MiB.
+    assert!(
+        awake_max > 3 * HIBERNATED_SLACK,
+        "awake the container held only {} MiB",
+        awake_max >> 20
+    );
+    assert!(
+        hibernated_max < HIBERNATED_SLACK,
+        "hibernated, the host still held {} MiB more than before the container",
+        hibernated_max >> 20
+    );
+    let host_pids: Vec<u32> = std::process::Command::new("pgrep")
+        .args(["-f", "python3 /tmp/watch.py"])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(!host_pids.is_empty(), "the woken watcher does not run");
+    env.ok(&["sandbox", "rm", &id]);
+    env.assert_gone(&id, &host_pids);
 }

@@ -570,24 +570,25 @@ async def main():
         job = [await c.create("{sample}", backend="microvm", memory="256M", labels={{"job": "run-17"}}) for _ in range(3)]
         other = await c.create("{sample}", backend="microvm", memory="256M", labels={{"job": "run-18"}})
         box = await c.create("{sample}", backend="container", labels={{"job": "run-17"}})
-        for i, sb in enumerate(job + [other]):
+        fn_box = await c.create("{sample}", backend="fncall", labels={{"job": "run-17"}})
+        for i, sb in enumerate(job + [box, other]):
             await sb.files.write("/work/mine.txt", f"sandbox {{i}}")
             assert (await sb.exec(COUNTER)).exit_code == 0
         await asyncio.sleep(0.5)
-        counts = [await count(sb) for sb in job]
+        counts = [await count(sb) for sb in job + [box]]
         held = (await c.capacity()).committed_memory_bytes
         r = await c.hibernate({{"job": "run-17"}})
         by_id = {{h.id: h for h in r.sandboxes}}
-        assert sorted(by_id) == sorted([sb.id for sb in job] + [box.id]), by_id
-        assert all(by_id[sb.id].state_bytes > 0 and not by_id[sb.id].error for sb in job), r
-        assert "CRIU" in by_id[box.id].error, by_id[box.id]
-        states = {{sb.id: (await sb.refresh()).state for sb in job + [other, box]}}
-        assert [states[sb.id] for sb in job] == ["hibernated"] * 3, states
-        assert (states[other.id], states[box.id]) == ("running", "running"), states
+        assert sorted(by_id) == sorted([sb.id for sb in job] + [box.id, fn_box.id]), by_id
+        assert all(by_id[sb.id].state_bytes > 0 and not by_id[sb.id].error for sb in job + [box]), r
+        assert "cannot carry over" in by_id[fn_box.id].error, by_id[fn_box.id]
+        states = {{sb.id: (await sb.refresh()).state for sb in job + [other, box, fn_box]}}
+        assert [states[sb.id] for sb in job + [box]] == ["hibernated"] * 4, states
+        assert (states[other.id], states[fn_box.id]) == ("running", "running"), states
         freed = held - (await c.capacity()).committed_memory_bytes
-        assert freed == sum(sb.info.memory_bytes for sb in job), (held, freed)
+        assert freed == sum(sb.info.memory_bytes for sb in job + [box]), (held, freed)
         # Its next call wakes each where it was: files kept, the counter goes on.
-        for i, sb in enumerate(job):
+        for i, sb in enumerate(job + [box]):
             assert (await sb.files.read("/work/mine.txt")) == f"sandbox {{i}}".encode()
             assert await count(sb) >= counts[i]
             assert (await sb.refresh()).state == "running"
@@ -620,7 +621,7 @@ async def main():
                 break
             await asyncio.sleep(0.5)
         assert [s.state for s in late] == ["running"], [s.state for s in late]
-        for sb in job + [other, box, idle] + late:
+        for sb in job + [other, box, fn_box, idle] + late:
             await sb.destroy()
         print(json.dumps({{"ms": r.ms, "bytes": sum(h.state_bytes for h in r.sandboxes)}}))
 asyncio.run(main())
@@ -630,7 +631,7 @@ asyncio.run(main())
     );
     let report: serde_json::Value = serde_json::from_str(out.trim()).expect("report");
     eprintln!(
-        "hibernate --label of 3 microVMs: {} ms, {} MiB written",
+        "hibernate --label of 3 microVMs and a container: {} ms, {} MiB written",
         report["ms"],
         report["bytes"].as_u64().unwrap_or(0) >> 20
     );

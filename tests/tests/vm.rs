@@ -8,6 +8,7 @@ use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use strata_tests::home::{can_run_vms, text, SampleEnv};
+use strata_tests::host_used_bytes;
 
 type Env = SampleEnv;
 
@@ -782,31 +783,6 @@ fn a_microvms_commit_is_what_its_guest_wrote_and_leaves_no_copy() {
     assert_eq!(seen, "from-the-guest\nissue-gone\n");
     env.ok(&["sandbox", "rm", &id]);
     assert!(qemu_processes(&id).is_empty(), "QEMU of {id} still runs");
-}
-
-/// Host memory held and not reclaimable: anonymous pages (a guest's RAM, QEMU's own),
-/// shared memory and the kernel's unreclaimable parts. Page cache is left out: it is
-/// given back on demand, and MemAvailable's estimate of it moves by ~100 MiB with
-/// unrelated file traffic.
-fn host_used_bytes() -> u64 {
-    let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
-    let field = |name: &str| -> u64 {
-        info.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .unwrap_or(0)
-            << 10
-    };
-    [
-        "AnonPages:",
-        "Shmem:",
-        "SUnreclaim:",
-        "PageTables:",
-        "KernelStack:",
-    ]
-    .iter()
-    .map(|f| field(f))
-    .sum()
 }
 
 #[test]
