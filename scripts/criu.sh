@@ -5,17 +5,19 @@
 # Debian 13's binary package needs glibc 2.38, so this builds Debian 13's source package:
 # its upstream tarball, fetched with apt from a trixie deb-src entry kept in a private apt
 # configuration (the host's own sources are not touched) and checked against the digest
-# below, plus one patch of ours (scripts/criu/landlock-children.patch: restored process
-# trees keep a Landlock domain of their own, see README "Hibernation"). Idempotent: a
-# built binary of this version and patch is kept.
+# below, plus our patches in scripts/criu/: landlock-children.patch (restored process trees
+# keep a Landlock domain of their own; see README, hibernation, and SECURITY.md) and
+# sockopt-eopnotsupp.patch (Linux 6.16+ refuses SO_PASSCRED/SO_PASSSEC on TCP and UDP
+# sockets, which made CRIU 4.1.1 refuse any process holding one). Idempotent: a built
+# binary of this version and these patches is kept.
 set -euo pipefail
 
 VERSION=4.1.1
 SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
 HERE="$(cd "$(dirname "$0")" && pwd)"
-PATCH="$HERE/criu/landlock-children.patch"
+PATCHES=("$HERE"/criu/*.patch)
 DEST="${STRATA_CRIU_DIR:-/usr/local/lib/strata/criu}"
-TAG="$VERSION $(sha256sum "$PATCH" | cut -d' ' -f1)"
+TAG="$VERSION $(cat "${PATCHES[@]}" | sha256sum | cut -d' ' -f1)"
 
 if [ -x "$DEST/criu" ] && [ "$(cat "$DEST/build-tag" 2>/dev/null)" = "$TAG" ]; then
   exit 0
@@ -61,7 +63,9 @@ fi
 echo "criu: building CRIU $VERSION (about a minute)" >&2
 tar -xf "$tarball" -C "$work"
 src="$work/criu-$VERSION"
-patch -d "$src" -p1 --quiet < "$PATCH"
+for p in "${PATCHES[@]}"; do
+  patch -d "$src" -p1 --quiet < "$p"
+done
 make -C "$src" -j"$(nproc)" criu >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; exit 1; }
 "$src/criu/criu" --version >/dev/null
 mkdir -p "$DEST"

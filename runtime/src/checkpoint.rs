@@ -34,6 +34,8 @@ const IMAGES: &str = "criu";
 const PLAN: &str = "checkpoint.json";
 /// The key the named network namespace is saved under.
 const NETNS_KEY: &str = "strata-netns";
+/// The largest file deleted while open that a checkpoint saves (CRIU's default is 1 MiB).
+const GHOST_LIMIT: &str = "64M";
 /// The agent's listening descriptor (see `container::LISTEN_FD`).
 pub(crate) const AGENT_LISTEN_FD: i32 = 3;
 
@@ -156,9 +158,19 @@ impl Criu {
                 ))
             })?;
         if !status.success() {
+            // The log outlives what a failed hibernation leaves (its directory goes).
+            let kept = log
+                .parent()
+                .and_then(Path::parent)
+                .and_then(Path::parent)
+                .map(|sandbox| sandbox.join(format!("{what}-failed.log")));
+            let log = match kept {
+                Some(k) if std::fs::copy(log, &k).is_ok() => k,
+                _ => log.to_path_buf(),
+            };
             return Err(RuntimeError::Checkpoint(format!(
                 "{what} failed: {}",
-                log_errors(log)
+                log_errors(&log)
             )));
         }
         Ok(())
@@ -189,6 +201,16 @@ impl Criu {
             .arg("--log-file")
             .arg(&log)
             .args(["-v2", "--manage-cgroups=ignore", "--file-locks"])
+            // TCP connections are saved with TCP repair; one not yet accepted is dropped
+            // (its client sees a reset).
+            .args([
+                "--tcp-established",
+                "--skip-in-flight",
+                "--network-lock",
+                "nftables",
+            ])
+            // Files deleted while open are saved with the images, up to this size each.
+            .args(["--ghost-limit", GHOST_LIMIT])
             .arg("--freeze-cgroup")
             .arg(d.cgroup.freezer_dir())
             .arg("--external")
@@ -245,6 +267,7 @@ impl Criu {
             .arg("--log-file")
             .arg(&log)
             .args(["-v2", "--manage-cgroups=ignore", "--file-locks"])
+            .args(["--tcp-established", "--network-lock", "nftables"])
             .arg("--restore-detached")
             .arg("--root")
             .arg(r.root)

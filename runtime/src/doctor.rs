@@ -138,6 +138,30 @@ pub fn check_host(cfg: &RuntimeConfig) -> Vec<Check> {
             ),
         }
     }));
+    checks.push(Check::new("criu", false, {
+        match &cfg.criu {
+            Some(p) if p.is_file() => match version(p) {
+                Ok(v) if v.contains("4.") => {
+                    Ok(format!("{v} at {} (container hibernation)", p.display()))
+                }
+                Ok(v) => warn(
+                    format!(
+                        "{} is {v}: container hibernation needs CRIU 4.1+ with Strata's patch",
+                        p.display()
+                    ),
+                    "bash scripts/criu.sh (or set STRATA_CRIU)",
+                ),
+                Err(e) => warn(
+                    format!("{} does not run: {e}", p.display()),
+                    "bash scripts/criu.sh (or set STRATA_CRIU)",
+                ),
+            },
+            _ => warn(
+                "no CRIU: containers cannot hibernate (pause still works)",
+                "bash scripts/criu.sh (or set STRATA_CRIU)",
+            ),
+        }
+    }));
     checks.push(Check::new("oci runtime", false, {
         let bin = cfg.oci_runtime.binary();
         let resolved = if bin.is_absolute() {

@@ -9,7 +9,9 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use strata_tests::home::{can_run_sandboxes, can_run_vms, CliHome, SampleEnv};
+use strata_tests::home::{
+    can_hibernate_containers, can_run_sandboxes, can_run_vms, CliHome, SampleEnv,
+};
 use strata_tests::service::{e2b_node, e2b_python, Service, E2B_PYTHON};
 use strata_tests::{have_tool, mounts_under, HostServer};
 
@@ -213,30 +215,40 @@ fn e2b_python_sdk_drives_microvm_and_vm_sandboxes() {
             &env.reference,
         );
     }
-    // A microVM's pause with nothing streaming is a hibernation (its memory image on
-    // disk, QEMU gone); connect wakes it where it was. Its audit says so.
-    let o = e2b_client(e2b_python(E2B_PYTHON[0]), &svc.e2b_url(), &token)
-        .arg(suite())
-        .args(["hibernate", "microvm", &env.reference])
-        .output()
-        .expect("running the e2b suite");
-    assert_client_ok(&o, "e2b hibernate on microvm", &svc);
-    let out = String::from_utf8_lossy(&o.stdout);
-    let id = out
-        .split_whitespace()
-        .skip_while(|w| *w != "sandbox")
-        .nth(1)
-        .map(|w| w.trim_end_matches(':').to_string())
-        .unwrap_or_else(|| panic!("no sandbox ID in {out}"));
-    let local = id.rsplit('-').next().unwrap_or_default();
-    let audit = std::fs::read_to_string(
-        home.runtime_dir()
-            .join("audit")
-            .join(format!("{local}.jsonl")),
-    )
-    .unwrap_or_else(|e| panic!("the audit of {id}: {e}"));
-    let events = |e: &str| audit.matches(&format!("\"event\":\"{e}\"")).count();
-    assert_eq!((events("hibernated"), events("woken")), (5, 5), "{audit}");
+    // A microVM's or a container's pause with nothing streaming is a hibernation (a
+    // machine's memory image or a CRIU checkpoint on disk, nothing running); connect wakes
+    // it where it was. Its audit says so.
+    for backend in ["microvm", "container"] {
+        if backend == "container" && !can_hibernate_containers("e2b_vms") {
+            continue;
+        }
+        let o = e2b_client(e2b_python(E2B_PYTHON[0]), &svc.e2b_url(), &token)
+            .arg(suite())
+            .args(["hibernate", backend, &env.reference])
+            .output()
+            .expect("running the e2b suite");
+        assert_client_ok(&o, &format!("e2b hibernate on {backend}"), &svc);
+        let out = String::from_utf8_lossy(&o.stdout);
+        let id = out
+            .split_whitespace()
+            .skip_while(|w| *w != "sandbox")
+            .nth(1)
+            .map(|w| w.trim_end_matches(':').to_string())
+            .unwrap_or_else(|| panic!("no sandbox ID in {out}"));
+        let local = id.rsplit('-').next().unwrap_or_default();
+        let audit = std::fs::read_to_string(
+            home.runtime_dir()
+                .join("audit")
+                .join(format!("{local}.jsonl")),
+        )
+        .unwrap_or_else(|e| panic!("the audit of {id}: {e}"));
+        let events = |e: &str| audit.matches(&format!("\"event\":\"{e}\"")).count();
+        assert_eq!(
+            (events("hibernated"), events("woken")),
+            (5, 5),
+            "{backend}: {audit}"
+        );
+    }
     // fork(count=4): children continue the parent's detached process, each its own.
     run_suite(
         &svc,
