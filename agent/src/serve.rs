@@ -110,7 +110,7 @@ static PARK: (Mutex<ParkState>, Condvar) = (
 );
 
 /// How often a parked agent looks for the listening socket a restore puts in place.
-const PARKED_POLL: Duration = Duration::from_millis(10);
+const PARKED_POLL: Duration = Duration::from_millis(2);
 
 /// [`serve`] for a container's init, which a process checkpoint may save and restore: on
 /// `Park` it stops accepting, replaces its listening socket (made in the host's

@@ -207,6 +207,12 @@ pub(crate) trait SandboxBackend: Send + Sync {
         )))
     }
 
+    /// Whether [`SandboxBackend::hibernate`] can save this backend's sandboxes here (the
+    /// reaper's `auto_hibernate` only tries those).
+    fn hibernates(&self) -> bool {
+        false
+    }
+
     /// Saves the sandbox's whole state under `to` and stops it, releasing its memory and
     /// CPU (its files stay where they are); [`SandboxBackend::wake`] starts it again.
     fn hibernate(&self, sb: &SandboxRef, _to: &Path) -> Result<HibernateInfo, RuntimeError> {

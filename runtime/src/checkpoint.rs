@@ -267,7 +267,6 @@ impl Criu {
             .arg("--log-file")
             .arg(&log)
             .args(["-v2", "--manage-cgroups=ignore", "--file-locks"])
-            .args(["--tcp-established", "--network-lock", "nftables"])
             .arg("--restore-detached")
             .arg("--root")
             .arg(r.root)
@@ -276,7 +275,13 @@ impl Criu {
             // The passed descriptors are 3 (the agent's executable) and 4 (the netns).
             .arg("--inherit-fd")
             .arg(format!("fd[3]:{}", plan.exe_key));
-        if strata_host::landlock_abi() >= 1 {
+        // As the agent scopes each exec (Landlock ABI 2+: Linux 5.19).
+        // Connections to repair lock the network meanwhile (about 15 ms): only when some
+        // were saved.
+        if has_tcp_streams(&images) {
+            cmd.args(["--tcp-established", "--network-lock", "nftables"]);
+        }
+        if strata_host::landlock_abi() >= 2 {
             cmd.arg("--landlock-children");
         }
         for m in &plan.masked_files {
@@ -334,6 +339,14 @@ pub(crate) fn rebind_agent(
         }
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
+}
+
+/// Whether the images under `dir` hold an established TCP connection.
+fn has_tcp_streams(dir: &Path) -> bool {
+    std::fs::read_dir(dir).is_ok_and(|rd| {
+        rd.flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("tcp-stream-"))
+    })
 }
 
 /// Bytes of the files under `dir`.

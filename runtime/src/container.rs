@@ -621,6 +621,10 @@ impl SandboxBackend for ContainerBackend {
         Ok(())
     }
 
+    fn hibernates(&self) -> bool {
+        self.criu.is_some() && self.agent.is_some()
+    }
+
     /// Checkpoints the process tree with CRIU (see [`crate::checkpoint`]): the agent
     /// parks, the tree is saved under `to` and ends; its root stays mounted. A paused
     /// sandbox is thawed for the agent to park (the checkpoint freezes it again).

@@ -752,7 +752,7 @@ impl Runtime {
                     .limits
                     .auto_hibernate
                     .is_some_and(|after| self.idle_for(&id) >= after);
-                if idle_past && self.backend(r.spec.backend).saves_memory() {
+                if idle_past && self.backend(r.spec.backend).hibernates() {
                     let sb = Sandbox {
                         rt: self.clone(),
                         record: r.clone(),

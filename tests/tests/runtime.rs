@@ -986,8 +986,8 @@ fn a_container_whose_checkpoint_fails_runs_on_as_it_was() {
         &id,
         "echo kept > /work/kept; \
          nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 & \
-         nohup python3 -c \"import os, time; f = open('/tmp/ghost', 'wb'); f.write(bytes([1]) * (100 << 20)); f.flush(); os.unlink('/tmp/ghost'); [time.sleep(0.05) for _ in iter(lambda: os.path.exists('/tmp/ghost.stop'), True)]\" >/dev/null 2>&1 & \
-         sleep 1.5",
+         nohup python3 -c \"import os, time; f = open('/tmp/ghost', 'wb'); f.write(bytes([1]) * (100 << 20)); f.flush(); os.unlink('/tmp/ghost'); open('/tmp/ghost.ready', 'w').close(); [time.sleep(0.05) for _ in iter(lambda: os.path.exists('/tmp/ghost.stop'), True)]\" >/dev/null 2>&1 & \
+         for i in $(seq 600); do test -e /tmp/ghost.ready && break; sleep 0.05; done; test -e /tmp/ghost.ready",
     );
     assert!(started.status.success(), "{:?}", text(&started));
     let count = || -> u64 {

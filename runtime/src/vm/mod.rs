@@ -1086,6 +1086,10 @@ impl SandboxBackend for VmBackend {
         true
     }
 
+    fn hibernates(&self) -> bool {
+        true
+    }
+
     /// The machine stops, its state (memory and devices) is saved to `to/state`, and QEMU
     /// quits, its disks flushed; the relay goes with it. The writable disk stays.
     fn hibernate(&self, sb: &SandboxRef, to: &Path) -> Result<HibernateInfo, RuntimeError> {
