@@ -49,6 +49,21 @@ fn creates(rt: &Runtime, spec: &SandboxSpec, n: usize) -> Result<f64> {
     Ok(took)
 }
 
+/// `cycles` hibernations of `sb`, each woken by a command: the hibernation times, the
+/// wake -> first exec times, and the last saved state's bytes.
+fn hibernate_cycles(sb: &Sandbox, cycles: usize) -> Result<(Vec<f64>, Vec<f64>, u64)> {
+    let (mut hib, mut wake, mut state) = (Vec::new(), Vec::new(), 0u64);
+    for _ in 0..cycles {
+        let t = Instant::now();
+        state = sb.hibernate()?.state_bytes;
+        hib.push(ms(t));
+        let t = Instant::now();
+        check(sb, "test -s /root/blob")?;
+        wake.push(ms(t));
+    }
+    Ok((hib, wake, state))
+}
+
 pub fn run(
     rt: &tokio::runtime::Runtime,
     scratch: &Path,
@@ -77,15 +92,7 @@ pub fn run(
     .parse()
     .unwrap_or(0.0);
     let cycles = if quick { 5 } else { 20 };
-    let (mut hib, mut wake, mut state) = (Vec::new(), Vec::new(), 0u64);
-    for _ in 0..cycles {
-        let t = Instant::now();
-        state = sb.hibernate()?.state_bytes;
-        hib.push(ms(t));
-        let t = Instant::now();
-        check(&sb, "test -s /root/blob")?;
-        wake.push(ms(t));
-    }
+    let (mut hib, mut wake, state) = hibernate_cycles(&sb, cycles)?;
     // A snapshot into the store, restored by another node (a fresh home sharing the store:
     // its own lazyfs cache, nothing of the sandbox).
     let t = Instant::now();
@@ -189,15 +196,7 @@ pub fn run(
         "dd if=/dev/urandom of=/root/blob bs=1M count=16 2>/dev/null; nohup python3 -c 'import time, os; b = os.urandom(64 << 20); time.sleep(86400)' >/dev/null 2>&1 & sleep 1",
     )?;
     let held = sb.cgroup().memory_usage();
-    let (mut hib, mut wake, mut state) = (Vec::new(), Vec::new(), 0u64);
-    for _ in 0..cycles {
-        let t = Instant::now();
-        state = sb.hibernate()?.state_bytes;
-        hib.push(ms(t));
-        let t = Instant::now();
-        check(&sb, "test -s /root/blob")?;
-        wake.push(ms(t));
-    }
+    let (mut hib, mut wake, state) = hibernate_cycles(&sb, cycles)?;
     sb.destroy()?;
     let mut cold: Vec<f64> = (0..if quick { 5 } else { 20 })
         .map(|_| creates(&runtime, &container, 1))

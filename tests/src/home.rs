@@ -353,6 +353,44 @@ impl SampleEnv {
     }
 
     /// The host PID of sandbox `id`'s init (a VM's QEMU), as `sandbox ls` lists it.
+    /// After `cycles` hibernate cycles that each wrote `/work/cycle-N` before the
+    /// hibernation: checks the sandbox is listed hibernated, wakes it, checks every cycle's
+    /// file is there, and returns its audit's counts of `hibernated` and `woken` events.
+    pub fn wake_after_cycles(&self, id: &str, cycles: usize) -> (usize, usize) {
+        let state = self
+            .sandboxes()
+            .into_iter()
+            .find(|s| s["id"] == id)
+            .map(|s| s["state"].clone());
+        assert_eq!(state, Some("hibernated".into()));
+        assert_eq!(self.ok(&["sandbox", "wake", id]).trim(), id);
+        let files = self.ok(&[
+            "sandbox",
+            "exec",
+            id,
+            "--",
+            "sh",
+            "-c",
+            &format!(
+                "for i in $(seq 0 {}); do cat /work/cycle-$i; done | sort -n | uniq | wc -l",
+                cycles - 1
+            ),
+        ]);
+        assert_eq!(
+            files.trim(),
+            cycles.to_string(),
+            "a file written between cycles was lost"
+        );
+        let audit = self.ok(&["sandbox", "audit", id]);
+        let count = |event: &str| {
+            audit
+                .lines()
+                .filter(|l| l.contains(&format!("\"event\":\"{event}\"")))
+                .count()
+        };
+        (count("hibernated"), count("woken"))
+    }
+
     pub fn init_pid(&self, id: &str) -> i32 {
         let rec = self
             .sandboxes()

@@ -910,40 +910,13 @@ fn a_container_hibernated_and_woken_a_hundred_times_keeps_its_files_processes_an
         hibernated_max = hibernated_max.max(cgroup_memory(&memory_dir).saturating_sub(before));
     }
     let per_cycle = t.elapsed() / 100;
-    let state = env
-        .sandboxes()
-        .into_iter()
-        .find(|s| s["id"] == id.as_str())
-        .map(|s| s["state"].clone());
-    assert_eq!(state, Some("hibernated".into()));
-    assert_eq!(env.ok(&["sandbox", "wake", &id]).trim(), id);
-    let files = env.ok(&[
-        "sandbox",
-        "exec",
-        &id,
-        "--",
-        "sh",
-        "-c",
-        "for i in $(seq 0 99); do cat /work/cycle-$i; done | sort -n | uniq | wc -l",
-    ]);
-    assert_eq!(
-        files.trim(),
-        "100",
-        "a file written between cycles was lost"
-    );
-    let audit = env.ok(&["sandbox", "audit", &id]);
-    let count = |event: &str| {
-        audit
-            .lines()
-            .filter(|l| l.contains(&format!("\"event\":\"{event}\"")))
-            .count()
-    };
+    let events = env.wake_after_cycles(&id, 100);
     eprintln!(
         "100 container hibernate/wake cycles: {per_cycle:?} each; the sandbox's memory over its start: up to {} MiB awake, {} MiB hibernated",
         awake_max >> 20,
         hibernated_max >> 20
     );
-    assert_eq!((count("hibernated"), count("woken")), (100, 100));
+    assert_eq!(events, (100, 100));
     // The measure sees the container: awake, it holds its 64 MiB.
     assert!(
         awake_max > 3 * HIBERNATED_SLACK,

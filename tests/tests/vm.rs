@@ -837,42 +837,14 @@ fn a_microvm_hibernated_and_woken_a_hundred_times_keeps_its_files_and_processes(
         hibernated_max = hibernated_max.max(host_used_bytes().saturating_sub(before));
     }
     let per_cycle = started.elapsed() / 100;
-    let ls: serde_json::Value =
-        serde_json::from_str(&env.ok(&["sandbox", "ls", "--json"])).expect("ls --json");
-    let state = ls
-        .as_array()
-        .and_then(|a| a.iter().find(|s| s["id"] == id.as_str()))
-        .map(|s| s["state"].clone());
-    assert_eq!(state, Some("hibernated".into()));
-    assert_eq!(env.ok(&["sandbox", "wake", &id]).trim(), id);
-    let files = env.ok(&[
-        "sandbox",
-        "exec",
-        &id,
-        "--",
-        "sh",
-        "-c",
-        "for i in $(seq 0 99); do cat /work/cycle-$i; done | sort -n | uniq | wc -l",
-    ]);
-    assert_eq!(
-        files.trim(),
-        "100",
-        "a file written between cycles was lost"
-    );
-    let audit = env.ok(&["sandbox", "audit", &id]);
-    let count = |event: &str| {
-        audit
-            .lines()
-            .filter(|l| l.contains(&format!("\"event\":\"{event}\"")))
-            .count()
-    };
+    let events = env.wake_after_cycles(&id, 100);
     eprintln!(
         "100 hibernate/wake cycles: {per_cycle:?} each; host memory over the start: up to {} MiB awake, {} MiB hibernated",
         awake_max >> 20,
         hibernated_max >> 20
     );
     // Woken by the first call of each next cycle, and once by `wake`.
-    assert_eq!((count("hibernated"), count("woken")), (100, 100));
+    assert_eq!(events, (100, 100));
     // The measure sees the machine: awake, it holds far more than the slack.
     assert!(
         awake_max > 2 * HIBERNATED_SLACK,
