@@ -53,7 +53,7 @@ pub(crate) struct SandboxRef<'a> {
 }
 
 impl SandboxRef<'_> {
-    fn rootfs(&self) -> PathBuf {
+    pub(crate) fn rootfs(&self) -> PathBuf {
         self.dir.join("rootfs")
     }
 }

@@ -631,10 +631,16 @@ impl SandboxBackend for ContainerBackend {
     fn hibernate(&self, sb: &SandboxRef, to: &Path) -> Result<HibernateInfo, RuntimeError> {
         let t = std::time::Instant::now();
         let (criu, agent) = self.checkpointing(sb)?;
-        if sb.cgroup.is_frozen() {
+        let was_paused = sb.cgroup.is_frozen();
+        if was_paused {
             sb.cgroup.freeze(false)?;
         }
-        crate::agent::AgentClient::of(sb.dir)?.park()?;
+        if let Err(e) = crate::agent::AgentClient::of(sb.dir).and_then(|a| a.park()) {
+            if was_paused {
+                let _ = sb.cgroup.freeze(true);
+            }
+            return Err(e);
+        }
         let netns = self.named_netns(&sb.record.id);
         let dumped = criu.dump(&crate::checkpoint::Dump {
             init_pid: sb.record.init_pid,
@@ -661,6 +667,9 @@ impl SandboxBackend for ContainerBackend {
                 ) {
                     tracing::warn!(sandbox = %sb.record.id, error = %again, "the agent of a container whose checkpoint failed does not serve again");
                 }
+                if was_paused {
+                    let _ = sb.cgroup.freeze(true);
+                }
                 Err(e)
             }
         }
@@ -673,7 +682,7 @@ impl SandboxBackend for ContainerBackend {
         let netns = self.named_netns(&sb.record.id);
         let pid = criu.restore(&crate::checkpoint::Restore {
             from,
-            root: &sb.dir.join("rootfs"),
+            root: &sb.rootfs(),
             cgroup: sb.cgroup,
             netns: netns.as_deref(),
             agent,
