@@ -341,29 +341,23 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         let step = std::mem::take(&mut r.step_id);
         let (argv, cwd) = (r.argv.clone(), r.cwd.clone());
         let exec = self.checked_exec(r, &step, keep)?;
-        let ticket = if step.is_empty() {
-            None
-        } else {
-            match self.begin_step(&meta, &step, &argv, &cwd).await? {
-                Begun::Recorded(s) => {
-                    let mut done = s.replay()?;
-                    let (out, err) = (
-                        std::mem::take(&mut done.stdout),
-                        std::mem::take(&mut done.stderr),
-                    );
-                    return Ok(Response::new(proto::ExecReply {
-                        replayed: true,
-                        ..exec_reply(&done, out, err)
-                    }));
-                }
-                Begun::Run(t) => Some(t),
-            }
-        };
-        let exec = Self::to_run(exec)?;
         let node = self.0.clone();
-        // A task of its own: a client that goes away mid-command does not cancel it, so
-        // the journal still records the end.
+        // A task of its own, from the step's record on: a client that goes away then (in
+        // the middle of the command, or while its step is being recorded) cancels neither,
+        // so a recorded step always runs and the journal records its end.
         let run = tokio::spawn(async move {
+            let ticket = if step.is_empty() {
+                None
+            } else {
+                let cwd = (!cwd.is_empty()).then_some(cwd.as_str());
+                match node.journal.begin(&meta.id, &step, &argv, cwd).await? {
+                    Begun::Recorded(s) => return Ok((s.replay()?, true)),
+                    Begun::Run(t) => Some(t),
+                }
+            };
+            let exec = exec.ok_or_else(|| {
+                ServiceError::Internal("a step looked up by its ID alone was to be run".into())
+            })?;
             let started = Instant::now();
             let result = tokio::task::spawn_blocking(move || sb.exec(&exec))
                 .await
@@ -374,17 +368,20 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
             if let Some(ticket) = ticket {
                 record_step(ticket, &result).await;
             }
-            result
+            result.map(|r| (r, false))
         });
-        let mut result = run
+        let (mut result, replayed) = run
             .await
             .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(Status::from)?;
+            .map_err(|e| self.0.fail(e))?;
         let (out, err) = (
             std::mem::take(&mut result.stdout),
             std::mem::take(&mut result.stderr),
         );
-        Ok(Response::new(exec_reply(&result, out, err)))
+        Ok(Response::new(proto::ExecReply {
+            replayed,
+            ..exec_reply(&result, out, err)
+        }))
     }
 
     type ExecStreamStream = EventStream;
