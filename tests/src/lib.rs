@@ -412,3 +412,30 @@ pub fn host_used_bytes() -> u64 {
     .map(|f| field(f))
     .sum()
 }
+
+/// Reports a hibernation test's cycles and checks its memory: awake, the sandbox held more
+/// than `awake_factor` times `slack` (so the measure sees it), hibernated at most `slack`.
+pub fn assert_memory_released(
+    what: &str,
+    per_cycle: std::time::Duration,
+    awake_max: u64,
+    hibernated_max: u64,
+    slack: u64,
+    awake_factor: u64,
+) {
+    eprintln!(
+        "{what}: {per_cycle:?} a cycle; memory over the start: up to {} MiB awake, {} MiB hibernated",
+        awake_max >> 20,
+        hibernated_max >> 20
+    );
+    assert!(
+        awake_max > awake_factor * slack,
+        "{what}: awake the sandbox held only {} MiB",
+        awake_max >> 20
+    );
+    assert!(
+        hibernated_max <= slack,
+        "{what}: hibernated, {} MiB more than at the start were still held",
+        hibernated_max >> 20
+    );
+}
