@@ -129,7 +129,8 @@ pub fn serve_parkable(listener: OwnedFd, jail: Jail) {
             match conn {
                 Ok(conn) => spawn_conversation(conn, shared.clone()),
                 Err(_) if PARK.0.lock().unwrap_or_else(|p| p.into_inner()).asked => break,
-                Err(_) => continue,
+                // (Out of descriptors, say: no spinning on it.)
+                Err(_) => std::thread::sleep(Duration::from_millis(1)),
             }
         }
         let placed = crate::sys::park_listener(fd);
