@@ -940,7 +940,8 @@ fn a_container_hibernated_and_woken_a_hundred_times_keeps_its_files_processes_an
 
 /// A container checkpoint CRIU refuses (here a file deleted while open, larger than what a
 /// checkpoint saves) leaves the sandbox running where it was, its agent serving, and says
-/// why; once the obstacle is gone the sandbox hibernates and wakes.
+/// why; once the obstacle is gone the sandbox hibernates and wakes. An idle container
+/// with `auto_hibernate` is hibernated by the reaper.
 #[test]
 fn a_container_whose_checkpoint_fails_runs_on_as_it_was() {
     let Some(env) = hibernating_env("container_checkpoint_fails") else {
@@ -1003,4 +1004,35 @@ fn a_container_whose_checkpoint_fails_runs_on_as_it_was() {
     std::thread::sleep(Duration::from_millis(300));
     assert!(count() > asleep, "the counter stopped after the wake");
     env.ok(&["sandbox", "rm", &id]);
+    // Idle past its auto_hibernate, a container is hibernated by the next reap (any
+    // embedded CLI call) and woken by its next command.
+    let idle = env.create(&["--backend", "container", "--auto-hibernate", "1s"]);
+    env.ok(&[
+        "sandbox",
+        "exec",
+        &idle,
+        "--",
+        "sh",
+        "-c",
+        "echo idle > /work/idle",
+    ]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let state = env
+        .sandboxes()
+        .into_iter()
+        .find(|s| s["id"] == idle.as_str())
+        .map(|s| s["state"].clone());
+    assert_eq!(
+        state,
+        Some("hibernated".into()),
+        "auto_hibernate did not hibernate it"
+    );
+    assert_eq!(
+        env.ok(&["sandbox", "exec", &idle, "--", "cat", "/work/idle"]),
+        "idle\n"
+    );
+    assert!(env
+        .ok(&["sandbox", "audit", &idle])
+        .contains("\"event\":\"auto-hibernated\""));
+    env.ok(&["sandbox", "rm", &idle]);
 }
