@@ -102,7 +102,7 @@ async fn record_step(ticket: Ticket, result: &Result<ExecResult, ServiceError>) 
 }
 
 /// A recorded step's answer as a stream: its kept output, then its end.
-fn replay_stream(mut done: ExecResult) -> EventStream {
+fn replay_events(mut done: ExecResult) -> Vec<Result<proto::ExecEvent, Status>> {
     use proto::exec_event::Event;
     const PART: usize = 64 << 10;
     let (out, err) = (
@@ -126,7 +126,7 @@ fn replay_stream(mut done: ExecResult) -> EventStream {
             ..exec_reply(&done, Vec::new(), Vec::new())
         })),
     }));
-    Box::pin(tokio_stream::iter(events))
+    events
 }
 
 fn journal_step(s: crate::journal::Step) -> proto::JournalStep {
@@ -217,26 +217,6 @@ impl SandboxesApi {
             return Ok(None);
         }
         self.exec_request(r, keep).map(Some)
-    }
-
-    /// A step looked up by its ID alone is answered from the journal, never run.
-    fn to_run(exec: Option<ExecRequest>) -> Result<ExecRequest, Status> {
-        exec.ok_or_else(|| Status::internal("a step looked up by its ID alone was to be run"))
-    }
-
-    /// Starts (or finds) journal step `step` of the caller's sandbox for request `r`.
-    async fn begin_step(
-        &self,
-        meta: &Meta,
-        step: &str,
-        argv: &[String],
-        cwd: &str,
-    ) -> Result<Begun, Status> {
-        self.0
-            .journal
-            .begin(&meta.id, step, argv, (!cwd.is_empty()).then_some(cwd))
-            .await
-            .map_err(|e| self.0.fail(e))
     }
 
     /// Runs the sandbox's own tool (see [`crate::node::run_tool`]) off the async threads.
@@ -421,112 +401,140 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
             &step,
             0,
         )?;
-        let ticket = if step.is_empty() {
-            None
-        } else {
-            match self.begin_step(&meta, &step, &argv, &cwd).await? {
-                Begun::Recorded(s) => return Ok(Response::new(replay_stream(s.replay()?))),
-                Begun::Run(t) => Some(t),
-            }
-        };
-        let mut exec = Self::to_run(checked)?;
-        // Stdin: what the first message carried, then the client's later messages, until
-        // it closes stdin or its stream.
-        let (stdin_tx, feed) = StdinFeed::channel(EVENT_QUEUE);
-        exec.stdin = Stdin::Feed(feed);
-        let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
-        tokio::spawn(async move {
-            // The feed is a blocking channel (the runtime is synchronous): each chunk is
-            // handed over on the blocking pool, and waits there while the command is not
-            // reading (back-pressure on the client's stream).
-            let send = |chunk: Vec<u8>| {
-                let tx = stdin_tx.clone();
-                async move {
-                    tokio::task::spawn_blocking(move || tx.send(chunk).is_ok())
-                        .await
-                        .unwrap_or(false)
-                }
-            };
-            if (!initial.is_empty() && !send(initial).await) || opening_close {
-                return;
-            }
-            loop {
-                tokio::select! {
-                    _ = &mut done_rx => return,
-                    msg = input.message() => match msg {
-                        Ok(Some(msg)) => {
-                            if !msg.stdin.is_empty() && !send(msg.stdin).await {
-                                return;
-                            }
-                            if msg.close_stdin {
-                                return;
-                            }
-                        }
-                        _ => return,
-                    },
-                }
-            }
-        });
         let (tx, rx) = mpsc::channel::<Result<proto::ExecEvent, Status>>(EVENT_QUEUE);
         let node = self.0.clone();
-        let journal_cap = node.config().output_cap;
-        let handle = tokio::runtime::Handle::current();
-        tokio::task::spawn_blocking(move || {
-            let started = Instant::now();
-            let mut gone = false;
-            // A journaled step keeps its output (up to the unary cap) for its record.
-            let mut kept = ticket.as_ref().map(|_| KeptOutput::new(journal_cap));
-            let mut sink = |s: Stream, data: &[u8]| {
-                if let Some(k) = kept.as_mut() {
-                    k.add(s, data);
+        // A task of its own from the step's record on, as for `exec`: a client that goes
+        // away while its step is being recorded does not leave a record nobody runs.
+        tokio::spawn(async move {
+            let ticket = if step.is_empty() {
+                None
+            } else {
+                let cwd = (!cwd.is_empty()).then_some(cwd.as_str());
+                match node.journal.begin(&meta.id, &step, &argv, cwd).await {
+                    Ok(Begun::Run(t)) => Some(t),
+                    Ok(Begun::Recorded(s)) => {
+                        let events = match s.replay() {
+                            Ok(done) => replay_events(done),
+                            Err(e) => vec![Err(node.fail(e))],
+                        };
+                        for event in events {
+                            if tx.send(event).await.is_err() {
+                                break;
+                            }
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Err(node.fail(e))).await;
+                        return;
+                    }
                 }
-                if gone {
+            };
+            let Some(mut exec) = checked else {
+                let _ = tx
+                    .send(Err(Status::internal(
+                        "a step looked up by its ID alone was to be run",
+                    )))
+                    .await;
+                return;
+            };
+            // Stdin: what the first message carried, then the client's later messages, until
+            // it closes stdin or its stream.
+            let (stdin_tx, feed) = StdinFeed::channel(EVENT_QUEUE);
+            exec.stdin = Stdin::Feed(feed);
+            let (done_tx, mut done_rx) = tokio::sync::oneshot::channel::<()>();
+            tokio::spawn(async move {
+                // The feed is a blocking channel (the runtime is synchronous): each chunk is
+                // handed over on the blocking pool, and waits there while the command is not
+                // reading (back-pressure on the client's stream).
+                let send = |chunk: Vec<u8>| {
+                    let tx = stdin_tx.clone();
+                    async move {
+                        tokio::task::spawn_blocking(move || tx.send(chunk).is_ok())
+                            .await
+                            .unwrap_or(false)
+                    }
+                };
+                if (!initial.is_empty() && !send(initial).await) || opening_close {
                     return;
                 }
-                let event = match s {
-                    Stream::Stdout => proto::exec_event::Event::Stdout(data.to_vec()),
-                    Stream::Stderr => proto::exec_event::Event::Stderr(data.to_vec()),
-                };
-                // Waits while the client is behind: the command's pipe fills and it waits.
-                if tx
-                    .blocking_send(Ok(proto::ExecEvent { event: Some(event) }))
-                    .is_err()
-                {
-                    gone = true;
-                }
-            };
-            let result = sb
-                .exec_streaming(&exec, &mut sink)
-                .map_err(ServiceError::from);
-            node.metrics
-                .observe_exec(meta.backend.as_str(), started.elapsed());
-            if let Some(ticket) = ticket {
-                let recorded = result.as_ref().map(|r| {
-                    let mut r = r.clone();
-                    if let Some(k) = kept.take() {
-                        r.truncated = k.truncated;
-                        (r.stdout, r.stderr) = (k.stdout, k.stderr);
+                loop {
+                    tokio::select! {
+                        _ = &mut done_rx => return,
+                        msg = input.message() => match msg {
+                            Ok(Some(msg)) => {
+                                if !msg.stdin.is_empty() && !send(msg.stdin).await {
+                                    return;
+                                }
+                                if msg.close_stdin {
+                                    return;
+                                }
+                            }
+                            _ => return,
+                        },
                     }
-                    r
-                });
-                let recorded = match recorded {
-                    Ok(r) => Ok(r),
-                    Err(e) => Err(ServiceError::Internal(e.to_string())),
+                }
+            });
+            let journal_cap = node.config().output_cap;
+            let handle = tokio::runtime::Handle::current();
+            let _ = tokio::task::spawn_blocking(move || {
+                let started = Instant::now();
+                let mut gone = false;
+                // A journaled step keeps its output (up to the unary cap) for its record.
+                let mut kept = ticket.as_ref().map(|_| KeptOutput::new(journal_cap));
+                let mut sink = |s: Stream, data: &[u8]| {
+                    if let Some(k) = kept.as_mut() {
+                        k.add(s, data);
+                    }
+                    if gone {
+                        return;
+                    }
+                    let event = match s {
+                        Stream::Stdout => proto::exec_event::Event::Stdout(data.to_vec()),
+                        Stream::Stderr => proto::exec_event::Event::Stderr(data.to_vec()),
+                    };
+                    // Waits while the client is behind: the command's pipe fills and it waits.
+                    if tx
+                        .blocking_send(Ok(proto::ExecEvent { event: Some(event) }))
+                        .is_err()
+                    {
+                        gone = true;
+                    }
                 };
-                handle.block_on(record_step(ticket, &recorded));
-            }
-            let last = match result {
-                Ok(r) => Ok(proto::ExecEvent {
-                    event: Some(proto::exec_event::Event::Exit(exec_reply(
-                        &r,
-                        Vec::new(),
-                        Vec::new(),
-                    ))),
-                }),
-                Err(e) => Err(Status::from(e)),
-            };
-            let _ = tx.blocking_send(last);
-            let _ = done_tx.send(());
+                let result = sb
+                    .exec_streaming(&exec, &mut sink)
+                    .map_err(ServiceError::from);
+                node.metrics
+                    .observe_exec(meta.backend.as_str(), started.elapsed());
+                if let Some(ticket) = ticket {
+                    let recorded = result.as_ref().map(|r| {
+                        let mut r = r.clone();
+                        if let Some(k) = kept.take() {
+                            r.truncated = k.truncated;
+                            (r.stdout, r.stderr) = (k.stdout, k.stderr);
+                        }
+                        r
+                    });
+                    let recorded = match recorded {
+                        Ok(r) => Ok(r),
+                        Err(e) => Err(ServiceError::Internal(e.to_string())),
+                    };
+                    handle.block_on(record_step(ticket, &recorded));
+                }
+                let last = match result {
+                    Ok(r) => Ok(proto::ExecEvent {
+                        event: Some(proto::exec_event::Event::Exit(exec_reply(
+                            &r,
+                            Vec::new(),
+                            Vec::new(),
+                        ))),
+                    }),
+                    Err(e) => Err(Status::from(e)),
+                };
+                let _ = tx.blocking_send(last);
+                let _ = done_tx.send(());
+            })
+            .await;
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
