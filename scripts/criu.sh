@@ -26,14 +26,8 @@ fi
 BUILD_DEPS=(libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler protobuf-compiler
   python3-protobuf libnl-3-dev libnet1-dev libcap-dev libaio-dev libbsd-dev
   libgnutls28-dev uuid-dev libnftables-dev pkg-config gcc make xz-utils patch)
-missing=()
-for p in "${BUILD_DEPS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "criu: installing build dependencies ${missing[*]}" >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+. "$HERE/packages.sh"
+ensure_packages "criu (build dependencies)" "${BUILD_DEPS[@]}"
 
 work="$(mktemp -d /tmp/strata-criu.XXXXXX)"
 trap 'rm -rf "$work"' EXIT

@@ -17,17 +17,8 @@ PKGS=(
   qemu-system-x86 prometheus openssl nodejs
 )
 
-missing=()
-for p in "${PKGS[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-
-if [ "${#missing[@]}" -gt 0 ]; then
-  echo "setup: installing ${missing[*]}" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+. "$(dirname "$0")/packages.sh"
+ensure_packages setup "${PKGS[@]}"
 
 # The E2B tests' Node SDK needs npm: Debian ships it apart from nodejs (other nodejs
 # builds, e.g. NodeSource's, carry their own).

@@ -139,10 +139,9 @@ pub(crate) fn runtime_config(home: &Path, store_url: &str) -> Result<RuntimeConf
     cfg.container_agent = var("STRATA_STATIC_AGENT")
         .map(PathBuf::from)
         .or_else(|| strata_runtime::static_agent_for(&std::env::current_exe().ok()?));
-    cfg.criu = var("STRATA_CRIU").map(PathBuf::from).or_else(|| {
-        let built = PathBuf::from("/usr/local/lib/strata/criu/criu");
-        built.is_file().then_some(built)
-    });
+    cfg.criu = var("STRATA_CRIU")
+        .map(PathBuf::from)
+        .or_else(strata_runtime::installed_criu);
     if let Some(dir) = var("STRATA_GUEST_DIR") {
         cfg.vm.guest_dir = dir.into();
     }

@@ -58,6 +58,21 @@ pub(crate) fn read_key(dir: &Path) -> Result<SandboxKey, RuntimeError> {
         .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))
 }
 
+/// The identity of an agent binary on this host (size, modification time, inode): a
+/// pooled agent, or a checkpointed one that maps its code from the file, runs exactly this
+/// file's code only while it is the same.
+pub(crate) fn binary_identity(path: &Path) -> std::io::Result<String> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path)?;
+    Ok(format!(
+        "{}-{}.{}-{}",
+        m.len(),
+        m.mtime(),
+        m.mtime_nsec(),
+        m.ino()
+    ))
+}
+
 /// An error the agent reported, as the runtime's own.
 pub(crate) fn agent_error(e: AgentError) -> RuntimeError {
     match e.kind {

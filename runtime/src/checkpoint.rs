@@ -28,6 +28,14 @@ use serde::{Deserialize, Serialize};
 use crate::cgroup::Cgroup;
 use crate::RuntimeError;
 
+/// Where `scripts/criu.sh` installs CRIU.
+pub const INSTALLED_CRIU: &str = "/usr/local/lib/strata/criu/criu";
+
+/// The CRIU `scripts/criu.sh` installed, if it did.
+pub fn installed_criu() -> Option<PathBuf> {
+    Some(PathBuf::from(INSTALLED_CRIU)).filter(|p| p.is_file())
+}
+
 /// Where the images go inside a hibernation directory.
 const IMAGES: &str = "criu";
 /// What a restore needs besides the images.
@@ -83,15 +91,7 @@ pub(crate) struct Restore<'a> {
 }
 
 fn agent_tag(agent: &Path) -> Result<String, RuntimeError> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(agent).map_err(RuntimeError::io(agent))?;
-    Ok(format!(
-        "{}-{}.{}-{}",
-        m.len(),
-        m.mtime(),
-        m.mtime_nsec(),
-        m.ino()
-    ))
+    crate::agent::binary_identity(agent).map_err(RuntimeError::io(agent))
 }
 
 /// The mount ID and inode of the file behind `link` (a `/proc/PID/...` link).

@@ -44,10 +44,7 @@ impl FncallBackend {
     /// it was started with, so one started by an older build (another version, or the same
     /// version with other confinement) is drained, never handed out.
     fn build_tag(&self) -> String {
-        use std::os::unix::fs::MetadataExt;
-        let binary = std::fs::metadata(&self.agent)
-            .map(|m| format!("{}-{}.{}-{}", m.len(), m.mtime(), m.mtime_nsec(), m.ino()))
-            .unwrap_or_default();
+        let binary = crate::agent::binary_identity(&self.agent).unwrap_or_default();
         format!("{PROTOCOL_VERSION} {binary}")
     }
 

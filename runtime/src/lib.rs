@@ -44,6 +44,7 @@ pub use audit::AuditLog;
 pub use backend::{process_start, HibernateInfo, PortStream, ProcessInfo, SnapshotInfo};
 pub use cgroup::CgroupMode;
 pub use changes::Changes;
+pub use checkpoint::{installed_criu, INSTALLED_CRIU};
 pub use container::{static_agent_for, OciRuntime};
 pub use exec::{Budget, ExecCancel, ExecRequest, ExecResult, Stdin, StdinFeed, Stream};
 pub use files::FileEntry;

@@ -39,6 +39,16 @@ pub(crate) async fn blocking<T: Send + 'static>(
         .await
         .map_err(|e| ServiceError::Internal(e.to_string()))?
 }
+/// Runs `work` on a task of its own and waits for it: a caller that goes away meanwhile
+/// (its deadline, a dropped connection) does not cut the work off half done.
+pub(crate) async fn detached<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T, ServiceError>> + Send + 'static,
+) -> Result<T, ServiceError> {
+    tokio::spawn(work)
+        .await
+        .map_err(|e| ServiceError::Internal(e.to_string()))?
+}
+
 pub use node::{Node, NodeSize};
 pub use projects::{Caller, Project, Projects, TokenRecord};
 

@@ -456,12 +456,11 @@ impl Node {
         make: impl std::future::Future<Output = Result<Sandbox, ServiceError>> + Send + 'static,
     ) -> Result<Meta, ServiceError> {
         let (node, caller) = (self.clone(), caller.clone());
-        tokio::spawn(async move {
+        crate::detached(async move {
             node.admit_and_record(&caller, &spec, &args, started, audit, make)
                 .await
         })
         .await
-        .map_err(|e| ServiceError::Internal(e.to_string()))?
     }
 
     /// Admits a sandbox of `spec` for `caller` (its project's backends and quota, the
@@ -675,9 +674,7 @@ impl Node {
         count: usize,
     ) -> Result<(Vec<Meta>, bool, f64), ServiceError> {
         let (node, caller, parent) = (self.clone(), caller.clone(), parent.clone());
-        tokio::spawn(async move { node.fork_now(&caller, &parent, count).await })
-            .await
-            .map_err(|e| ServiceError::Internal(e.to_string()))?
+        crate::detached(async move { node.fork_now(&caller, &parent, count).await }).await
     }
 
     async fn fork_now(

@@ -325,7 +325,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         // A task of its own, from the step's record on: a client that goes away then (in
         // the middle of the command, or while its step is being recorded) cancels neither,
         // so a recorded step always runs and the journal records its end.
-        let run = tokio::spawn(async move {
+        let run = crate::detached(async move {
             let ticket = if step.is_empty() {
                 None
             } else {
@@ -350,10 +350,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
             }
             result.map(|r| (r, false))
         });
-        let (mut result, replayed) = run
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| self.0.fail(e))?;
+        let (mut result, replayed) = run.await.map_err(|e| self.0.fail(e))?;
         let (out, err) = (
             std::mem::take(&mut result.stdout),
             std::mem::take(&mut result.stderr),

@@ -128,9 +128,6 @@ impl CaBundle {
 /// Where the system CA bundle is on Debian and its derivatives.
 const SYSTEM_CA_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
 
-/// Where scripts/criu.sh installs CRIU.
-pub const DEFAULT_CRIU: &str = "/usr/local/lib/strata/criu/criu";
-
 /// Every setting of the binary, resolved.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -657,10 +654,7 @@ impl Settings {
             criu: l
                 .env_path("STRATA_CRIU")
                 .or_else(|| l.file_path(&f.criu))
-                .or_else(|| {
-                    let built = PathBuf::from(DEFAULT_CRIU);
-                    built.is_file().then_some(built)
-                }),
+                .or_else(strata_runtime::installed_criu),
             home,
             store,
             store_given,

@@ -81,21 +81,14 @@ pub fn can_run_vms(test: &str) -> bool {
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/usr/local/lib/strata/guest"));
     let ready = dir.join("vmlinux").is_file() && dir.join("modules.load").is_file();
-    if !ready {
-        assert!(
-            !crate::privileged_required(),
-            "{test}: no guest kernel in {} (run scripts/setup.sh)",
+    crate::needs(
+        test,
+        ready,
+        &format!(
+            "no guest kernel in {} (run scripts/setup.sh)",
             dir.display()
-        );
-        crate::not_run(
-            test,
-            &format!(
-                "no guest kernel in {} (run scripts/setup.sh)",
-                dir.display()
-            ),
-        );
-    }
-    ready
+        ),
+    )
 }
 
 /// Whether containers can hibernate here: the sandboxes' needs and the CRIU that
@@ -107,19 +100,11 @@ pub fn can_hibernate_containers(test: &str) -> bool {
     let criu = std::env::var_os("STRATA_CRIU")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/usr/local/lib/strata/criu/criu"));
-    if !criu.is_file() {
-        assert!(
-            !crate::privileged_required(),
-            "{test}: no CRIU at {} (run scripts/setup.sh)",
-            criu.display()
-        );
-        crate::not_run(
-            test,
-            &format!("no CRIU at {} (run scripts/setup.sh)", criu.display()),
-        );
-        return false;
-    }
-    true
+    crate::needs(
+        test,
+        criu.is_file(),
+        &format!("no CRIU at {} (run scripts/setup.sh)", criu.display()),
+    )
 }
 
 /// A `STRATA_HOME` with its own local store.
@@ -353,6 +338,11 @@ impl SampleEnv {
     }
 
     /// The host PID of sandbox `id`'s init (a VM's QEMU), as `sandbox ls` lists it.
+    /// [`SampleEnv::sh`] that must succeed; its stdout.
+    pub fn sh_ok(&self, id: &str, script: &str) -> String {
+        self.ok(&["sandbox", "exec", id, "--", "sh", "-c", script])
+    }
+
     /// After `cycles` hibernate cycles that each wrote `/work/cycle-N` before the
     /// hibernation: checks the sandbox is listed hibernated, wakes it, checks every cycle's
     /// file is there, and returns its audit's counts of `hibernated` and `woken` events.
@@ -364,18 +354,13 @@ impl SampleEnv {
             .map(|s| s["state"].clone());
         assert_eq!(state, Some("hibernated".into()));
         assert_eq!(self.ok(&["sandbox", "wake", id]).trim(), id);
-        let files = self.ok(&[
-            "sandbox",
-            "exec",
+        let files = self.sh_ok(
             id,
-            "--",
-            "sh",
-            "-c",
             &format!(
                 "for i in $(seq 0 {}); do cat /work/cycle-$i; done | sort -n | uniq | wc -l",
                 cycles - 1
             ),
-        ]);
+        );
         assert_eq!(
             files.trim(),
             cycles.to_string(),

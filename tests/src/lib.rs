@@ -45,6 +45,16 @@ pub fn not_run(test: &str, why: &str) {
     }
 }
 
+/// `present`, or (it is not) a failure when STRATA_REQUIRE_PRIVILEGED=1, else a loud skip
+/// saying `why`.
+pub fn needs(test: &str, present: bool, why: &str) -> bool {
+    if !present {
+        assert!(!privileged_required(), "{test}: {why}");
+        not_run(test, why);
+    }
+    present
+}
+
 /// Whether tests must fail (not skip) when a capability is missing. `.ci/run` sets it.
 pub fn privileged_required() -> bool {
     std::env::var("STRATA_REQUIRE_PRIVILEGED").is_ok_and(|v| v == "1")

@@ -989,15 +989,7 @@ fn a_container_whose_checkpoint_fails_runs_on_as_it_was() {
     );
     // Without the deleted file the checkpoint goes through. (A later exec cannot signal
     // its holder, another exec's process: it is told to end by a file.)
-    env.ok(&[
-        "sandbox",
-        "exec",
-        &id,
-        "--",
-        "sh",
-        "-c",
-        "touch /tmp/ghost.stop; sleep 0.5",
-    ]);
+    env.sh_ok(&id, "touch /tmp/ghost.stop; sleep 0.5");
     env.ok(&["sandbox", "hibernate", &id]);
     let asleep = count();
     assert!(asleep > before);
@@ -1007,15 +999,7 @@ fn a_container_whose_checkpoint_fails_runs_on_as_it_was() {
     // Idle past its auto_hibernate, a container is hibernated by the next reap (any
     // embedded CLI call) and woken by its next command.
     let idle = env.create(&["--backend", "container", "--auto-hibernate", "1s"]);
-    env.ok(&[
-        "sandbox",
-        "exec",
-        &idle,
-        "--",
-        "sh",
-        "-c",
-        "echo idle > /work/idle",
-    ]);
+    env.sh_ok(&idle, "echo idle > /work/idle");
     std::thread::sleep(Duration::from_millis(1500));
     let state = env
         .sandboxes()
