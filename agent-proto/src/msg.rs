@@ -58,7 +58,9 @@ pub struct PoolSetup {
 }
 
 /// After a VM is restored from a snapshot: set the clock, mix fresh entropy into the
-/// guest's pool, and take the new sandbox's key. Answered with `Done`.
+/// guest's pool, and take the new sandbox's key. Answered with `Done`. A restored
+/// container's agent (which shares the host's clock and pool) takes only the key: sent
+/// with no seed and no host name.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Reseed {
     pub time_ns: u64,

@@ -632,6 +632,17 @@ fn budgets(memory: u64, pids: u32) -> Result<(), String> {
 /// After a restore or a wake: the host's clock and entropy; for a restored copy (a fork)
 /// its own host name and a new machine ID, so no two copies share an identity.
 pub fn reseed(time_ns: u64, seed: &[u8], hostname: Option<&str>) -> Result<(), AgentError> {
+    if !is_guest_init() {
+        // A container's agent shares the host's clock and entropy pool, and its host name
+        // is set from outside (it may not set it): a restored copy only takes its key.
+        if seed.is_empty() && hostname.is_none() {
+            return Ok(());
+        }
+        return Err(AgentError::new(
+            ErrorKind::Invalid,
+            "only a VM guest's agent takes clock, entropy and host name from the host",
+        ));
+    }
     set_clock_and_entropy(time_ns, seed).map_err(|e| AgentError::new(ErrorKind::Other, e))?;
     if let Some(name) = hostname {
         nix::unistd::sethostname(name)

@@ -58,19 +58,31 @@ pub(crate) fn read_key(dir: &Path) -> Result<SandboxKey, RuntimeError> {
         .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))
 }
 
-/// The identity of an agent binary on this host (size, modification time, inode): a
-/// pooled agent, or a checkpointed one that maps its code from the file, runs exactly this
-/// file's code only while it is the same.
+/// The identity of an agent binary: a hash of its contents. A pooled agent, or a
+/// checkpointed one that maps its code from the file, runs exactly this file's code only
+/// while it is the same; by content, so a checkpoint restores on another node with the
+/// same build. Hashed once per (size, modification time, inode) of the file.
 pub(crate) fn binary_identity(path: &Path) -> std::io::Result<String> {
     use std::os::unix::fs::MetadataExt;
+    static SEEN: std::sync::Mutex<Vec<((u64, i64, i64, u64), String)>> =
+        std::sync::Mutex::new(Vec::new());
     let m = std::fs::metadata(path)?;
-    Ok(format!(
-        "{}-{}.{}-{}",
-        m.len(),
-        m.mtime(),
-        m.mtime_nsec(),
-        m.ino()
-    ))
+    let stamp = (m.len(), m.mtime(), m.mtime_nsec(), m.ino());
+    let known = |seen: &[((u64, i64, i64, u64), String)]| {
+        seen.iter()
+            .find(|(s, _)| *s == stamp)
+            .map(|(_, h)| h.clone())
+    };
+    if let Some(h) = known(&SEEN.lock().unwrap_or_else(|p| p.into_inner())) {
+        return Ok(h);
+    }
+    let mut hasher = blake3::Hasher::new();
+    hasher.update_reader(std::fs::File::open(path)?)?;
+    let hash = hasher.finalize().to_hex()[..32].to_string();
+    let mut seen = SEEN.lock().unwrap_or_else(|p| p.into_inner());
+    seen.retain(|(s, _)| s.3 != stamp.3);
+    seen.push((stamp, hash.clone()));
+    Ok(hash)
 }
 
 /// An error the agent reported, as the runtime's own.
@@ -231,6 +243,21 @@ impl AgentClient {
         match self.request(&HostMsg::Ping, None, timeout)?.0 {
             AgentMsg::Pong { pid, .. } => Ok(pid),
             other => Err(unexpected("ping", &other)),
+        }
+    }
+
+    /// Gives a restored container's agent (which proves this client's key) the new
+    /// sandbox's `key`, which it proves from now on.
+    pub(crate) fn rekey(&self, key: &SandboxKey) -> Result<(), RuntimeError> {
+        let msg = HostMsg::Reseed(strata_agent_proto::Reseed {
+            time_ns: 0,
+            seed: Vec::new(),
+            key: key.to_hex(),
+            hostname: None,
+        });
+        match self.request(&msg, None, REQUEST_TIMEOUT)?.0 {
+            AgentMsg::Done => Ok(()),
+            other => Err(unexpected("reseed", &other)),
         }
     }
 

@@ -40,7 +40,7 @@ pub(crate) struct NewSandbox<'a> {
     pub hostname: String,
     pub cgroup: Cgroup,
     pub audit: AuditLog,
-    /// A snapshot to restore instead of starting fresh (VMs).
+    /// A snapshot to restore instead of starting fresh (containers, VMs).
     pub restore: Option<&'a Path>,
 }
 
@@ -202,7 +202,7 @@ pub(crate) trait SandboxBackend: Send + Sync {
     /// Saves the whole sandbox to `dest`, to be restored into a new one.
     fn snapshot(&self, sb: &SandboxRef, _dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
         Err(RuntimeError::Invalid(format!(
-            "snapshots are for microvm and vm sandboxes; this one is a {} sandbox",
+            "snapshots with processes are of container, microvm and vm sandboxes; this one is a {} sandbox (commit its files instead)",
             sb.record.spec.backend.as_str()
         )))
     }

@@ -59,6 +59,22 @@ struct Plan {
     masked_files: Vec<String>,
     /// Whether the sandbox's network namespace is a named one left in place.
     external_netns: bool,
+    /// A copy's checkpoint ([`DumpKind::Copy`]): its TCP connections were not saved and
+    /// come back closed.
+    #[serde(default)]
+    tcp_closed: bool,
+}
+
+/// What a checkpoint is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DumpKind {
+    /// Hibernation: the tree ends once saved, and comes back as it was, its TCP
+    /// connections repaired.
+    Hibernate,
+    /// A snapshot or fork: the tree runs on (frozen as the caller left it), and each
+    /// restored copy is a new sandbox elsewhere, in a network namespace of its own: its
+    /// TCP connections (whose addresses are the original's) come back closed.
+    Copy,
 }
 
 /// A CRIU binary and how this host runs it.
@@ -71,12 +87,15 @@ pub struct Criu {
 pub(crate) struct Dump<'a> {
     pub init_pid: u32,
     pub cgroup: &'a Cgroup,
-    /// The hibernation directory.
+    /// Where the checkpoint goes (a hibernation or snapshot directory).
     pub to: &'a Path,
+    /// The sandbox's own directory (a failure's log is kept there).
+    pub sandbox_dir: &'a Path,
     /// The named network namespace the sandbox is in, if it is one.
     pub netns: Option<&'a Path>,
     /// The agent binary (for its identity).
     pub agent: &'a Path,
+    pub kind: DumpKind,
 }
 
 /// What [`Criu::restore`] restores and how.
@@ -88,6 +107,8 @@ pub(crate) struct Restore<'a> {
     pub agent: &'a Path,
     /// Where the restored init's PID is written.
     pub pid_file: &'a Path,
+    /// The directory of the sandbox restored into (a failure's log is kept there).
+    pub sandbox_dir: &'a Path,
 }
 
 fn agent_tag(agent: &Path) -> Result<String, RuntimeError> {
@@ -145,7 +166,15 @@ fn log_errors(log: &Path) -> String {
 }
 
 impl Criu {
-    fn run(&self, mut cmd: Command, what: &str, log: &Path) -> Result<(), RuntimeError> {
+    /// Runs CRIU; a failure's log is kept in `sandbox_dir` as `<what>-failed.log` (what a
+    /// failed checkpoint or restore leaves is removed).
+    fn run(
+        &self,
+        mut cmd: Command,
+        what: &str,
+        log: &Path,
+        sandbox_dir: &Path,
+    ) -> Result<(), RuntimeError> {
         let status = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -158,15 +187,11 @@ impl Criu {
                 ))
             })?;
         if !status.success() {
-            // The log outlives what a failed hibernation leaves (its directory goes).
-            let kept = log
-                .parent()
-                .and_then(Path::parent)
-                .and_then(Path::parent)
-                .map(|sandbox| sandbox.join(format!("{what}-failed.log")));
-            let log = match kept {
-                Some(k) if std::fs::copy(log, &k).is_ok() => k,
-                _ => log.to_path_buf(),
+            let kept = sandbox_dir.join(format!("{what}-failed.log"));
+            let log = if std::fs::copy(log, &kept).is_ok() {
+                kept
+            } else {
+                log.to_path_buf()
             };
             return Err(RuntimeError::Checkpoint(format!(
                 "{what} failed: {}",
@@ -176,7 +201,8 @@ impl Criu {
         Ok(())
     }
 
-    /// Saves the tree of `d.init_pid` under `d.to` and ends it (its processes exit).
+    /// Saves the tree of `d.init_pid` under `d.to`; a hibernation's tree ends (its
+    /// processes exit), a copy's runs on. A cgroup the caller froze stays frozen.
     pub(crate) fn dump(&self, d: &Dump) -> Result<u64, RuntimeError> {
         let images = d.to.join(IMAGES);
         std::fs::create_dir_all(&images).map_err(RuntimeError::io(&images))?;
@@ -190,6 +216,7 @@ impl Criu {
             agent_tag: agent_tag(d.agent)?,
             masked_files: masked_files(d.init_pid),
             external_netns: d.netns.is_some(),
+            tcp_closed: d.kind == DumpKind::Copy,
         };
         let log = images.join("dump.log");
         let mut cmd = Command::new(&self.binary);
@@ -200,17 +227,21 @@ impl Criu {
             .arg(&images)
             .arg("--log-file")
             .arg(&log)
-            .args(["-v2", "--manage-cgroups=ignore", "--file-locks"])
+            .args(["-v2", "--manage-cgroups=ignore", "--file-locks"]);
+        match d.kind {
             // TCP connections are saved with TCP repair; one not yet accepted is dropped
             // (its client sees a reset).
-            .args([
+            DumpKind::Hibernate => cmd.args([
                 "--tcp-established",
                 "--skip-in-flight",
                 "--network-lock",
                 "nftables",
-            ])
-            // Files deleted while open are saved with the images, up to this size each.
-            .args(["--ghost-limit", GHOST_LIMIT])
+            ]),
+            // The original keeps its connections (nothing is locked or repaired).
+            DumpKind::Copy => cmd.args(["--leave-running", "--tcp-close"]),
+        };
+        // Files deleted while open are saved with the images, up to this size each.
+        cmd.args(["--ghost-limit", GHOST_LIMIT])
             .arg("--freeze-cgroup")
             .arg(d.cgroup.freezer_dir())
             .arg("--external")
@@ -223,7 +254,7 @@ impl Criu {
             let ino = std::fs::metadata(ns).map_err(RuntimeError::io(ns))?.ino();
             cmd.arg("--external").arg(format!("net[{ino}]:{NETNS_KEY}"));
         }
-        self.run(cmd, "checkpoint", &log)?;
+        self.run(cmd, "checkpoint", &log, d.sandbox_dir)?;
         let plan_path = d.to.join(PLAN);
         std::fs::write(
             &plan_path,
@@ -278,7 +309,9 @@ impl Criu {
         // As the agent scopes each exec (Landlock ABI 2+: Linux 5.19).
         // Connections to repair lock the network meanwhile (about 15 ms): only when some
         // were saved.
-        if has_tcp_streams(&images) {
+        if plan.tcp_closed {
+            cmd.arg("--tcp-close");
+        } else if has_tcp_streams(&images) {
             cmd.args(["--tcp-established", "--network-lock", "nftables"]);
         }
         if strata_host::landlock_abi() >= 2 {
@@ -295,7 +328,7 @@ impl Criu {
         strata_host::exec::pass_fds_and_hide(&mut cmd, pass, None);
         // Restored tasks are forked by CRIU: in the sandbox's cgroup from the start.
         r.cgroup.join_on_exec(&mut cmd)?;
-        self.run(cmd, "restore", &log)?;
+        self.run(cmd, "restore", &log, r.sandbox_dir)?;
         drop((exe, netns));
         let pid = std::fs::read_to_string(r.pid_file)
             .map_err(RuntimeError::io(r.pid_file))?

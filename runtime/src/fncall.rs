@@ -271,7 +271,12 @@ fn read_pid(dir: &Path) -> Option<(u32, u64)> {
 
 impl SandboxBackend for FncallBackend {
     fn create(&self, host: &Host, new: &NewSandbox) -> Result<u32, RuntimeError> {
-        let root = hostroot::prepare(host, new)?;
+        if new.restore.is_some() {
+            return Err(RuntimeError::Invalid(
+                "a fncall sandbox cannot be restored from a snapshot (snapshots with processes are of container, microvm and vm sandboxes)".into(),
+            ));
+        }
+        let root = hostroot::prepare(host, new, None)?;
         if let Some(pid) = self.claim(new, &root) {
             return Ok(pid);
         }

@@ -17,19 +17,21 @@ pub(crate) struct HostRoot {
     pub netns: Option<PathBuf>,
 }
 
-/// Assembles the root of `new` on the host.
-pub(crate) fn prepare(host: &Host, new: &NewSandbox) -> Result<HostRoot, RuntimeError> {
-    if new.restore.is_some() {
-        return Err(RuntimeError::Invalid(format!(
-            "a {} sandbox cannot be restored from a snapshot (snapshots are of VMs)",
-            new.spec.backend.as_str()
-        )));
-    }
+/// Assembles the root of `new` on the host; its upper starts as a copy of the image
+/// `upper_from` (a container snapshot's) when given, empty otherwise.
+pub(crate) fn prepare(
+    host: &Host,
+    new: &NewSandbox,
+    upper_from: Option<&Path>,
+) -> Result<HostRoot, RuntimeError> {
     let t = std::time::Instant::now();
     let bytes = new.spec.limits.disk_bytes;
-    let upper_dir = match host.uppers.claim(new.id, bytes) {
-        Some(dir) => dir,
-        None => host.uppers.create(new.id, bytes)?,
+    let upper_dir = match upper_from {
+        Some(image) => host.uppers.create_from(new.id, image)?,
+        None => match host.uppers.claim(new.id, bytes) {
+            Some(dir) => dir,
+            None => host.uppers.create(new.id, bytes)?,
+        },
     };
     let t_upper = t.elapsed();
     let paths = rootfs::RootfsPaths::new(new.dir, &upper_dir, new.spec.layers.len());

@@ -500,11 +500,11 @@ impl Runtime {
         self.create_inner(spec, None, None)
     }
 
-    /// Starts a new sandbox from a VM snapshot (`Sandbox::snapshot`): the same processes,
-    /// memory and files as when it was taken. `owned` ties it to this process, as
-    /// [`Runtime::create_owned`] does.
+    /// Starts a new sandbox from a snapshot (`Sandbox::snapshot`) of a container or VM:
+    /// the same processes, memory and files as when it was taken. `owned` ties it to this
+    /// process, as [`Runtime::create_owned`] does.
     pub fn restore(&self, snapshot: &Path, owned: bool) -> Result<Sandbox, RuntimeError> {
-        let record = vm::read_snapshot(snapshot)?;
+        let record: record::SnapshotHeader = record::read_snapshot(snapshot)?;
         let snapshot = std::fs::canonicalize(snapshot).map_err(RuntimeError::io(snapshot))?;
         let owner = if owned {
             let me = std::process::id();

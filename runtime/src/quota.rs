@@ -129,11 +129,27 @@ impl Uppers {
     /// formatted template of that size (made by `mkfs.ext4` once), bound to a loop device
     /// and mounted, without spawning anything.
     pub fn create(&self, id: &str, bytes: u64) -> Result<PathBuf, RuntimeError> {
-        let image = self.image(id);
-        let dir = self.dir(id);
         self.remove(id)?;
         let template = self.template(bytes)?;
-        copy_sparse(&template, &image, bytes)?;
+        copy_sparse(&template, &self.image(id), bytes)?;
+        self.mount(id)
+    }
+
+    /// Makes and mounts an upper for sandbox `id` copied from the image `from` (a
+    /// container snapshot's writable layer).
+    pub fn create_from(&self, id: &str, from: &Path) -> Result<PathBuf, RuntimeError> {
+        self.remove(id)?;
+        let len = std::fs::metadata(from)
+            .map_err(RuntimeError::io(from))?
+            .len();
+        copy_sparse(from, &self.image(id), len)?;
+        self.mount(id)
+    }
+
+    /// Binds the image of `id` to a loop device and mounts it at its directory.
+    fn mount(&self, id: &str) -> Result<PathBuf, RuntimeError> {
+        let image = self.image(id);
+        let dir = self.dir(id);
         std::fs::create_dir_all(&dir).map_err(RuntimeError::io(&dir))?;
         let device = strata_host::loopdev::attach(&image, Default::default())
             .map_err(|e| RuntimeError::Setup(e.to_string()))?;
@@ -155,6 +171,22 @@ impl Uppers {
             ))
         })?;
         Ok(dir)
+    }
+
+    /// Copies the upper of sandbox `id`, mounted and in use, to `to` (sparse): its
+    /// filesystem is synced first, so the copy holds everything written so far. The
+    /// caller keeps the sandbox's processes still meanwhile.
+    pub fn copy_mounted(&self, id: &str, to: &Path) -> Result<u64, RuntimeError> {
+        let dir = self.dir(id);
+        let f = File::open(&dir).map_err(RuntimeError::io(&dir))?;
+        nix::unistd::syncfs(&f).map_err(|e| RuntimeError::io(&dir)(std::io::Error::from(e)))?;
+        let image = self.image(id);
+        let len = std::fs::metadata(&image)
+            .map_err(RuntimeError::io(&image))?
+            .len();
+        copy_sparse(&image, to, len)?;
+        use std::os::unix::fs::MetadataExt;
+        Ok(std::fs::metadata(to).map_or(0, |m| m.blocks() * 512))
     }
 
     /// Makes an upper image of `bytes` for sandbox `id` without mounting it (a VM mounts

@@ -85,6 +85,34 @@ pub(crate) fn decode_versioned<T: serde::de::DeserializeOwned>(
     serde_json::from_value(value).map_err(bad)
 }
 
+/// What every snapshot directory's `snapshot.json` starts with, whichever backend wrote
+/// it (each adds its own fields: a VM's machine shape).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotHeader {
+    #[serde(default)]
+    pub format: u32,
+    pub spec: SandboxSpec,
+    pub taken_ms: u64,
+}
+
+/// The snapshot format this build writes (and the newest it reads).
+pub const SNAPSHOT_FORMAT: u32 = 1;
+/// A snapshot directory's record.
+pub(crate) const SNAPSHOT_RECORD: &str = "snapshot.json";
+
+/// Reads the record of the snapshot directory `dir` as `T` (a backend's own record, or
+/// the [`SnapshotHeader`] every one has), refusing one of a newer format.
+pub(crate) fn read_snapshot<T: serde::de::DeserializeOwned>(dir: &Path) -> Result<T, RuntimeError> {
+    let path = dir.join(SNAPSHOT_RECORD);
+    let bytes = std::fs::read(&path).map_err(|e| {
+        RuntimeError::Invalid(format!(
+            "{} is not a sandbox snapshot ({e}); make one with `strata sandbox snapshot`",
+            dir.display()
+        ))
+    })?;
+    decode_versioned(&path, &bytes, SNAPSHOT_FORMAT)
+}
+
 impl SandboxRecord {
     /// Reads a record, refusing one of a newer format.
     pub fn load(path: &Path) -> Result<SandboxRecord, RuntimeError> {

@@ -482,14 +482,15 @@ impl Sandbox {
         )
     }
 
-    /// Whether a snapshot of this sandbox keeps its processes and memory (a VM's), so a
-    /// restore continues them; otherwise only its files can be carried over (commit).
+    /// Whether a snapshot of this sandbox keeps its processes and memory (a VM's, or a
+    /// container's checkpointed with CRIU), so a restore continues them; otherwise only
+    /// its files can be carried over (commit).
     pub fn saves_memory(&self) -> bool {
         self.rt.backend(self.record.spec.backend).saves_memory()
     }
 
-    /// Saves a VM sandbox (machine state and writable disk) into directory `dest`; the
-    /// sandbox keeps running. [`crate::Runtime::restore`] starts a new sandbox from it.
+    /// Saves a container or VM sandbox (processes, memory and writable layer) into
+    /// directory `dest`; the sandbox keeps running. [`crate::Runtime::restore`] starts a new sandbox from it.
     pub fn snapshot(&self, dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
         self.awake()?;
         // No command runs meanwhile: the disk copy and the memory state must agree.

@@ -1,8 +1,9 @@
 //! Fork: N new sandboxes that start from where one is. Where the backend saves processes
-//! and memory (microvm, vm), the parent is snapshotted once and the snapshot restored N
-//! times: each child continues the parent's processes from its memory, with a fresh
-//! identity (its own ID, key, host name, machine ID and entropy). Elsewhere (container,
-//! fncall: no process checkpoint here) the parent's files are committed as a layer and
+//! and memory (microvm, vm; a container with CRIU), the parent is snapshotted once and
+//! the snapshot restored N times: each child continues the parent's processes from its
+//! memory, with a fresh identity (its own ID, key, host name, machine ID; a VM's guest
+//! also fresh entropy). Elsewhere (fncall, or a container without CRIU) the parent's
+//! files are committed as a layer and
 //! each child is a new sandbox of the parent's stack with that layer on top: the parent's
 //! files, fresh processes. Used by the node service and by the embedded CLI alike; the
 //! caller admits, records and owns the children.

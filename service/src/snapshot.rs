@@ -1,9 +1,10 @@
 //! Snapshots in the store: a sandbox's state as a durable object any node sharing the
-//! store can restore. Where the backend saves processes and memory (microvm, vm), the
-//! machine's snapshot (its memory and device state, its writable disk, the key its agent
-//! proves) becomes a layer of kind `snapshot`: content-addressed, deduplicated chunks like
-//! any layer, the disk's unwritten space left as holes. Elsewhere (container, fncall: no
-//! process checkpoint here) the snapshot is the sandbox's committed files, restored as a
+//! store can restore. Where the backend saves processes and memory (microvm, vm; a
+//! container with CRIU), the sandbox's snapshot (a machine's memory and device state or a
+//! container's CRIU images, its writable disk, the key its agent proves) becomes a layer
+//! of kind `snapshot`: content-addressed, deduplicated chunks like any layer, the disk's
+//! unwritten space left as holes. Elsewhere (fncall, or a container without CRIU) the
+//! snapshot is the sandbox's committed files, restored as a
 //! new sandbox of the same stack with that layer on top.
 //!
 //! A record per snapshot (`snapshots/<id>.json`) names the layer, the sandbox's spec

@@ -182,8 +182,8 @@ pub enum SandboxCommand {
     /// Start a hibernated sandbox again where it was.
     Wake { id: String },
     /// New sandboxes that start from where this one is; prints their IDs, one per line.
-    /// microvm and vm children continue its processes and memory (a snapshot restored N
-    /// times, each with a fresh identity); container and fncall children get its files.
+    /// container, microvm and vm children continue its processes and memory (a snapshot
+    /// restored N times, each with a fresh identity); fncall children get its files.
     Fork {
         id: String,
         /// How many (1 to 100).
@@ -213,9 +213,9 @@ pub enum SandboxCommand {
         json: bool,
     },
     /// Save a sandbox; it keeps running. With --to-store: into the store, restorable on
-    /// any node sharing it (microvm and vm: memory, processes and files; container and
-    /// fncall: its files), printing the snapshot ID last. Else a microvm or vm into DIR
-    /// on this host.
+    /// any node sharing it (container, microvm and vm: memory, processes and files;
+    /// fncall: its files), printing the snapshot ID last. Else a container, microvm or vm
+    /// into DIR on this host.
     Snapshot {
         id: String,
         #[arg(required_unless_present = "to_store", conflicts_with = "to_store")]

@@ -34,6 +34,9 @@ from e2b import (
 )
 
 SCENARIO, BACKEND, TEMPLATE = sys.argv[1], sys.argv[2], sys.argv[3]
+# Backends whose forks and snapshots carry processes and memory (a container's with CRIU,
+# which tests/tests/e2b.rs requires for these scenarios); fncall's carry files only.
+KEEPS_PROCESSES = BACKEND in ("microvm", "vm", "container")
 VERSION = importlib.metadata.version("e2b")
 RUN = uuid.uuid4().hex[:8]
 MD = {"strata.backend": BACKEND, "suite": RUN}
@@ -335,7 +338,6 @@ def fork_children():
     try:
         r = sb.commands.run("nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.2; done' >/dev/null 2>&1 &")
         assert r.exit_code == 0, r
-        # On the writable layer (a container's /tmp is memory: a fork carries files only).
         sb.files.write("/work/parent.txt", "from the parent")
         before = int(sb.commands.run(COUNT).stdout)
         t = time.monotonic()
@@ -347,7 +349,7 @@ def fork_children():
         for k in kids:
             assert k.files.read("/work/parent.txt") == "from the parent"
             k.files.write("/work/mine.txt", k.sandbox_id)
-            if BACKEND in ("microvm", "vm"):
+            if KEEPS_PROCESSES:
                 # The parent's process continues in each child, from the parent's count.
                 time.sleep(0.5)
                 assert int(k.commands.run(COUNT).stdout) > before, "a child's counter did not go on"
@@ -368,7 +370,7 @@ def snapshots():
     # A store snapshot is a template: sandboxes created from it start where it was.
     sb = Sandbox.create(TEMPLATE, timeout=900, **CREATE)
     made = []
-    vm = BACKEND in ("microvm", "vm")
+    vm = KEEPS_PROCESSES
     try:
         sb.files.write("/work/snap.txt", "before the snapshot")
         if vm:

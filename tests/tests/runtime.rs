@@ -1028,3 +1028,113 @@ fn a_container_whose_checkpoint_fails_runs_on_as_it_was() {
         .contains("\"event\":\"auto-hibernated\""));
     env.ok(&["sandbox", "rm", &idle]);
 }
+
+/// A container's fork (CRIU): 16 children, each continuing the parent's process from its
+/// memory (a shell whose count lives in a variable), each with its own files, host name,
+/// machine ID and key (its agent answers the CLI with the child's own key); the parent is
+/// untouched, and a child hibernates and wakes like any container. Reports the time per
+/// child and the host memory the children hold.
+#[test]
+fn forks_of_a_container_each_continue_its_process_with_their_own_identity() {
+    let Some(env) = hibernating_env("container_fork") else {
+        return;
+    };
+    const CHILDREN: usize = 16;
+    let parent = env.create(&["--backend", "container"]);
+    env.sh_ok(
+        &parent,
+        "echo from-the-parent > /work/parent.txt; echo 0123456789abcdef0123456789abcdef > /etc/machine-id; \
+         nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.05; done' >/dev/null 2>&1 & sleep 0.5",
+    );
+    let count = |id: &str| -> u64 {
+        let out = env.ok(&["sandbox", "exec", id, "--", "cat", "/tmp/count"]);
+        out.trim().parse().unwrap_or_else(|_| panic!("{id}: {out}"))
+    };
+    let at_fork = count(&parent);
+    let before = strata_tests::host_used_bytes();
+    let started = Instant::now();
+    let out = env.ok(&["sandbox", "fork", &parent, "--count", &CHILDREN.to_string()]);
+    let took = started.elapsed();
+    let children: Vec<String> = out.lines().map(str::to_string).collect();
+    assert_eq!(children.len(), CHILDREN, "{out}");
+    let held = strata_tests::host_used_bytes().saturating_sub(before);
+    let (mut names, mut machine_ids) = (
+        std::collections::BTreeSet::new(),
+        std::collections::BTreeSet::new(),
+    );
+    for (i, child) in children.iter().enumerate() {
+        let stdout = env.sh_ok(
+            child,
+            &format!("cat /work/parent.txt; hostname; cat /etc/machine-id; echo {i} > /work/mine.txt; a=$(cat /tmp/count); sleep 0.3; echo $a $(cat /tmp/count)"),
+        );
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(lines.first(), Some(&"from-the-parent"), "{child}: {stdout}");
+        assert_eq!(
+            lines.get(1).copied(),
+            Some(format!("sandbox-{child}").as_str()),
+            "{child}: {stdout}"
+        );
+        names.insert(lines.get(1).map(|s| s.to_string()).unwrap_or_default());
+        machine_ids.insert(lines.get(2).map(|s| s.to_string()).unwrap_or_default());
+        let counts: Vec<u64> = lines
+            .get(3)
+            .map(|l| {
+                l.split_whitespace()
+                    .filter_map(|n| n.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(
+            counts.len() == 2 && counts[0] >= at_fork && counts[1] > counts[0],
+            "{child}: the parent's process did not go on from {at_fork}: {stdout}"
+        );
+    }
+    assert_eq!(names.len(), CHILDREN, "children share a host name");
+    assert_eq!(
+        machine_ids.len(),
+        CHILDREN,
+        "children share a machine ID: {machine_ids:?}"
+    );
+    assert!(!machine_ids.contains("0123456789abcdef0123456789abcdef"));
+    for (i, child) in children.iter().enumerate() {
+        assert_eq!(
+            env.ok(&["sandbox", "exec", child, "--", "cat", "/work/mine.txt"])
+                .trim(),
+            i.to_string()
+        );
+    }
+    assert_eq!(
+        env.sh_ok(
+            &parent,
+            "test -e /work/mine.txt && echo leaked || echo clean; hostname"
+        ),
+        format!("clean\nsandbox-{parent}\n")
+    );
+    assert!(count(&parent) > at_fork, "the parent's process stopped");
+    // A child is a container like any: it hibernates and wakes with its process.
+    let first = &children[0];
+    let asleep = count(first);
+    env.ok(&["sandbox", "hibernate", first]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(count(first) > asleep, "the woken child does not count");
+    eprintln!(
+        "fork of {CHILDREN} containers: {took:?} ({:?} per child); the children hold {} MiB of host memory ({} KiB each, none shared: CRIU restores private copies)",
+        took / CHILDREN as u32,
+        held >> 20,
+        (held / CHILDREN as u64) >> 10
+    );
+    let mut all = children.clone();
+    all.push(parent.clone());
+    let pids: Vec<u32> = all.iter().map(|id| env.init_pid(id) as u32).collect();
+    let mut args = vec!["sandbox", "rm"];
+    args.extend(all.iter().map(String::as_str));
+    env.ok(&args);
+    for id in &all {
+        env.assert_gone(id, &pids);
+    }
+    let forks = env.cli.runtime_dir().join("forks");
+    let left: Vec<_> = std::fs::read_dir(&forks)
+        .map(|d| d.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "fork snapshots left: {left:?}");
+}

@@ -133,7 +133,7 @@ impl RootImage {
 }
 
 /// The snapshot and machine-file format this build writes (and the newest it reads).
-pub const SNAPSHOT_FORMAT: u32 = 1;
+pub use crate::record::SNAPSHOT_FORMAT;
 /// The machine's files and sockets, in the sandbox directory.
 const MACHINE_FILES: &str = "machine-files.json";
 /// How long a machine asked to quit after its state was saved may take to exit.
@@ -1219,14 +1219,7 @@ impl SandboxBackend for VmBackend {
 }
 
 pub fn read_snapshot(dir: &Path) -> Result<SnapshotRecord, RuntimeError> {
-    let path = dir.join("snapshot.json");
-    let bytes = std::fs::read(&path).map_err(|e| {
-        RuntimeError::Invalid(format!(
-            "{} is not a VM snapshot ({e}); make one with `strata sandbox snapshot`",
-            dir.display()
-        ))
-    })?;
-    crate::record::decode_versioned(&path, &bytes, SNAPSHOT_FORMAT)
+    crate::record::read_snapshot(dir)
 }
 
 fn file_len(p: &Path) -> u64 {
