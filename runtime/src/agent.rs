@@ -64,11 +64,12 @@ pub(crate) fn read_key(dir: &Path) -> Result<SandboxKey, RuntimeError> {
 /// same build. Hashed once per (size, modification time, inode) of the file.
 pub(crate) fn binary_identity(path: &Path) -> std::io::Result<String> {
     use std::os::unix::fs::MetadataExt;
-    static SEEN: std::sync::Mutex<Vec<((u64, i64, i64, u64), String)>> =
-        std::sync::Mutex::new(Vec::new());
+    /// Size, modification time (s, ns) and inode of a hashed binary.
+    type Stamp = (u64, i64, i64, u64);
+    static SEEN: std::sync::Mutex<Vec<(Stamp, String)>> = std::sync::Mutex::new(Vec::new());
     let m = std::fs::metadata(path)?;
     let stamp = (m.len(), m.mtime(), m.mtime_nsec(), m.ino());
-    let known = |seen: &[((u64, i64, i64, u64), String)]| {
+    let known = |seen: &[(Stamp, String)]| {
         seen.iter()
             .find(|(s, _)| *s == stamp)
             .map(|(_, h)| h.clone())

@@ -71,7 +71,9 @@ pub async fn fork(
         let mut spec = parent.spec().clone();
         spec.layers.insert(0, committed.layer.to_string());
         tokio::task::spawn_blocking(move || {
-            made_all((0..count).map(|_| rt2.create(spec.clone()).map_err(ServiceError::from)))
+            made_all(count, || {
+                rt2.create(spec.clone()).map_err(ServiceError::from)
+            })
         })
         .await
         .map_err(|e| ServiceError::Internal(e.to_string()))??
@@ -94,7 +96,7 @@ fn restore_many(
     let made = parent
         .snapshot(&dir)
         .map_err(ServiceError::from)
-        .and_then(|_| made_all((0..count).map(|_| restore(rt, &dir))));
+        .and_then(|_| made_all(count, || restore(rt, &dir)));
     if let Err(e) = std::fs::remove_dir_all(&dir) {
         tracing::warn!("removing the fork snapshot {}: {e}", dir.display());
     }
@@ -105,24 +107,58 @@ fn restore(rt: &Runtime, dir: &Path) -> Result<Sandbox, ServiceError> {
     Ok(rt.restore(dir, false)?)
 }
 
-/// Every child, or (the first failure) none: those made are destroyed.
+/// `count` children made by `make`, a few at once (as many as the host has cores: a
+/// restore is mostly CPU and disk), or (at the first failure) none: those made are
+/// destroyed.
 fn made_all(
-    children: impl Iterator<Item = Result<Sandbox, ServiceError>>,
+    count: usize,
+    make: impl Fn() -> Result<Sandbox, ServiceError> + Sync,
 ) -> Result<Vec<Sandbox>, ServiceError> {
-    let mut made = Vec::new();
-    for child in children {
-        match child {
-            Ok(sb) => made.push(sb),
-            Err(e) => {
-                for sb in made {
-                    let id = sb.id().to_string();
-                    if let Err(d) = sb.destroy() {
-                        tracing::warn!("destroying fork child {id} after a failed fork: {d}");
+    let width = std::thread::available_parallelism()
+        .map_or(2, |n| n.get())
+        .clamp(1, 8)
+        .min(count);
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed = std::sync::atomic::AtomicBool::new(false);
+    let results: Vec<Result<Sandbox, ServiceError>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..width)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut mine = Vec::new();
+                    while !failed.load(std::sync::atomic::Ordering::SeqCst)
+                        && next.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < count
+                    {
+                        let child = make();
+                        if child.is_err() {
+                            failed.store(true, std::sync::atomic::Ordering::SeqCst);
+                        }
+                        mine.push(child);
                     }
+                    mine
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    vec![Err(ServiceError::Internal("a fork worker panicked".into()))]
+                })
+            })
+            .collect()
+    });
+    let (made, errors): (Vec<_>, Vec<_>) = results.into_iter().partition(Result::is_ok);
+    let made: Vec<Sandbox> = made.into_iter().filter_map(Result::ok).collect();
+    match errors.into_iter().find_map(Result::err) {
+        None => Ok(made),
+        Some(e) => {
+            for sb in made {
+                let id = sb.id().to_string();
+                if let Err(d) = sb.destroy() {
+                    tracing::warn!("destroying fork child {id} after a failed fork: {d}");
                 }
-                return Err(e);
             }
+            Err(e)
         }
     }
-    Ok(made)
 }
