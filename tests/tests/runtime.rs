@@ -269,6 +269,7 @@ fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
 
     // The same protocol from another build of the agent (an upgrade: a pooled agent sets
     // up its root with the code it was started with): the next runtime command drains it.
+    // A build is known by its binary's content, so a copy of the same one is the same.
     let agent = home.home.join("strata-agent");
     let built = strata_bin().with_file_name("strata-agent");
     std::fs::copy(&built, &agent).unwrap();
@@ -281,9 +282,12 @@ fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
     assert_eq!(pooled.len(), 2, "pool: {pooled:?}");
     with_agent(&["sandbox", "ls"]);
     assert_eq!(pool_pids(), pooled, "the same build's pool is kept");
-    std::thread::sleep(Duration::from_millis(20));
+    // Another build: other bytes at the same path (an ELF runs with bytes appended).
     std::fs::remove_file(&agent).unwrap();
-    std::fs::copy(&built, &agent).unwrap();
+    let mut other = std::fs::read(&built).unwrap();
+    other.extend_from_slice(b"another build");
+    std::fs::write(&agent, other).unwrap();
+    std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
     with_agent(&["sandbox", "ls"]);
     assert!(
         pool_pids().is_empty(),
