@@ -8,8 +8,9 @@
 # below, plus our patches in scripts/criu/: landlock-children.patch (restored process trees
 # keep a Landlock domain of their own; see README, hibernation, and SECURITY.md) and
 # sockopt-eopnotsupp.patch (Linux 6.16+ refuses SO_PASSCRED/SO_PASSSEC on TCP and UDP
-# sockets, which made CRIU 4.1.1 refuse any process holding one). Idempotent: a built
-# binary of this version and these patches is kept.
+# sockets, which made CRIU 4.1.1 refuse any process holding one) and empty-tmpfs.patch (an
+# empty tmpfs, such as a masked directory, is saved and restored without tar and gzip).
+# Idempotent: a built binary of this version and these patches is kept.
 set -euo pipefail
 
 VERSION=4.1.1

@@ -795,7 +795,17 @@ impl SandboxBackend for ContainerBackend {
             }
             return Err(e);
         }
-        let netns = self.named_netns(&sb.record.id);
+        let pin = sb.dir.join(crate::checkpoint::NETNS_PIN);
+        let netns = match self.named_netns(&sb.record.id) {
+            Some(named) => Some(named),
+            None => match crate::checkpoint::pin_netns(sb.record.init_pid, &pin) {
+                Ok(()) => Some(pin.clone()),
+                Err(e) => {
+                    tracing::debug!(sandbox = %sb.record.id, error = %e, "its network namespace is saved with the checkpoint");
+                    None
+                }
+            },
+        };
         let dumped = criu.dump(&crate::checkpoint::Dump {
             init_pid: sb.record.init_pid,
             cgroup: sb.cgroup,
@@ -815,6 +825,9 @@ impl SandboxBackend for ContainerBackend {
                 })
             }
             Err(e) => {
+                if let Err(u) = crate::checkpoint::unpin_netns(&pin) {
+                    tracing::warn!(sandbox = %sb.record.id, error = %u, "dropping the network namespace's pin");
+                }
                 // The tree runs on where it was (CRIU resumes it): its agent serves again.
                 if let Err(again) = crate::checkpoint::rebind_agent(
                     sb.record.init_pid,
@@ -835,7 +848,10 @@ impl SandboxBackend for ContainerBackend {
     /// the sandbox's cgroup, and makes its agent serve again.
     fn wake(&self, sb: &SandboxRef, from: &Path, paused: bool) -> Result<u32, RuntimeError> {
         let (criu, agent) = self.checkpointing(sb)?;
-        let netns = self.named_netns(&sb.record.id);
+        let pin = sb.dir.join(crate::checkpoint::NETNS_PIN);
+        let netns = self
+            .named_netns(&sb.record.id)
+            .or_else(|| Some(pin.clone()).filter(|p| p.exists()));
         let pid = criu.restore(&crate::checkpoint::Restore {
             from,
             root: &sb.rootfs(),
@@ -845,6 +861,8 @@ impl SandboxBackend for ContainerBackend {
             pid_file: &sb.dir.join("init.pid"),
             sandbox_dir: sb.dir,
         })?;
+        // The restored tree holds its network namespace now.
+        crate::checkpoint::unpin_netns(&pin)?;
         crate::checkpoint::rebind_agent(
             pid,
             &crate::agent::socket_path(sb.dir),

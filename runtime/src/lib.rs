@@ -899,6 +899,8 @@ impl Runtime {
             network::teardown(&self.inner.networks, id);
         }
         cgroup.remove()?;
+        // A hibernated container's pinned network namespace.
+        checkpoint::unpin_netns(&dir.join(checkpoint::NETNS_PIN))?;
         changes::remove_copies(&dir)?;
         rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;
         self.uppers().remove(id)?;
