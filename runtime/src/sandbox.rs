@@ -152,7 +152,13 @@ impl Sandbox {
         &self,
         f: impl FnOnce(&dyn SandboxBackend, &SandboxRef) -> Result<T, RuntimeError>,
     ) -> Result<T, RuntimeError> {
-        self.with_record(&self.record, f)
+        // As it is on disk: a wake (by any handle or process) starts a new init, and the
+        // calls that reach it by PID (a snapshot's checkpoint, a port, the network) must
+        // find that one.
+        match self.rt.load(&self.record.id) {
+            Ok(record) => self.with_record(&record, f),
+            Err(_) => self.with_record(&self.record, f),
+        }
     }
 
     /// [`Sandbox::with_backend`] with `record` as it is on disk now (its init may have
