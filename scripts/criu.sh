@@ -18,7 +18,11 @@ SHA256=f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe
 HERE="$(cd "$(dirname "$0")" && pwd)"
 PATCHES=("$HERE"/criu/*.patch)
 DEST="${STRATA_CRIU_DIR:-/usr/local/lib/strata/criu}"
-TAG="$VERSION $(cat "${PATCHES[@]}" | sha256sum | cut -d' ' -f1)"
+# CRIU caches what it probes of the kernel (30-70 ms a run) only on a tmpfs, in RUNDIR:
+# /run is not a tmpfs on every host, /dev/shm is. The runtime keeps this directory root's
+# own (KDAT_DIR in runtime/src/checkpoint.rs).
+RUNDIR=/dev/shm/strata-criu
+TAG="$VERSION rundir=$RUNDIR $(cat "${PATCHES[@]}" | sha256sum | cut -d' ' -f1)"
 
 if [ -x "$DEST/criu" ] && [ "$(cat "$DEST/build-tag" 2>/dev/null)" = "$TAG" ]; then
   exit 0
@@ -61,7 +65,7 @@ src="$work/criu-$VERSION"
 for p in "${PATCHES[@]}"; do
   patch -d "$src" -p1 --quiet < "$p"
 done
-make -C "$src" -j"$(nproc)" criu >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; exit 1; }
+make -C "$src" -j"$(nproc)" RUNDIR="$RUNDIR" criu >"$work/build.log" 2>&1 || { tail -30 "$work/build.log" >&2; exit 1; }
 "$src/criu/criu" --version >/dev/null
 mkdir -p "$DEST"
 install -m 0755 "$src/criu/criu" "$DEST/criu.new"

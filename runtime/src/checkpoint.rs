@@ -38,6 +38,11 @@ pub fn installed_criu() -> Option<PathBuf> {
 
 /// Where the images go inside a hibernation directory.
 const IMAGES: &str = "criu";
+/// Where the CRIU that scripts/criu.sh builds keeps its cache of the kernel's features (its
+/// RUNDIR, set there): CRIU keeps the cache only on a tmpfs, so that a reboot clears it,
+/// and /run is not one on every host (not on this project's own); /dev/shm is. Probing
+/// anew costs 30-70 ms per run.
+const KDAT_DIR: &str = "/dev/shm/strata-criu";
 /// What a restore needs besides the images.
 const PLAN: &str = "checkpoint.json";
 /// The key the named network namespace is saved under.
@@ -207,27 +212,36 @@ impl Criu {
         log: &Path,
         sandbox_dir: &Path,
     ) -> Result<(), RuntimeError> {
-        let status = cmd
+        own_kdat_dir()?;
+        let out = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
+            .stderr(Stdio::piped())
+            .output()
             .map_err(|e| {
                 RuntimeError::Setup(format!(
                     "cannot run CRIU at {}: {e} (scripts/criu.sh builds it)",
                     self.binary.display()
                 ))
             })?;
-        if !status.success() {
+        if !out.status.success() {
             let kept = sandbox_dir.join(format!("{what}-failed.log"));
-            let log = if std::fs::copy(log, &kept).is_ok() {
-                kept
-            } else {
-                log.to_path_buf()
-            };
+            if std::fs::copy(log, &kept).is_ok() {
+                return Err(RuntimeError::Checkpoint(format!(
+                    "{what} failed: {}",
+                    log_errors(&kept)
+                )));
+            }
+            // It stopped before it had a log: what it printed says why.
+            let said = String::from_utf8_lossy(&out.stderr);
+            let said = said.trim();
+            let from = (said.len().saturating_sub(2000)..said.len())
+                .find(|&i| said.is_char_boundary(i))
+                .unwrap_or(0);
             return Err(RuntimeError::Checkpoint(format!(
-                "{what} failed: {}",
-                log_errors(&log)
+                "{what} failed before CRIU wrote its log ({}): {}",
+                out.status,
+                &said[from..]
             )));
         }
         Ok(())
@@ -236,7 +250,7 @@ impl Criu {
     /// Saves the tree of `d.init_pid` under `d.to`; a hibernation's tree ends (its
     /// processes exit), a copy's runs on. A cgroup the caller froze stays frozen.
     pub(crate) fn dump(&self, d: &Dump) -> Result<u64, RuntimeError> {
-        let images = d.to.join(IMAGES);
+        let images = crate::absolute(&d.to.join(IMAGES));
         std::fs::create_dir_all(&images).map_err(RuntimeError::io(&images))?;
         for p in [d.to, images.as_path()] {
             std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o700))
@@ -299,7 +313,7 @@ impl Criu {
     /// Restores what [`Criu::dump`] saved under `r.from` over the root `r.root`, inside
     /// `r.cgroup`; the restored init's PID. Its agent is parked: [`rebind_agent`] next.
     pub(crate) fn restore(&self, r: &Restore) -> Result<u32, RuntimeError> {
-        let images = r.from.join(IMAGES);
+        let images = crate::absolute(&r.from.join(IMAGES));
         let plan_path = r.from.join(PLAN);
         let plan: Plan = serde_json::from_slice(
             &std::fs::read(&plan_path).map_err(RuntimeError::io(&plan_path))?,
@@ -332,9 +346,9 @@ impl Criu {
             .args(["-v2", "--manage-cgroups=ignore", "--file-locks"])
             .arg("--restore-detached")
             .arg("--root")
-            .arg(r.root)
+            .arg(crate::absolute(r.root))
             .arg("--pidfile")
-            .arg(r.pid_file)
+            .arg(crate::absolute(r.pid_file))
             // The passed descriptors are 3 (the agent's executable) and 4 (the netns).
             .arg("--inherit-fd")
             .arg(format!("fd[3]:{}", plan.exe_key));
@@ -425,4 +439,33 @@ fn dir_bytes(dir: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
+}
+
+/// Makes [`KDAT_DIR`] root's own (a directory, 0700) before CRIU reads a cache there:
+/// /dev/shm is writable by every user, and a planted cache would tell CRIU the kernel has
+/// features it has not. Without /dev/shm CRIU just probes every time.
+fn own_kdat_dir() -> Result<(), RuntimeError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    let dir = Path::new(KDAT_DIR);
+    for _ in 0..3 {
+        match std::fs::symlink_metadata(dir) {
+            Ok(m) if m.is_dir() && m.uid() == 0 && m.mode() & 0o7777 == 0o700 => return Ok(()),
+            Ok(m) if m.is_dir() => {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            Ok(_) => {
+                let _ = std::fs::remove_file(dir);
+            }
+            Err(_) => {}
+        }
+        match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            // Made by another process since: checked again.
+            Err(_) => {}
+        }
+    }
+    Err(RuntimeError::Checkpoint(format!(
+        "{KDAT_DIR} (CRIU's cache of kernel features) is held by another user; remove it"
+    )))
 }

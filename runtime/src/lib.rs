@@ -197,6 +197,13 @@ fn claim_end(dir: &Path) -> bool {
     !dir.exists()
 }
 
+/// `p` from `/`, for the tools that run in a directory of their own (QEMU in the
+/// machine's, CRIU in its images'), where a relative path (a home given as one) names
+/// another file or none.
+pub(crate) fn absolute(p: &Path) -> PathBuf {
+    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
+}
+
 /// Time since a file or directory was last modified.
 pub(crate) fn age(path: &Path) -> Duration {
     std::fs::metadata(path)

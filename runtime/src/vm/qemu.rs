@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use crate::RuntimeError;
+use crate::{absolute, RuntimeError};
 
 /// Layers a VM sandbox may stack (two disk slots each; microvm has 24 virtio-mmio
 /// transports, two of them taken by the agent's port and the entropy device).
@@ -281,11 +281,6 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
             .arg(format!("exec:cat {}", shell_quote(state)));
     }
     cmd
-}
-
-/// A path as QEMU must get it: absolute, since QEMU runs in the machine's directory.
-fn absolute(p: &Path) -> std::path::PathBuf {
-    std::path::absolute(p).unwrap_or_else(|_| p.to_path_buf())
 }
 
 /// QEMU option values escape ',' by doubling it.
