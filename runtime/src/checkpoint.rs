@@ -469,3 +469,35 @@ fn own_kdat_dir() -> Result<(), RuntimeError> {
         "{KDAT_DIR} (CRIU's cache of kernel features) is held by another user; remove it"
     )))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    /// A cache directory another user made (with a planted cache) is taken back before
+    /// CRIU reads it. Needs root (it is root's directory).
+    #[test]
+    fn a_kdat_dir_made_by_another_user_is_made_again_as_roots() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 || !Path::new("/dev/shm").is_dir() {
+            eprintln!("not run: needs root and /dev/shm");
+            return;
+        }
+        let dir = Path::new(KDAT_DIR);
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir(dir).unwrap();
+        std::fs::write(dir.join("criu.kdat"), b"planted").unwrap();
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::os::unix::fs::chown(dir, Some(65534), Some(65534)).unwrap();
+        own_kdat_dir().unwrap();
+        let m = std::fs::symlink_metadata(dir).unwrap();
+        assert!(m.is_dir() && m.uid() == 0 && m.mode() & 0o7777 == 0o700);
+        assert!(!dir.join("criu.kdat").exists(), "the planted cache is gone");
+        // Root's own already: left as it is, its cache kept.
+        std::fs::write(dir.join("criu.kdat"), b"cache").unwrap();
+        own_kdat_dir().unwrap();
+        assert!(dir.join("criu.kdat").exists());
+        std::fs::remove_file(dir.join("criu.kdat")).unwrap();
+    }
+}
