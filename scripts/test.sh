@@ -9,4 +9,4 @@ cargo build --workspace --bins
 # The agent again, statically linked: the init of every container (see README, design).
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build -p strata-agent --target x86_64-unknown-linux-gnu
-cargo test --workspace -- --test-threads="${STRATA_TEST_THREADS:-2}"
+cargo test --workspace --no-fail-fast -- --test-threads="${STRATA_TEST_THREADS:-2}"

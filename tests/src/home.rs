@@ -100,10 +100,33 @@ pub fn can_hibernate_containers(test: &str) -> bool {
     let criu = std::env::var_os("STRATA_CRIU")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/usr/local/lib/strata/criu/criu"));
+    // A container's init must be the static agent (the one that parks) to be checkpointed:
+    // the one the runtime finds beside `strata`, as the strata binary does.
+    let bin = crate::strata_bin();
+    let agent = std::env::var_os("STRATA_STATIC_AGENT")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let profile = bin.parent()?;
+            Some(
+                profile
+                    .parent()?
+                    .join("x86_64-unknown-linux-gnu")
+                    .join(profile.file_name()?)
+                    .join("strata-agent"),
+            )
+        })
+        .unwrap_or_default();
     crate::needs(
         test,
         criu.is_file(),
         &format!("no CRIU at {} (run scripts/setup.sh)", criu.display()),
+    ) && crate::needs(
+        test,
+        agent.is_file(),
+        &format!(
+            "no static agent at {} (build it as scripts/test.sh does)",
+            agent.display()
+        ),
     )
 }
 
