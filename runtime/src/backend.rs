@@ -207,6 +207,18 @@ pub(crate) trait SandboxBackend: Send + Sync {
         )))
     }
 
+    /// [`SandboxBackend::snapshot`] for a fork of `children`, restored on this node while
+    /// it exists: a backend may keep the memory there in a form its children share (a
+    /// VM's: an image each child maps copy-on-write) rather than one each loads a copy of.
+    fn fork_snapshot(
+        &self,
+        sb: &SandboxRef,
+        dest: &Path,
+        _children: usize,
+    ) -> Result<SnapshotInfo, RuntimeError> {
+        self.snapshot(sb, dest)
+    }
+
     /// Whether [`SandboxBackend::hibernate`] can save this backend's sandboxes here (the
     /// reaper's `auto_hibernate` only tries those).
     fn hibernates(&self) -> bool {

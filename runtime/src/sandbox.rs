@@ -498,12 +498,33 @@ impl Sandbox {
     /// Saves a container or VM sandbox (processes, memory and writable layer) into
     /// directory `dest`; the sandbox keeps running. [`crate::Runtime::restore`] starts a new sandbox from it.
     pub fn snapshot(&self, dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
+        self.snapshot_by(dest, "snapshot", |b, sb| b.snapshot(sb, dest))
+    }
+
+    /// A snapshot into `dest` for a fork of `children`: restored on this node only, while
+    /// `dest` exists; the children may share the memory saved there (a VM's).
+    pub fn fork_snapshot(
+        &self,
+        dest: &Path,
+        children: usize,
+    ) -> Result<SnapshotInfo, RuntimeError> {
+        self.snapshot_by(dest, "fork-snapshot", |b, sb| {
+            b.fork_snapshot(sb, dest, children)
+        })
+    }
+
+    fn snapshot_by(
+        &self,
+        dest: &Path,
+        event: &str,
+        take: impl FnOnce(&dyn SandboxBackend, &SandboxRef) -> Result<SnapshotInfo, RuntimeError>,
+    ) -> Result<SnapshotInfo, RuntimeError> {
         self.awake()?;
         // No command runs meanwhile: the disk copy and the memory state must agree.
         let _lock = DirLock::take(&self.dir(), true, true)?;
-        let info = self.with_backend(|b, sb| b.snapshot(sb, dest))?;
+        let info = self.with_backend(take)?;
         self.rt.audit(&self.record.id).record(
-            "snapshot",
+            event,
             json!({"dir": dest, "state_bytes": info.state_bytes, "disk_bytes": info.disk_bytes,
                    "ms": info.millis}),
         )?;

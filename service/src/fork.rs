@@ -94,7 +94,7 @@ fn restore_many(
     // The parent's memory goes there: the host's other users may not read it.
     let dir = crate::snapshot::private_dir(&rt.state_dir().join("forks"), parent.id())?;
     let made = parent
-        .snapshot(&dir)
+        .fork_snapshot(&dir, count)
         .map_err(ServiceError::from)
         .and_then(|_| made_all(count, || restore(rt, &dir)));
     if let Err(e) = std::fs::remove_dir_all(&dir) {

@@ -60,6 +60,24 @@ fn qemu_processes(needle: &str) -> Vec<u32> {
         .collect()
 }
 
+/// Bytes of a fork's memory image (a mapping of a file under the runtime's `forks/`) that
+/// QEMU `pid` has in memory and shares with other processes (smaps `Shared_*`).
+fn fork_image_shared_bytes(pid: u32) -> u64 {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut in_image = false;
+    let mut kib = 0u64;
+    for line in smaps.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or_default();
+        if first.contains('-') && first.chars().all(|c| c.is_ascii_hexdigit() || c == '-') {
+            in_image = line.contains("/forks/");
+        } else if in_image && (first == "Shared_Clean:" || first == "Shared_Dirty:") {
+            kib += words.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+        }
+    }
+    kib << 10
+}
+
 #[test]
 fn the_sample_test_suite_passes_in_a_microvm_and_a_vm() {
     let _machines = machines_shared();
@@ -893,6 +911,18 @@ fn forks_of_a_microvm_each_continue_its_process_with_their_own_identity() {
     let children: Vec<String> = out.lines().map(str::to_string).collect();
     assert_eq!(children.len(), CHILDREN, "{out}");
     let held = host_used_bytes().saturating_sub(before);
+    // The parent's memory is one image every child maps copy-on-write: the pages of it a
+    // child has in memory are shared with the other children's.
+    let mut shared = Vec::new();
+    for child in &children {
+        let pids = qemu_processes(child);
+        assert_eq!(pids.len(), 1, "one QEMU for {child}: {pids:?}");
+        shared.push(fork_image_shared_bytes(pids[0]));
+    }
+    assert!(
+        shared.iter().all(|&b| b >= 8 << 20),
+        "each child shares at least 8 MiB of the parent's memory image with the others: {shared:?}"
+    );
     let mut names = std::collections::BTreeSet::new();
     for (i, child) in children.iter().enumerate() {
         let o = env.sh(
@@ -939,10 +969,12 @@ fn forks_of_a_microvm_each_continue_its_process_with_their_own_identity() {
     );
     assert_eq!(text(&p).0.trim(), "clean");
     eprintln!(
-        "fork of {CHILDREN} microVMs: {took:?} ({:?} per child); the children hold {} MiB of host memory ({} MiB each, none shared)",
+        "fork of {CHILDREN} microVMs: {took:?} ({:?} per child); the children hold {} MiB of host memory ({} MiB each) beside the {} MiB of the parent's memory image they share ({} MiB of it in a child on average)",
         took / CHILDREN as u32,
         held >> 20,
-        (held / CHILDREN as u64) >> 20
+        (held / CHILDREN as u64) >> 20,
+        shared.iter().max().copied().unwrap_or(0) >> 20,
+        (shared.iter().sum::<u64>() / CHILDREN as u64) >> 20
     );
     let mut all = children.clone();
     all.push(parent.clone());

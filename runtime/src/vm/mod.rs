@@ -149,6 +149,10 @@ pub struct SnapshotRecord {
     pub spec: crate::SandboxSpec,
     pub shape: MachineShape,
     pub taken_ms: u64,
+    /// A fork's: the guest's memory as an image in the snapshot (this file), which every
+    /// child maps copy-on-write; the state then holds the devices only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_image: Option<String>,
 }
 
 pub struct VmBackend {
@@ -383,6 +387,7 @@ impl VmBackend {
             netdev: None,
             vnc_socket: None,
             page_cached_slot: None,
+            memory_image: None,
         }
     }
 
@@ -600,10 +605,14 @@ impl VmBackend {
 }
 
 /// Continues a machine QEMU started from a saved state (`-incoming`) once the state is
-/// loaded; its QMP connection.
-fn continue_loaded(qmp_socket: &Path) -> Result<qemu::Qmp, RuntimeError> {
-    let mut qmp = qemu::Qmp::connect(qmp_socket, Duration::from_secs(30))?;
-    qmp.wait_while("inmigrate", Duration::from_secs(120))?;
+/// loaded (by QMP over a fork's memory image); its QMP connection.
+fn continue_loaded(files: &qemu::MachineFiles) -> Result<qemu::Qmp, RuntimeError> {
+    let mut qmp = qemu::Qmp::connect(&files.qmp_socket, Duration::from_secs(30))?;
+    let within = Duration::from_secs(120);
+    match (&files.incoming, &files.memory_image) {
+        (Some(state), Some(image)) if !image.shared => qmp.load_beside_image(state, within)?,
+        _ => qmp.wait_while("inmigrate", within)?,
+    };
     qmp.execute("cont", serde_json::Value::Null)?;
     Ok(qmp)
 }
@@ -775,9 +784,14 @@ impl VmBackend {
         let network = self.network(&ctx.spec.network)?;
         shape.network = network.is_some();
         let slots = self.slots(&shape, disks)?;
+        let mut memory_image = None;
         let incoming = match ctx.restore {
             Some(snapshot) => {
                 let rec: SnapshotRecord = read_snapshot(snapshot)?;
+                memory_image = rec.memory_image.as_ref().map(|name| qemu::MemoryImage {
+                    path: snapshot.join(name),
+                    shared: false,
+                });
                 if !rec.shape.restores_as(&shape) {
                     return Err(RuntimeError::Invalid(format!(
                         "snapshot {} was taken on a different machine ({:?}); this host would run {:?}",
@@ -809,6 +823,7 @@ impl VmBackend {
             .create(shape.memory_mib * (1 << 20) + VMM_OVERHEAD, l.cpus, 512)?;
         let t = Instant::now();
         let mut files = Self::files(ctx.dir, slots, incoming.clone());
+        files.memory_image = memory_image;
         if shape.display {
             files.vnc_socket = Some(ctx.dir.join("vnc.sock"));
         }
@@ -820,6 +835,8 @@ impl VmBackend {
             &files_path,
             serde_json::to_vec(&qemu::MachineFiles {
                 incoming: None,
+                // A wake loads the whole machine into memory of its own.
+                memory_image: None,
                 ..files.clone()
             })
             .unwrap_or_default(),
@@ -837,7 +854,7 @@ impl VmBackend {
         if ctx.restore.is_some() {
             // A snapshot is saved paused (its disk is copied meanwhile): continue it once
             // loaded. A template is saved running and runs by itself.
-            continue_loaded(&files.qmp_socket).map_err(fail)?;
+            continue_loaded(&files).map_err(fail)?;
         }
         let key = read_key(ctx.dir)?;
         // A restored guest proves the key it was saved with; a template's guest has none.
@@ -1160,7 +1177,7 @@ impl SandboxBackend for VmBackend {
             ))
         };
         let pid = self.launch(dir, sb.cgroup, &shape, &files, &fail)?;
-        let mut qmp = continue_loaded(&files.qmp_socket).map_err(fail)?;
+        let mut qmp = continue_loaded(&files).map_err(fail)?;
         let key = read_key(dir)?;
         let reseed = HostMsg::Reseed(Reseed {
             time_ns: now_ns(),
@@ -1200,13 +1217,9 @@ impl SandboxBackend for VmBackend {
                 spec: rec.spec.clone(),
                 shape,
                 taken_ms: crate::audit::now_ms(),
+                memory_image: None,
             };
-            let path = dest.join("snapshot.json");
-            std::fs::write(
-                &path,
-                serde_json::to_vec_pretty(&record).unwrap_or_default(),
-            )
-            .map_err(RuntimeError::io(&path))?;
+            write_snapshot_record(dest, &record)?;
             Ok(disk)
         })?;
         Ok(SnapshotInfo {
@@ -1215,6 +1228,111 @@ impl SandboxBackend for VmBackend {
             disk_bytes: allocated(&disk),
             millis: t.elapsed().as_secs_f64() * 1e3,
         })
+    }
+
+    /// [`VmBackend::snapshot`], then (for more than one child) its memory made an image
+    /// the children map copy-on-write (see [`qemu::MemoryImage`]), the state cut to the
+    /// devices'. Without the image (one child has no one to share with; or its maker
+    /// failed) each child loads the whole state, as from any snapshot.
+    fn fork_snapshot(
+        &self,
+        sb: &SandboxRef,
+        dest: &Path,
+        children: usize,
+    ) -> Result<SnapshotInfo, RuntimeError> {
+        let mut info = self.snapshot(sb, dest)?;
+        if children < 2 {
+            return Ok(info);
+        }
+        let t = Instant::now();
+        if let Err(e) = self.make_memory_image(sb.dir, dest) {
+            tracing::warn!(sandbox = %sb.record.id, "fork children load the whole state: {e}");
+            for name in [MEMORY_IMAGE, DEVICES_STATE] {
+                let _ = std::fs::remove_file(dest.join(name));
+            }
+        }
+        for name in ["maker-qmp.sock", "maker-port.sock"] {
+            let _ = std::fs::remove_file(dest.join(name));
+        }
+        info.millis += t.elapsed().as_secs_f64() * 1e3;
+        Ok(info)
+    }
+}
+
+/// A fork snapshot's memory image, and the devices' state saved beside it.
+const MEMORY_IMAGE: &str = "memory";
+const DEVICES_STATE: &str = "devices.state";
+
+fn write_snapshot_record(dest: &Path, record: &SnapshotRecord) -> Result<(), RuntimeError> {
+    let path = dest.join("snapshot.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(record).unwrap_or_default())
+        .map_err(RuntimeError::io(&path))
+}
+
+impl VmBackend {
+    /// Turns the snapshot in `dest` (of the machine in `dir`) into a fork's: a helper
+    /// QEMU of the same machine, in the caller's cgroup and never running its guest, loads
+    /// the whole state into `dest/memory` mapped shared (a sparse file: zero pages stay
+    /// holes), saves its devices beside it and quits; that state replaces the whole one.
+    fn make_memory_image(&self, dir: &Path, dest: &Path) -> Result<(), RuntimeError> {
+        let mut record = read_snapshot(dest)?;
+        let files_path = dir.join(MACHINE_FILES);
+        let parent: qemu::MachineFiles = serde_json::from_slice(
+            &std::fs::read(&files_path).map_err(RuntimeError::io(&files_path))?,
+        )
+        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", files_path.display())))?;
+        let image = dest.join(MEMORY_IMAGE);
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            // The parent's memory: the host's other users may not read it.
+            let f = std::fs::File::options()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&image)
+                .map_err(RuntimeError::io(&image))?;
+            f.set_len(record.shape.memory_mib << 20)
+                .map_err(RuntimeError::io(&image))?;
+        }
+        let mut disks = parent.disks.clone();
+        if let Some(upper) = disks.first_mut() {
+            // The copy: the parent runs on with its own.
+            *upper = dest.join("upper.img");
+        }
+        let files = qemu::MachineFiles {
+            disks,
+            port_socket: dest.join("maker-port.sock"),
+            qmp_socket: dest.join("maker-qmp.sock"),
+            console_log: dest.join("maker-console.log"),
+            incoming: Some(dest.join("state")),
+            extra_append: parent.extra_append.clone(),
+            netdev: None,
+            vnc_socket: None,
+            page_cached_slot: parent.page_cached_slot,
+            memory_image: Some(qemu::MemoryImage {
+                path: image,
+                shared: true,
+            }),
+        };
+        let log = dest.join("maker-qemu.log");
+        let mut child = Self::spawn_qemu(&self.cfg.qemu, &record.shape, &files, &log, None)?;
+        let made = (|| {
+            let mut qmp = qemu::Qmp::connect(&files.qmp_socket, Duration::from_secs(30))?;
+            qmp.wait_while("inmigrate", Duration::from_secs(120))?;
+            qmp.save_beside_memory(&dest.join(DEVICES_STATE))?;
+            let _ = qmp.execute("quit", serde_json::Value::Null);
+            Ok::<_, RuntimeError>(())
+        })()
+        .map_err(|e| RuntimeError::VmStart(format!("{e}; QEMU: {}", tail(&log))));
+        let _ = child.kill();
+        let _ = child.wait();
+        let _ = std::fs::remove_file(&log);
+        let _ = std::fs::remove_file(&files.console_log);
+        made?;
+        let state = dest.join("state");
+        std::fs::rename(dest.join(DEVICES_STATE), &state).map_err(RuntimeError::io(&state))?;
+        record.memory_image = Some(MEMORY_IMAGE.to_string());
+        write_snapshot_record(dest, &record)
     }
 }
 

@@ -46,6 +46,15 @@ impl Machine {
             Machine::Q35 => "q35",
         }
     }
+
+    /// The name of the guest's RAM block: the one QEMU gives its default memory backend
+    /// for this machine, so a machine's whole state loads over a named backend.
+    fn ram_id(&self) -> &'static str {
+        match self {
+            Machine::Microvm => "microvm.ram",
+            Machine::Q35 => "pc.ram",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,6 +140,22 @@ pub struct MachineFiles {
     /// image, which is a file on a layer's EROFS mount (no O_DIRECT there). Its page
     /// cache is the layer's, shared by every VM that boots the image.
     pub page_cached_slot: Option<usize>,
+    /// The guest's memory as a mapping of this image file instead of memory of QEMU's own
+    /// (see [`MemoryImage`]).
+    #[serde(default)]
+    pub memory_image: Option<MemoryImage>,
+}
+
+/// A fork's guest memory as a file. Its children map it privately (copy-on-write): the
+/// pages none of them writes are in the host's memory once, the image's page cache.
+/// Their `incoming` holds the devices' state only (saved with `x-ignore-shared`) and is
+/// loaded through QMP ([`Qmp::load_beside_image`]). The image is made by a machine that
+/// maps it shared and only loads the parent's whole state into it, never running.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MemoryImage {
+    pub path: PathBuf,
+    /// Mapped shared (the image's maker, whose loads write the file), else privately.
+    pub shared: bool,
 }
 
 /// The host TSC frequency in kHz: a TCG guest told it skips calibration, which otherwise
@@ -180,7 +205,25 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
         Machine::Microvm => "microvm,x-option-roms=off,rtc=on",
         Machine::Q35 => "q35,vmport=off",
     };
-    cmd.args(["-machine", machine, "-accel", shape.accel.as_str()]);
+    match &files.memory_image {
+        Some(image) => {
+            let ram = m.ram_id();
+            cmd.args([
+                "-object",
+                &format!(
+                    "memory-backend-file,id={ram},size={}M,mem-path={},share={}",
+                    shape.memory_mib,
+                    escape(&image.path),
+                    if image.shared { "on" } else { "off" }
+                ),
+            ]);
+            cmd.args(["-machine", &format!("{machine},memory-backend={ram}")]);
+        }
+        None => {
+            cmd.args(["-machine", machine]);
+        }
+    }
+    cmd.args(["-accel", shape.accel.as_str()]);
     cmd.args([
         "-cpu",
         if shape.accel == Accel::Kvm {
@@ -274,11 +317,18 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
     } else {
         cmd.arg("-nic").arg("none");
     }
-    if let Some(state) = &files.incoming {
+    match (&files.incoming, &files.memory_image) {
+        // Loaded once QMP has set `x-ignore-shared` (no command-line switch for it).
+        (Some(_), Some(image)) if !image.shared => {
+            cmd.args(["-incoming", "defer"]);
+        }
         // Runs as soon as the state is loaded: a guest that finds no host on its port
         // waits for one, so the channel need not be attached first.
-        cmd.arg("-incoming")
-            .arg(format!("exec:cat {}", shell_quote(state)));
+        (Some(state), _) => {
+            cmd.arg("-incoming")
+                .arg(format!("exec:cat {}", shell_quote(state)));
+        }
+        (None, _) => {}
     }
     cmd
 }
@@ -416,6 +466,62 @@ impl Qmp {
         }
     }
 
+    fn ignore_shared(&mut self, on: bool) -> Result<(), RuntimeError> {
+        self.execute(
+            "migrate-set-capabilities",
+            json!({"capabilities": [{"capability": "x-ignore-shared", "state": on}]}),
+        )
+        .map(|_| ())
+    }
+
+    /// Saves the paused machine's devices to `path`, without its memory (a shared memory
+    /// image, which stays as it is); the capability is off again after.
+    pub fn save_beside_memory(&mut self, path: &Path) -> Result<(), RuntimeError> {
+        self.ignore_shared(true)?;
+        let saved = self.save(path);
+        // Left on, it would change the format of every later save of this machine.
+        self.ignore_shared(false)?;
+        saved
+    }
+
+    /// Loads what [`Qmp::save_beside_memory`] saved into a machine started with
+    /// `-incoming defer` over the memory image, then turns the capability off again (a
+    /// later hibernation saves the whole machine).
+    pub fn load_beside_image(
+        &mut self,
+        state: &Path,
+        within: Duration,
+    ) -> Result<String, RuntimeError> {
+        self.ignore_shared(true)?;
+        self.execute(
+            "migrate-incoming",
+            json!({ "uri": format!("exec:cat {}", shell_quote(state)) }),
+        )?;
+        let deadline = Instant::now() + within;
+        loop {
+            let r = self.execute("query-migrate", Value::Null)?;
+            match r.get("status").and_then(Value::as_str) {
+                Some("completed") => break,
+                Some("failed") | Some("cancelled") => {
+                    return Err(RuntimeError::Qmp(format!(
+                        "loading the VM state {} failed: {}",
+                        state.display(),
+                        r.get("error-desc").and_then(Value::as_str).unwrap_or("?")
+                    )))
+                }
+                _ if Instant::now() > deadline => {
+                    return Err(RuntimeError::Qmp(format!(
+                        "loading the VM state {} took over {within:?}",
+                        state.display()
+                    )))
+                }
+                _ => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+        self.ignore_shared(false)?;
+        self.wait_while("inmigrate", within)
+    }
+
     /// Saves the paused machine's state to `path` (a migration to a file, throttle off).
     pub fn save(&mut self, path: &Path) -> Result<(), RuntimeError> {
         self.execute(
@@ -475,6 +581,7 @@ pub fn kvm_works(qemu: &Path, shape: &MachineShape, scratch: &Path) -> bool {
         netdev: None,
         vnc_socket: None,
         page_cached_slot: None,
+        memory_image: None,
     };
     let shape = MachineShape {
         accel: Accel::Kvm,
