@@ -288,6 +288,22 @@ impl CliHome {
 }
 
 /// A command's stdout and stderr as text.
+/// Checks a fork child's line "A B" of a counter the parent ran (its value read, then read
+/// again a moment later): it went on from `at_fork` and still counts in the child.
+pub fn assert_counter_went_on(child: &str, line: Option<&str>, at_fork: u64, output: &str) {
+    let counts: Vec<u64> = line
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|n| n.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        counts.len() == 2 && counts[0] >= at_fork && counts[1] > counts[0],
+        "{child}: the parent's process did not go on from {at_fork}: {output}"
+    );
+}
+
 pub fn text(o: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&o.stdout).into_owned(),

@@ -1080,18 +1080,7 @@ fn forks_of_a_container_each_continue_its_process_with_their_own_identity() {
         );
         names.insert(lines.get(1).map(|s| s.to_string()).unwrap_or_default());
         machine_ids.insert(lines.get(2).map(|s| s.to_string()).unwrap_or_default());
-        let counts: Vec<u64> = lines
-            .get(3)
-            .map(|l| {
-                l.split_whitespace()
-                    .filter_map(|n| n.parse().ok())
-                    .collect()
-            })
-            .unwrap_or_default();
-        assert!(
-            counts.len() == 2 && counts[0] >= at_fork && counts[1] > counts[0],
-            "{child}: the parent's process did not go on from {at_fork}: {stdout}"
-        );
+        strata_tests::home::assert_counter_went_on(child, lines.get(3).copied(), at_fork, &stdout);
     }
     assert_eq!(names.len(), CHILDREN, "children share a host name");
     assert_eq!(

@@ -497,27 +497,7 @@ impl Qmp {
             "migrate-incoming",
             json!({ "uri": format!("exec:cat {}", shell_quote(state)) }),
         )?;
-        let deadline = Instant::now() + within;
-        loop {
-            let r = self.execute("query-migrate", Value::Null)?;
-            match r.get("status").and_then(Value::as_str) {
-                Some("completed") => break,
-                Some("failed") | Some("cancelled") => {
-                    return Err(RuntimeError::Qmp(format!(
-                        "loading the VM state {} failed: {}",
-                        state.display(),
-                        r.get("error-desc").and_then(Value::as_str).unwrap_or("?")
-                    )))
-                }
-                _ if Instant::now() > deadline => {
-                    return Err(RuntimeError::Qmp(format!(
-                        "loading the VM state {} took over {within:?}",
-                        state.display()
-                    )))
-                }
-                _ => std::thread::sleep(Duration::from_millis(2)),
-            }
-        }
+        self.wait_migration(&format!("loading the VM state {}", state.display()), within)?;
         self.ignore_shared(false)?;
         self.wait_while("inmigrate", within)
     }
@@ -532,20 +512,28 @@ impl Qmp {
             "migrate",
             json!({ "uri": format!("exec:cat > {}", shell_quote(path)) }),
         )?;
-        let deadline = Instant::now() + Duration::from_secs(120);
+        self.wait_migration(
+            &format!("saving the VM state to {}", path.display()),
+            Duration::from_secs(120),
+        )
+    }
+
+    /// Waits for the migration in progress (a save or a load) to complete; `what` names
+    /// it in the error.
+    fn wait_migration(&mut self, what: &str, within: Duration) -> Result<(), RuntimeError> {
+        let deadline = Instant::now() + within;
         loop {
             let r = self.execute("query-migrate", Value::Null)?;
             match r.get("status").and_then(Value::as_str) {
                 Some("completed") => return Ok(()),
                 Some("failed") | Some("cancelled") => {
                     return Err(RuntimeError::Qmp(format!(
-                        "saving the VM state to {} failed: {}",
-                        path.display(),
+                        "{what} failed: {}",
                         r.get("error-desc").and_then(Value::as_str).unwrap_or("?")
                     )))
                 }
                 _ if Instant::now() > deadline => {
-                    return Err(RuntimeError::Qmp("saving the VM state timed out".into()))
+                    return Err(RuntimeError::Qmp(format!("{what} took over {within:?}")))
                 }
                 _ => std::thread::sleep(Duration::from_millis(2)),
             }
