@@ -152,12 +152,19 @@ impl Sandbox {
         &self,
         f: impl FnOnce(&dyn SandboxBackend, &SandboxRef) -> Result<T, RuntimeError>,
     ) -> Result<T, RuntimeError> {
-        // As it is on disk: a wake (by any handle or process) starts a new init, and the
-        // calls that reach it by PID (a snapshot's checkpoint, a port, the network) must
-        // find that one.
+        self.with_record(&self.record, f)
+    }
+
+    /// [`Sandbox::with_backend`] with the record read again, for the calls that reach the
+    /// sandbox's init by PID (a snapshot's checkpoint, a port, the network): a wake (by
+    /// any handle or process) starts a new init, which this handle's record does not name.
+    fn with_current<T>(
+        &self,
+        f: impl FnOnce(&dyn SandboxBackend, &SandboxRef) -> Result<T, RuntimeError>,
+    ) -> Result<T, RuntimeError> {
         match self.rt.load(&self.record.id) {
             Ok(record) => self.with_record(&record, f),
-            Err(_) => self.with_record(&self.record, f),
+            Err(_) => self.with_backend(f),
         }
     }
 
@@ -522,7 +529,7 @@ impl Sandbox {
         self.awake()?;
         // No command runs meanwhile: the disk copy and the memory state must agree.
         let _lock = DirLock::take(&self.dir(), true, true)?;
-        let info = self.with_backend(take)?;
+        let info = self.with_current(take)?;
         self.rt.audit(&self.record.id).record(
             event,
             json!({"dir": dest, "state_bytes": info.state_bytes, "disk_bytes": info.disk_bytes,
@@ -609,7 +616,7 @@ impl Sandbox {
     pub fn connect_port(&self, port: u16) -> Result<crate::PortStream, RuntimeError> {
         self.awake()?;
         self.rt.touch(&self.record.id);
-        self.with_backend(|b, sb| b.connect_port(sb, port))
+        self.with_current(|b, sb| b.connect_port(sb, port))
     }
 
     /// Every process in the sandbox (inside a VM, their host PID is 0).
@@ -671,7 +678,7 @@ impl Sandbox {
             self.update_record(|r| r.spec.network = rules.clone())?;
         }
         let networks = self.rt.networks().clone();
-        match self.with_backend(|b, sb| b.set_network(sb, &networks, &rules)) {
+        match self.with_current(|b, sb| b.set_network(sb, &networks, &rules)) {
             Ok(()) => {
                 if rules.is_empty() {
                     self.update_record(|r| r.spec.network.clear())?;

@@ -800,7 +800,11 @@ impl VmBackend {
                         shape
                     )));
                 }
-                Some(snapshot.join("state"))
+                Some(snapshot.join(if memory_image.is_some() {
+                    DEVICES_STATE
+                } else {
+                    "state"
+                }))
             }
             None if self.cfg.templates && fits_template(&slots) => Some(self.template(&shape)?),
             None => None,
@@ -1159,11 +1163,7 @@ impl SandboxBackend for VmBackend {
             &std::fs::read(&machine_path).map_err(RuntimeError::io(&machine_path))?,
             SNAPSHOT_FORMAT,
         )?;
-        let files_path = dir.join(MACHINE_FILES);
-        let mut files: qemu::MachineFiles = serde_json::from_slice(
-            &std::fs::read(&files_path).map_err(RuntimeError::io(&files_path))?,
-        )
-        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", files_path.display())))?;
+        let mut files = read_machine_files(dir)?;
         files.incoming = Some(from.join("state"));
         let l = &sb.record.spec.limits;
         sb.cgroup
@@ -1251,17 +1251,21 @@ impl SandboxBackend for VmBackend {
                 let _ = std::fs::remove_file(dest.join(name));
             }
         }
-        for name in ["maker-qmp.sock", "maker-port.sock"] {
-            let _ = std::fs::remove_file(dest.join(name));
-        }
         info.millis += t.elapsed().as_secs_f64() * 1e3;
         Ok(info)
     }
 }
 
-/// A fork snapshot's memory image, and the devices' state saved beside it.
+/// A fork snapshot's memory image, and the devices' state saved beside it (its children
+/// load that instead of `state`).
 const MEMORY_IMAGE: &str = "memory";
 const DEVICES_STATE: &str = "devices.state";
+
+fn read_machine_files(dir: &Path) -> Result<qemu::MachineFiles, RuntimeError> {
+    let path = dir.join(MACHINE_FILES);
+    serde_json::from_slice(&std::fs::read(&path).map_err(RuntimeError::io(&path))?)
+        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", path.display())))
+}
 
 fn write_snapshot_record(dest: &Path, record: &SnapshotRecord) -> Result<(), RuntimeError> {
     let path = dest.join("snapshot.json");
@@ -1273,14 +1277,11 @@ impl VmBackend {
     /// Turns the snapshot in `dest` (of the machine in `dir`) into a fork's: a helper
     /// QEMU of the same machine, in the caller's cgroup and never running its guest, loads
     /// the whole state into `dest/memory` mapped shared (a sparse file: zero pages stay
-    /// holes), saves its devices beside it and quits; that state replaces the whole one.
+    /// holes), saves its devices beside it (`devices.state`, what the children load) and
+    /// quits; the record then names the image.
     fn make_memory_image(&self, dir: &Path, dest: &Path) -> Result<(), RuntimeError> {
         let mut record = read_snapshot(dest)?;
-        let files_path = dir.join(MACHINE_FILES);
-        let parent: qemu::MachineFiles = serde_json::from_slice(
-            &std::fs::read(&files_path).map_err(RuntimeError::io(&files_path))?,
-        )
-        .map_err(|e| RuntimeError::Invalid(format!("{}: {e}", files_path.display())))?;
+        let parent = read_machine_files(dir)?;
         let image = dest.join(MEMORY_IMAGE);
         {
             use std::os::unix::fs::OpenOptionsExt;
@@ -1326,11 +1327,16 @@ impl VmBackend {
         .map_err(|e| RuntimeError::VmStart(format!("{e}; QEMU: {}", tail(&log))));
         let _ = child.kill();
         let _ = child.wait();
-        let _ = std::fs::remove_file(&log);
-        let _ = std::fs::remove_file(&files.console_log);
+        for p in [
+            &log,
+            &files.console_log,
+            &files.qmp_socket,
+            &files.port_socket,
+        ] {
+            let _ = std::fs::remove_file(p);
+        }
         made?;
-        let state = dest.join("state");
-        std::fs::rename(dest.join(DEVICES_STATE), &state).map_err(RuntimeError::io(&state))?;
+        // Named last: until then the snapshot is a whole one.
         record.memory_image = Some(MEMORY_IMAGE.to_string());
         write_snapshot_record(dest, &record)
     }
