@@ -16,7 +16,7 @@ use std::path::Path;
 
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
-use strata_agent_proto::policy::{self, DENIED_SYSCALLS, KEPT_CAPS};
+use strata_agent_proto::policy::{self, KEPT_CAPS};
 
 use crate::sys;
 
@@ -27,17 +27,6 @@ pub const DEV_LINKS: [(&str, &str); 5] = [
     ("stdin", "/proc/self/fd/0"),
     ("stdout", "/proc/self/fd/1"),
     ("stderr", "/proc/self/fd/2"),
-];
-
-const NAMESPACE_FLAGS: [u64; 8] = [
-    libc::CLONE_NEWNS as u64,
-    libc::CLONE_NEWCGROUP as u64,
-    libc::CLONE_NEWUTS as u64,
-    libc::CLONE_NEWIPC as u64,
-    libc::CLONE_NEWUSER as u64,
-    libc::CLONE_NEWPID as u64,
-    libc::CLONE_NEWNET as u64,
-    0x80, // CLONE_NEWTIME
 ];
 
 pub fn enter(rootfs: &Path, hostname: &str) -> Result<(), String> {
@@ -51,6 +40,13 @@ pub fn enter(rootfs: &Path, hostname: &str) -> Result<(), String> {
             .restrict_self()
             .map_err(|e| format!("landlock: {e}"))?;
     }
+    apply_seccomp()
+}
+
+/// Loads the policy's seccomp filters on this process (and so on everything it forks).
+/// A container's init loads them over the OCI runtime's filter, which cannot carry the
+/// argument refusals.
+pub fn apply_seccomp() -> Result<(), String> {
     for prog in seccomp_programs()? {
         seccompiler::apply_filter(&prog).map_err(|e| format!("seccomp: {e}"))?;
     }
@@ -318,49 +314,68 @@ fn scope_rules() -> Result<landlock::RulesetCreated, String> {
         .map_err(err)
 }
 
+/// The policy's seccomp filters, in the order they are loaded: the allowlist (every
+/// listed syscall passes, an unlisted one is answered ENOSYS), then the refusals (EPERM for
+/// the denied syscalls and for the denied arguments of `ioctl`, `clone` and `socket`). The
+/// kernel takes the strictest answer of the two, so no call depends on rule order.
 fn seccomp_programs() -> Result<Vec<seccompiler::BpfProgram>, String> {
     use seccompiler::{
         SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
         SeccompRule, TargetArch,
     };
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED_SYSCALLS
-        .iter()
-        .map(|(_, nr)| (*nr, Vec::new()))
+    let err = |e: seccompiler::BackendError| format!("seccomp: {e}");
+    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
+    let known: BTreeMap<i64, Vec<SeccompRule>> = policy::resolve(policy::ALLOWED_SYSCALLS)
+        .chain(policy::resolve(policy::DENIED_SYSCALLS))
+        .map(|(_, nr)| (nr, Vec::new()))
         .collect();
-    // clone with any namespace flag: new namespaces only come from the runtime.
-    let clone_rules = NAMESPACE_FLAGS
+    let allowlist = SeccompFilter::new(
+        known,
+        SeccompAction::Errno(policy::UNLISTED_ERRNO as u32),
+        SeccompAction::Allow,
+        arch,
+    )
+    .map_err(err)?;
+
+    let mut refused: BTreeMap<i64, Vec<SeccompRule>> = policy::resolve(policy::DENIED_SYSCALLS)
+        .map(|(_, nr)| (nr, Vec::new()))
+        .collect();
+    let when = |arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, value: u64| {
+        SeccompCondition::new(arg, len, op, value)
+            .and_then(|c| SeccompRule::new(vec![c]))
+            .map_err(err)
+    };
+    // The request is an unsigned int: its low 32 bits are what the kernel reads.
+    let ioctls = policy::DENIED_IOCTLS
         .iter()
-        .map(|flag| {
-            SeccompRule::new(vec![SeccompCondition::new(
-                0,
-                SeccompCmpArgLen::Qword,
-                SeccompCmpOp::MaskedEq(*flag),
-                *flag,
+        .map(|r| {
+            when(
+                1,
+                SeccompCmpArgLen::Dword,
+                SeccompCmpOp::MaskedEq(r.mask.into()),
+                r.value.into(),
             )
-            .map_err(|e| format!("seccomp: {e}"))?])
-            .map_err(|e| format!("seccomp: {e}"))
         })
         .collect::<Result<Vec<_>, String>>()?;
-    rules.insert(libc::SYS_clone, clone_rules);
-    let filter = SeccompFilter::new(
-        rules,
+    let clones = policy::NAMESPACE_FLAGS
+        .iter()
+        .map(|f| when(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(*f), *f))
+        .collect::<Result<Vec<_>, String>>()?;
+    let sockets = policy::DENIED_SOCKET_FAMILIES
+        .iter()
+        .map(|(_, family)| when(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, *family))
+        .collect::<Result<Vec<_>, String>>()?;
+    refused.insert(libc::SYS_ioctl, ioctls);
+    refused.insert(libc::SYS_clone, clones);
+    refused.insert(libc::SYS_socket, sockets);
+    let refusals = SeccompFilter::new(
+        refused,
         SeccompAction::Allow,
         SeccompAction::Errno(libc::EPERM as u32),
-        TargetArch::x86_64,
+        arch,
     )
-    .map_err(|e| format!("seccomp: {e}"))?;
-    // clone3 passes its flags in memory seccomp cannot read: refuse it so libc falls back
-    // to clone, which the rules above inspect.
-    let mut clone3 = BTreeMap::new();
-    clone3.insert(libc::SYS_clone3, Vec::new());
-    let clone3_filter = SeccompFilter::new(
-        clone3,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::ENOSYS as u32),
-        TargetArch::x86_64,
-    )
-    .map_err(|e| format!("seccomp: {e}"))?;
-    [clone3_filter, filter]
+    .map_err(err)?;
+    [allowlist, refusals]
         .into_iter()
         .map(|f| f.try_into().map_err(|e| format!("seccomp: {e:?}")))
         .collect()

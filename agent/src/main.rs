@@ -82,6 +82,7 @@ fn container_init() -> Result<(), String> {
     // executable among them): a process checkpoint saves every descriptor.
     sys::close_all_but(listen);
     close_inherited_stdio();
+    confine::apply_seccomp()?;
     serve::serve_parkable(listener, confine::Jail::scope());
     Ok(())
 }

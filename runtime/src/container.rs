@@ -19,11 +19,11 @@ use std::sync::mpsc;
 
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCpuBuilder, LinuxMemoryBuilder, LinuxPidsBuilder,
-    LinuxResourcesBuilder, LinuxSeccompAction, LinuxSeccompBuilder, LinuxSyscallBuilder, Mount,
-    MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec,
-    UserBuilder,
+    LinuxResourcesBuilder, LinuxSeccomp, LinuxSeccompAction, LinuxSeccompBuilder,
+    LinuxSyscallBuilder, Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder,
+    RootBuilder, Spec, UserBuilder,
 };
-use strata_agent_proto::policy::{self, DENIED_SYSCALLS, KEPT_CAPS};
+use strata_agent_proto::policy::{self, KEPT_CAPS};
 
 use crate::backend::{HibernateInfo, Host, NewSandbox, SandboxBackend, SandboxRef, SnapshotInfo};
 use crate::cgroup::Cgroup;
@@ -308,22 +308,7 @@ impl ContainerBackend {
             .cpu(cpu.build().map_err(bad)?)
             .build()
             .map_err(bad)?;
-        let seccomp = LinuxSeccompBuilder::default()
-            .default_action(LinuxSeccompAction::ScmpActAllow)
-            .architectures(vec![oci_spec::runtime::Arch::ScmpArchX86_64])
-            .syscalls(vec![LinuxSyscallBuilder::default()
-                .names(
-                    DENIED_SYSCALLS
-                        .iter()
-                        .map(|(n, _)| n.to_string())
-                        .collect::<Vec<_>>(),
-                )
-                .action(LinuxSeccompAction::ScmpActErrno)
-                .errno_ret(libc::EPERM as u32)
-                .build()
-                .map_err(bad)?])
-            .build()
-            .map_err(bad)?;
+        let seccomp = oci_seccomp().map_err(bad)?;
         let linux = LinuxBuilder::default()
             .namespaces(
                 oci_spec::runtime::get_default_namespaces()
@@ -890,4 +875,37 @@ impl SandboxBackend for ContainerBackend {
             let _ = std::fs::remove_dir_all(engine.state_root.join(id));
         }
     }
+}
+
+/// The policy's seccomp filter in OCI terms (libseccomp builds it in crun or runc): the
+/// allowlist passes, denied syscalls are answered EPERM, unlisted ones ENOSYS. The denied
+/// arguments of `ioctl`, `clone` and `socket` are not here: libseccomp drops a syscall's
+/// rules with arguments beside its unconditional allow, and cannot say "any request but
+/// these" in one rule, so the static agent, the container's init, loads the policy's own
+/// filters on top (its `seccomp_programs`), which every command inherits.
+fn oci_seccomp() -> Result<LinuxSeccomp, oci_spec::OciSpecError> {
+    let names = |list: &'static [&'static str]| -> Vec<String> {
+        policy::resolve(list).map(|(n, _)| n.to_string()).collect()
+    };
+    let syscalls = vec![
+        LinuxSyscallBuilder::default()
+            .names(names(policy::ALLOWED_SYSCALLS))
+            .action(LinuxSeccompAction::ScmpActAllow)
+            .build()?,
+        LinuxSyscallBuilder::default()
+            .names(names(policy::DENIED_SYSCALLS))
+            .action(LinuxSeccompAction::ScmpActErrno)
+            .errno_ret(libc::EPERM as u32)
+            .build()?,
+    ];
+    LinuxSeccompBuilder::default()
+        .default_action(LinuxSeccompAction::ScmpActErrno)
+        .default_errno_ret(policy::UNLISTED_ERRNO as u32)
+        .architectures(vec![if cfg!(target_arch = "aarch64") {
+            oci_spec::runtime::Arch::ScmpArchAarch64
+        } else {
+            oci_spec::runtime::Arch::ScmpArchX86_64
+        }])
+        .syscalls(syscalls)
+        .build()
 }

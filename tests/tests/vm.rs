@@ -124,7 +124,9 @@ fn a_guests_kernel_files_are_masked_and_its_settings_read_only() {
     let Some(env) = env("vm_kernel_files") else {
         return;
     };
-    env.assert_kernel_files_hidden("microvm");
+    for backend in ["microvm", "vm"] {
+        env.assert_kernel_files_hidden(backend);
+    }
 }
 
 #[test]
@@ -133,7 +135,9 @@ fn a_guests_dangerous_syscalls_are_refused() {
     let Some(env) = env("vm_syscalls") else {
         return;
     };
-    env.assert_dangerous_syscalls_refused("microvm");
+    for backend in ["microvm", "vm"] {
+        env.assert_dangerous_syscalls_refused(backend);
+    }
 }
 
 #[test]
