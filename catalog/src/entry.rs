@@ -186,6 +186,72 @@ pub struct Entry {
     /// A full VM's root from a whole disk image instead of the base layer's tree.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub disk_image: Option<DiskImage>,
+    /// How the entry's grading commands see an agent's work (`strata sandbox evaluate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluator: Option<Evaluator>,
+}
+
+/// What an evaluation adds to the agent's committed changes: the grader's own files, which
+/// the agent's sandbox never has, and the paths of the stack the agent must not have
+/// changed for grading (the workspace's tests). Both are mounted read-only in the
+/// evaluation sandbox, so neither the agent's changes nor its code running under the
+/// grader can alter them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Evaluator {
+    /// A layer (ID, prefix or `name@version`, resolved at registration) holding the
+    /// grader's files, mounted read-only at `mount`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<String>,
+    /// Where the evaluator layer is mounted in the evaluation sandbox.
+    #[serde(default = "default_evaluator_mount")]
+    pub mount: String,
+    /// Absolute paths whose content under grading is the entry's layers', read-only: the
+    /// agent's changes under them are dropped before grading.
+    #[serde(default)]
+    pub protect: Vec<String>,
+}
+
+fn default_evaluator_mount() -> String {
+    "/evaluator".into()
+}
+
+/// Checks `path` is absolute, normal (no `.`, `..` or empty parts) and not the root or a
+/// kernel file system: something a read-only mount may cover.
+fn validate_mount_path(field: &str, path: &str) -> Result<(), CatalogError> {
+    let parts: Vec<&str> = path.split('/').skip(1).collect();
+    let normal = path.starts_with('/')
+        && !parts.is_empty()
+        && parts
+            .iter()
+            .all(|p| !p.is_empty() && *p != "." && *p != "..");
+    if !normal || path.len() > 1024 {
+        return Err(CatalogError::Invalid(format!(
+            "{field} `{path}` must be an absolute path without `.`, `..` or `//` (e.g. /work/tests)"
+        )));
+    }
+    if matches!(parts[0], "proc" | "sys" | "dev") {
+        return Err(CatalogError::Invalid(format!(
+            "{field} `{path}` is under /{}, which the sandbox's kernel file systems cover",
+            parts[0]
+        )));
+    }
+    Ok(())
+}
+
+impl Evaluator {
+    pub fn validate(&self) -> Result<(), CatalogError> {
+        validate_mount_path("evaluator.mount", &self.mount)?;
+        for p in &self.protect {
+            validate_mount_path("evaluator.protect", p)?;
+        }
+        if self.protect.len() > 64 {
+            return Err(CatalogError::Invalid(
+                "evaluator.protect lists more than 64 paths".into(),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A raw disk image (partition table and all) carried as a file of the base layer, for an
@@ -273,6 +339,9 @@ impl Entry {
                 )));
             }
         }
+        if let Some(e) = &self.evaluator {
+            e.validate()?;
+        }
         if let Some(w) = &self.workdir {
             if !w.starts_with('/') {
                 return Err(CatalogError::Invalid(format!(
@@ -288,6 +357,13 @@ impl Entry {
         let mut v: Vec<&str> = self.toolkits.iter().map(String::as_str).collect();
         v.extend(self.workspace.as_deref());
         v.push(&self.base);
+        v
+    }
+
+    /// Every layer the entry needs: its stack, then the evaluator's layer.
+    pub fn all_layers(&self) -> Vec<&str> {
+        let mut v = self.layers();
+        v.extend(self.evaluator.as_ref().and_then(|e| e.layer.as_deref()));
         v
     }
 }
@@ -347,6 +423,16 @@ test = "python3 -m pytest -q"
         let image = image.replace("\"container\"", "\"vm\"");
         let e = Entry::from_toml(&image, "x").unwrap();
         assert_eq!(e.disk_image.unwrap().path, "/disk.img");
+        let graded =
+            format!("{SAMPLE}[evaluator]\nlayer = \"dddd\"\nprotect = [\"/work/tests\"]\n");
+        let e = Entry::from_toml(&graded, "x").unwrap();
+        assert_eq!(e.all_layers(), vec!["cccc", "bbbb", "aaaa", "dddd"]);
+        assert_eq!(e.evaluator.as_ref().unwrap().mount, "/evaluator");
+        for bad in ["work/tests", "/work/../etc", "/work//tests", "/", "/proc/x"] {
+            let t = graded.replace("/work/tests", bad);
+            let err = Entry::from_toml(&t, "x").unwrap_err().to_string();
+            assert!(err.contains("evaluator.protect"), "{bad}: {err}");
+        }
         let relative = image.replace("/disk.img", "disk.img");
         assert!(Entry::from_toml(&relative, "x").is_err());
         assert!(parse_ref("a/b@").is_err());

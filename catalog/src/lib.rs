@@ -29,7 +29,7 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload}
 use serde::{Deserialize, Serialize};
 use strata_store::{Digest, Store};
 
-pub use entry::{parse_ref, parse_size, Backend, Budgets, DiskImage, Entry};
+pub use entry::{parse_ref, parse_size, Backend, Budgets, DiskImage, Entry, Evaluator};
 
 #[derive(Debug, thiserror::Error)]
 pub enum CatalogError {
@@ -295,7 +295,13 @@ impl Catalog {
             toolkits.push(resolve(t).await?);
         }
         entry.toolkits = toolkits;
-        for layer in entry.layers() {
+        if let Some(layer) = entry.evaluator.as_mut().and_then(|e| e.layer.take()) {
+            let resolved = resolve(layer).await?;
+            if let Some(e) = entry.evaluator.as_mut() {
+                e.layer = Some(resolved);
+            }
+        }
+        for layer in entry.all_layers() {
             let d = layer
                 .parse()
                 .map_err(|_| CatalogError::Invalid(format!("bad layer ID {layer}")))?;
@@ -552,7 +558,7 @@ impl Catalog {
             .await?;
         let mut users: BTreeMap<Digest, Vec<String>> = BTreeMap::new();
         for r in entries {
-            for layer in r.entry.layers() {
+            for layer in r.entry.all_layers() {
                 if wanted.contains(layer) {
                     if let Ok(d) = layer.parse::<Digest>() {
                         users.entry(d).or_default().push(r.reference());

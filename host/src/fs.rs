@@ -195,16 +195,47 @@ struct OpenHow {
 }
 
 const RESOLVE_NO_MAGICLINKS: u64 = 0x02;
+const RESOLVE_NO_SYMLINKS: u64 = 0x04;
+const RESOLVE_BENEATH: u64 = 0x08;
 const RESOLVE_IN_ROOT: u64 = 0x10;
 
 /// Opens `rel` as if `root` were `/` (`openat2` with `RESOLVE_IN_ROOT`): symlinks and `..`
 /// never leave it, magic links are refused. Close-on-exec.
 pub fn open_in_root(root: &File, rel: &str, flags: i32, mode: u32) -> io::Result<OwnedFd> {
+    openat2(
+        root,
+        rel,
+        flags,
+        mode,
+        RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS,
+    )
+}
+
+/// Opens `rel` beneath the directory `root` without following any symlink on the way
+/// (`openat2` with `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS`): a symlink anywhere in the path
+/// fails with `ELOOP`, `..` out of `root` with `EXDEV`. Close-on-exec.
+pub fn open_beneath(root: &impl AsRawFd, rel: &str, flags: i32, mode: u32) -> io::Result<OwnedFd> {
+    openat2(
+        root,
+        rel,
+        flags,
+        mode,
+        RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+    )
+}
+
+fn openat2(
+    root: &impl AsRawFd,
+    rel: &str,
+    flags: i32,
+    mode: u32,
+    resolve: u64,
+) -> io::Result<OwnedFd> {
     let c = CString::new(rel).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     let how = OpenHow {
         flags: (flags | libc::O_CLOEXEC) as u64,
         mode: mode as u64,
-        resolve: RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS,
+        resolve,
     };
     // SAFETY: openat2 with a valid dirfd, path and open_how of the size we pass.
     let fd = unsafe {
@@ -273,5 +304,12 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::NotFound);
         mkdir_at(&root, "d").unwrap();
         assert!(dir.path().join("root/d").is_dir());
+        // Beneath, no symlink is followed at all, and `..` cannot leave.
+        std::os::unix::fs::symlink("d", dir.path().join("root/inner")).unwrap();
+        let e = open_beneath(&root, "inner", libc::O_PATH, 0).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::ELOOP));
+        let e = open_beneath(&root, "../root", libc::O_PATH, 0).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EXDEV));
+        assert!(open_beneath(&root, "d", libc::O_PATH | libc::O_DIRECTORY, 0).is_ok());
     }
 }

@@ -26,6 +26,23 @@ pub struct Changes {
     pub(crate) release: Release,
 }
 
+impl Changes {
+    /// The changes an upper directory holds over `lowers` with nothing held still and
+    /// nothing to give back: an upper no sandbox writes any more, or a test's.
+    pub fn of_dir(
+        upper: &std::path::Path,
+        lowers: Vec<PathBuf>,
+        runtime_paths: Vec<String>,
+    ) -> Changes {
+        Changes {
+            upper: upper.to_path_buf(),
+            lowers,
+            runtime_paths,
+            release: Release::Nothing,
+        }
+    }
+}
+
 /// How a view is given back.
 pub(crate) enum Release {
     /// Nothing to undo (the sandbox was paused already).

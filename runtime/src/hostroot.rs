@@ -36,6 +36,7 @@ pub(crate) fn prepare(
     let t_upper = t.elapsed();
     let paths = rootfs::RootfsPaths::new(new.dir, &upper_dir, new.spec.layers.len());
     rootfs::assemble(host.lazyfs, &new.spec.layers, &paths, &host.facts)?;
+    rootfs::mount_views(host.lazyfs, new.dir, &paths.merged, &new.spec.views)?;
     let netns = if new.spec.network.is_empty() {
         None
     } else {

@@ -51,7 +51,7 @@ pub use files::FileEntry;
 pub use network::public_ranges;
 pub use record::{EndReason, SandboxRecord, RECORD_FORMAT};
 pub use sandbox::Sandbox;
-pub use spec::{base_env, local_identity, Limits, NetRule, Overrides, SandboxSpec};
+pub use spec::{base_env, local_identity, Limits, NetRule, Overrides, ReadonlyView, SandboxSpec};
 pub use vm::VmConfig;
 
 use backend::{Host, NewSandbox, SandboxBackend};
@@ -548,6 +548,12 @@ impl Runtime {
                 "a sandbox needs at least a base layer".into(),
             ));
         }
+        if !spec.views.is_empty() && matches!(spec.backend, Backend::Microvm | Backend::Vm) {
+            return Err(RuntimeError::Unsupported(format!(
+                "read-only views (an evaluator layer, protected paths) are mounted by the host: evaluate on fncall or container, not {}",
+                spec.backend.as_str()
+            )));
+        }
         let id = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
         let dir = self.sandbox_dir(&id);
         std::fs::create_dir_all(&dir).map_err(RuntimeError::io(&dir))?;
@@ -989,6 +995,7 @@ mod tests {
                 display: false,
                 disk_image: None,
                 privileged: false,
+                views: Vec::new(),
             },
             created_ms: 0,
             init_pid: 100,

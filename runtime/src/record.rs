@@ -152,6 +152,7 @@ mod tests {
                 display: false,
                 disk_image: None,
                 privileged: false,
+                views: Vec::new(),
             },
             created_ms: 1,
             init_pid: 2,

@@ -1,6 +1,7 @@
 //! A sandbox's root filesystem: each layer bound read-only from its one shared lazyfs
 //! mount (the binds are the reference count: lazyfs detaches a layer when its last bind
-//! goes), stacked with overlayfs `toolkits:workspace:base` under the sandbox's quota'd upper.
+//! goes), stacked with overlayfs `toolkits:workspace:base` under the sandbox's quota'd upper;
+//! and the read-only views an evaluation mounts over it (`views/<i>/`).
 
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
@@ -9,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use strata_lazyfs::{mounts, Attached, LazyError, Request, Response};
 
-use crate::{LazyfsAccess, RuntimeError};
+use crate::{LazyfsAccess, ReadonlyView, RuntimeError};
 
 /// Paths of one sandbox's root filesystem.
 #[derive(Debug, Clone)]
@@ -231,6 +232,178 @@ fn whiteout_dirs(facts: &Path, id: &str, root: &Path) -> Result<Vec<PathBuf>, Ru
     Ok(dirs.into_iter().collect())
 }
 
+/// Mounts each of `views` over the root at `merged`, in order: the view's layers bound
+/// under `<sandbox_dir>/views/<i>/` (one layer is its own tree, several are stacked by an
+/// overlay without an upper, so read-only), its `from` bound at `at`, then made read-only,
+/// nosuid and nodev. Neither path may pass a symlink: the root's files are the sandbox's
+/// (an agent's committed changes), and a symlink there must not move the mount, least of
+/// all out of the root. Missing directories on the way to `at` are made.
+pub fn mount_views(
+    lazyfs: &LazyfsAccess,
+    sandbox_dir: &Path,
+    merged: &Path,
+    views: &[ReadonlyView],
+) -> Result<(), RuntimeError> {
+    if views.is_empty() {
+        return Ok(());
+    }
+    let dir = |i: usize| sandbox_dir.join("views").join(i.to_string());
+    let mut binds = Vec::new();
+    for (i, view) in views.iter().enumerate() {
+        if view.layers.is_empty() {
+            return Err(RuntimeError::Invalid(format!(
+                "the read-only view at {} has no layers",
+                view.at
+            )));
+        }
+        for (j, layer) in view.layers.iter().enumerate() {
+            let d = dir(i).join(j.to_string());
+            std::fs::create_dir_all(&d).map_err(RuntimeError::io(&d))?;
+            binds.push((layer.clone(), d));
+        }
+    }
+    let mut client = lazyfs.client()?;
+    match client.call(&Request::MountMany { binds })? {
+        Response::AttachedMany { .. } => {}
+        other => {
+            return Err(RuntimeError::Setup(format!(
+                "lazyfs answered {other:?} to mounting the views' layers"
+            )))
+        }
+    }
+    let open_dir = |p: &Path| {
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+            .open(p)
+            .map_err(RuntimeError::io(p))
+    };
+    let root = open_dir(merged)?;
+    for (i, view) in views.iter().enumerate() {
+        let tree = if view.layers.len() == 1 {
+            dir(i).join("0")
+        } else {
+            let lowers = (0..view.layers.len())
+                .map(|j| open_dir(&dir(i).join(j.to_string())))
+                .collect::<Result<Vec<_>, _>>()?;
+            let named = |f: &std::fs::File| format!("/proc/self/fd/{}", f.as_raw_fd());
+            let data = format!(
+                "lowerdir={}",
+                lowers.iter().map(named).collect::<Vec<_>>().join(":")
+            );
+            let target = dir(i).join("root");
+            std::fs::create_dir_all(&target).map_err(RuntimeError::io(&target))?;
+            nix::mount::mount(
+                Some("strata"),
+                &target,
+                Some("overlay"),
+                nix::mount::MsFlags::MS_RDONLY,
+                Some(data.as_str()),
+            )
+            .map_err(|e| RuntimeError::Setup(format!("overlay of the view at {}: {e}", view.at)))?;
+            target
+        };
+        let tree = open_dir(&tree)?;
+        let from = view.from.trim_start_matches('/');
+        let source = if from.is_empty() {
+            tree.try_clone().map(std::os::fd::OwnedFd::from)
+        } else {
+            strata_host::fs::open_beneath(&tree, from, libc::O_PATH, 0)
+        }
+        .map_err(|e| {
+            RuntimeError::Invalid(format!(
+                "{} is not in the layers of the view at {} without a symlink: {e}",
+                view.from, view.at
+            ))
+        })?;
+        let is_dir = std::fs::File::from(source.try_clone().map_err(RuntimeError::io(merged))?)
+            .metadata()
+            .map_err(RuntimeError::io(merged))?
+            .is_dir();
+        let target = mount_target(&root, &view.at, is_dir)?;
+        let fd_path =
+            |fd: &std::os::fd::OwnedFd| PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+        nix::mount::mount(
+            Some(&fd_path(&source)),
+            &fd_path(&target),
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|e| RuntimeError::Setup(format!("binding the view at {}: {e}", view.at)))?;
+        // The path now crosses into the bind: its root is what is made read-only.
+        let mounted =
+            strata_host::fs::open_beneath(&root, view.at.trim_start_matches('/'), libc::O_PATH, 0)
+                .map_err(RuntimeError::io(Path::new(&view.at)))?;
+        use nix::mount::MsFlags;
+        nix::mount::mount(
+            None::<&str>,
+            &fd_path(&mounted),
+            None::<&str>,
+            MsFlags::MS_REMOUNT
+                | MsFlags::MS_BIND
+                | MsFlags::MS_RDONLY
+                | MsFlags::MS_NOSUID
+                | MsFlags::MS_NODEV,
+            None::<&str>,
+        )
+        .map_err(|e| {
+            RuntimeError::Setup(format!("making the view at {} read-only: {e}", view.at))
+        })?;
+    }
+    Ok(())
+}
+
+/// Opens (making what is missing) the path `at` under `root` as a mount target: a
+/// directory, or an empty file when the source is one. No symlink is followed on the way.
+fn mount_target(
+    root: &std::fs::File,
+    at: &str,
+    is_dir: bool,
+) -> Result<std::os::fd::OwnedFd, RuntimeError> {
+    use std::os::fd::OwnedFd;
+    let refused = |e: std::io::Error, part: &str| {
+        if e.raw_os_error() == Some(libc::ELOOP) {
+            RuntimeError::Invalid(format!(
+                "cannot mount at {at}: the sandbox's root has a symlink at {part} on the way"
+            ))
+        } else {
+            RuntimeError::Invalid(format!("cannot mount at {at} ({part}): {e}"))
+        }
+    };
+    let parts: Vec<&str> = at.split('/').filter(|p| !p.is_empty()).collect();
+    let mut cur: OwnedFd = root
+        .try_clone()
+        .map(OwnedFd::from)
+        .map_err(RuntimeError::io(Path::new(at)))?;
+    for (n, part) in parts.iter().enumerate() {
+        let last = n + 1 == parts.len();
+        let so_far = format!("/{}", parts[..=n].join("/"));
+        if last && !is_dir {
+            return strata_host::fs::open_beneath(&cur, part, libc::O_PATH | libc::O_NOFOLLOW, 0)
+                .or_else(|e| {
+                    if e.kind() != std::io::ErrorKind::NotFound {
+                        return Err(e);
+                    }
+                    strata_host::fs::open_beneath(&cur, part, libc::O_CREAT | libc::O_WRONLY, 0o644)
+                })
+                .map_err(|e| refused(e, &so_far));
+        }
+        let open = |cur: &OwnedFd| {
+            strata_host::fs::open_beneath(cur, part, libc::O_PATH | libc::O_DIRECTORY, 0)
+        };
+        cur = match open(&cur) {
+            Ok(fd) => fd,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                strata_host::fs::mkdir_at(&cur, part).map_err(|e| refused(e, &so_far))?;
+                open(&cur).map_err(|e| refused(e, &so_far))?
+            }
+            Err(e) => return Err(refused(e, &so_far)),
+        };
+    }
+    Ok(cur)
+}
+
 fn mount_overlay(target: &Path, data: &str) -> Result<(), RuntimeError> {
     nix::mount::mount(
         Some("strata"),
@@ -252,10 +425,21 @@ fn mount_overlay(target: &Path, data: &str) -> Result<(), RuntimeError> {
 pub fn disassemble(lazyfs: &LazyfsAccess, sandbox_dir: &Path) -> Result<(), RuntimeError> {
     let merged = sandbox_dir.join("rootfs");
     unmount_below(&merged)?;
-    let layers = sandbox_dir.join("layers");
-    let binds: Vec<PathBuf> = std::fs::read_dir(&layers)
-        .map(|rd| rd.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
+    let entries = |dir: &Path| -> Vec<PathBuf> {
+        std::fs::read_dir(dir)
+            .map(|rd| rd.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default()
+    };
+    let mut binds = entries(&sandbox_dir.join("layers"));
+    // A view's stacked overlay, then its layer binds (`views/<i>/<j>`).
+    for view in entries(&sandbox_dir.join("views")) {
+        unmount_below(&view.join("root"))?;
+        binds.extend(entries(&view).into_iter().filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        }));
+    }
     let mounted: Vec<PathBuf> = binds
         .into_iter()
         .filter(|b| mounts::is_mount_point(b))

@@ -118,6 +118,24 @@ pub struct SandboxSpec {
     /// inside). The agent's integrity then rests on the commands (see SECURITY.md).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub privileged: bool,
+    /// Read-only trees mounted beside the overlay stack (an evaluation's grader files and
+    /// protected paths), mounted in this order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub views: Vec<ReadonlyView>,
+}
+
+/// A read-only tree of layers (one layer, or several stacked without an upper) whose
+/// `from` is mounted at `at` over the sandbox's root. Neither path may pass a symlink, in
+/// the layers or in the root: the mount is where it says, whatever the sandbox's files
+/// say.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadonlyView {
+    /// Layer IDs, top-most first.
+    pub layers: Vec<String>,
+    /// Absolute path inside the view.
+    pub from: String,
+    /// Absolute path in the sandbox.
+    pub at: String,
 }
 
 /// One allowed destination: a host name or address (or CIDR) and a port.
@@ -186,6 +204,7 @@ impl SandboxSpec {
             display: over.display,
             disk_image: e.disk_image.clone(),
             privileged: over.privileged,
+            views: Vec::new(),
         })
     }
 }

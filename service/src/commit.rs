@@ -53,6 +53,20 @@ pub async fn commit(
     sandbox: &Sandbox,
     req: &CommitRequest,
 ) -> Result<Committed, ServiceError> {
+    commit_inspecting(store, sandbox, req, &[], |_| ())
+        .await
+        .map(|(c, ())| c)
+}
+
+/// [`commit`], leaving out the paths `exclude` matches too (glob patterns, as a layer
+/// definition's), and calling `inspect` on the changes while the sandbox is held still.
+pub(crate) async fn commit_inspecting<T: Send + 'static>(
+    store: &Store,
+    sandbox: &Sandbox,
+    req: &CommitRequest,
+    exclude: &[String],
+    inspect: impl FnOnce(&strata_runtime::Changes) -> T + Send + 'static,
+) -> Result<(Committed, T), ServiceError> {
     let catalog_ref = sandbox.spec().catalog_ref.clone();
     // The entry first: a registration that cannot happen fails before any work.
     let target = match &req.register {
@@ -66,11 +80,18 @@ pub async fn commit(
         None => None,
     };
     let sb = sandbox.clone();
-    let changes = tokio::task::spawn_blocking(move || sb.changes())
-        .await
-        .map_err(|e| ServiceError::Internal(e.to_string()))??;
+    let (changes, seen) = tokio::task::spawn_blocking(move || {
+        sb.changes().map(|changes| {
+            let seen = inspect(&changes);
+            (changes, seen)
+        })
+    })
+    .await
+    .map_err(|e| ServiceError::Internal(e.to_string()))??;
+    let extra = exclude;
     let mut exclude: Vec<String> = DEFAULT_EXCLUDES.iter().map(|s| s.to_string()).collect();
     exclude.extend(changes.runtime_paths.iter().cloned());
+    exclude.extend(extra.iter().cloned());
     let mut provenance = serde_json::Map::new();
     provenance.insert("committed_from".into(), json!(catalog_ref));
     provenance.insert("sandbox".into(), json!(sandbox.id()));
@@ -124,7 +145,7 @@ pub async fn commit(
         json!({"layer": out.layer, "kind": req.kind, "files": out.files,
                "registered": out.registered, "by": req.registrant}),
     );
-    Ok(out)
+    Ok((out, seen))
 }
 
 /// A commit's `kind` as a caller writes it: `workspace` (also empty) or `toolkit`.

@@ -10,6 +10,7 @@ mod catalog_api;
 pub mod commit;
 pub mod e2b;
 pub mod error;
+pub mod evaluate;
 pub mod fork;
 pub mod journal;
 mod layers_api;

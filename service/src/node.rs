@@ -765,6 +765,80 @@ impl Node {
         Ok((metas, forked.processes, forked.millis))
     }
 
+    /// Grades the caller's sandbox `meta` with its entry's `command` (see
+    /// [`crate::evaluate`]): the evaluation sandbox is admitted as a sandbox of the
+    /// project's while it runs, and must be of a backend the project may use.
+    pub async fn evaluate(
+        self: &Arc<Self>,
+        caller: &Caller,
+        meta: &Meta,
+        command: String,
+        backend: Option<Backend>,
+    ) -> Result<crate::evaluate::Evaluation, ServiceError> {
+        let (node, caller, meta) = (self.clone(), caller.clone(), meta.clone());
+        crate::detached(async move {
+            let chosen = backend.unwrap_or(meta.backend);
+            if !caller.project.allows_backend(chosen) {
+                return Err(ServiceError::PermissionDenied(format!(
+                    "project `{}` may not use the {} backend",
+                    caller.project.name,
+                    chosen.as_str()
+                )));
+            }
+            let local = format!("pending-{}", uuid::Uuid::new_v4().simple());
+            {
+                let mut map = node.lock();
+                let ask = Ask {
+                    memory_bytes: meta.memory_bytes,
+                    cpus: meta.cpus,
+                };
+                if let Err(e) = admission::admit(
+                    map.values(),
+                    &caller.project,
+                    ask,
+                    node.capacity(),
+                    node.cfg.retry_after,
+                ) {
+                    if let ServiceError::Exhausted { reason, .. } = &e {
+                        node.metrics.refused(reason);
+                    }
+                    return Err(e);
+                }
+                map.insert(
+                    local.clone(),
+                    Meta {
+                        local: local.clone(),
+                        pending: true,
+                        ..meta.clone()
+                    },
+                );
+            }
+            let n = node.clone();
+            let m = meta.clone();
+            let graded = match tokio::task::spawn_blocking(move || n.sandbox(&m)).await {
+                Ok(Ok(sb)) => {
+                    crate::evaluate::evaluate(
+                        &node.store,
+                        &node.rt,
+                        &sb,
+                        &crate::evaluate::EvaluateRequest {
+                            command,
+                            backend,
+                            identity: caller.identity(),
+                            keep_output: node.cfg.output_cap,
+                        },
+                    )
+                    .await
+                }
+                Ok(Err(e)) => Err(e),
+                Err(e) => Err(ServiceError::Internal(e.to_string())),
+            };
+            node.lock().remove(&local);
+            graded
+        })
+        .await
+    }
+
     fn top_up(&self, backend: Backend, disk: u64) {
         use std::sync::atomic::Ordering;
         if self.topping_up.swap(true, Ordering::AcqRel) {

@@ -940,6 +940,47 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         }))
     }
 
+    async fn evaluate(
+        &self,
+        req: Request<proto::EvaluateRequest>,
+    ) -> Result<Response<proto::EvaluateReply>, Status> {
+        let who = caller(&self.0, &req).await?;
+        let meta = self.0.meta_for(&who, &req.get_ref().id)?;
+        let r = req.into_inner();
+        if r.command.is_empty() {
+            return Err(ServiceError::invalid("command", "name the entry's command to grade with").into());
+        }
+        let backend = text(r.backend)
+            .map(|b| b.parse().map_err(|e: strata_catalog::CatalogError| ServiceError::invalid("backend", e.to_string())))
+            .transpose()?;
+        let done = self.0.evaluate(&who, &meta, r.command, backend).await?;
+        Ok(Response::new(proto::EvaluateReply {
+            command: done.command,
+            line: done.line,
+            exit_code: done.exit_code,
+            budget: done.budget.unwrap_or_default(),
+            stdout: done.stdout.into_bytes(),
+            stderr: done.stderr.into_bytes(),
+            truncated: done.truncated,
+            layer: done.layer.to_string(),
+            backend: done.backend,
+            sandbox: done.sandbox,
+            evaluator_layer: done.evaluator_layer.unwrap_or_default(),
+            protected: done.protected,
+            changed: done
+                .changed
+                .into_iter()
+                .map(|c| proto::ChangedPath {
+                    path: c.path,
+                    change: c.change.as_str().to_string(),
+                    protected: c.protected,
+                })
+                .collect(),
+            changed_total: done.changed_total,
+            seconds: done.seconds,
+        }))
+    }
+
     async fn extend(
         &self,
         req: Request<proto::ExtendRequest>,

@@ -129,6 +129,7 @@ impl StepRunner for RuntimeStepRunner {
             display: false,
             disk_image: None,
             privileged: false,
+            views: Vec::new(),
         };
         let sandbox = self.rt.create_owned(spec).map_err(sandbox_err)?;
         let step_sandbox = RuntimeStepSandbox {

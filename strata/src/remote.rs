@@ -442,6 +442,53 @@ pub async fn sandbox(remote: &Remote, cmd: SandboxCommand) -> Result<i32> {
                 .into_inner();
             print!("{}", a.jsonl);
         }
+        SandboxCommand::Evaluate {
+            id,
+            command,
+            backend,
+            json,
+        } => {
+            let r = sbs
+                .evaluate(remote.req(proto::EvaluateRequest {
+                    id,
+                    command,
+                    backend: backend.unwrap_or_default(),
+                }))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            let done = strata_service::evaluate::Evaluation {
+                command: r.command,
+                line: r.line,
+                exit_code: r.exit_code,
+                budget: (!r.budget.is_empty()).then_some(r.budget),
+                stdout: String::from_utf8_lossy(&r.stdout).into_owned(),
+                stderr: String::from_utf8_lossy(&r.stderr).into_owned(),
+                truncated: r.truncated,
+                layer: r
+                    .layer
+                    .parse()
+                    .with_context(|| format!("the service answered layer `{}`", r.layer))?,
+                backend: r.backend,
+                sandbox: r.sandbox,
+                evaluator_layer: (!r.evaluator_layer.is_empty()).then_some(r.evaluator_layer),
+                protected: r.protected,
+                changed: r
+                    .changed
+                    .into_iter()
+                    .map(|c| {
+                        Ok(strata_service::evaluate::ChangedPath {
+                            change: c.change.parse().map_err(anyhow::Error::msg)?,
+                            path: c.path,
+                            protected: c.protected,
+                        })
+                    })
+                    .collect::<Result<_>>()?,
+                changed_total: r.changed_total,
+                seconds: r.seconds,
+            };
+            return crate::sandbox::print_evaluation(&done, json);
+        }
         SandboxCommand::Commit {
             id,
             kind,

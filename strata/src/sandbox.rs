@@ -212,6 +212,25 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Grade a sandbox: its entry's command NAME runs in a fresh sandbox of the entry's
+    /// stack with what this sandbox changed on top, the entry's protected paths mounted
+    /// read-only from its own layers and its evaluator layer read-only at its mount (see
+    /// the entry's `[evaluator]`); what this sandbox changed under them is dropped first.
+    /// This sandbox is left as it is; its audit records the grade and the files it
+    /// changed. Prints the grader's output, then what the agent changed on stderr, and
+    /// exits with the grader's status.
+    Evaluate {
+        id: String,
+        /// The entry's command to grade with (e.g. test).
+        #[arg(long)]
+        command: String,
+        /// The evaluation sandbox's backend; by default the sandbox's own (a container
+        /// for a microvm or vm whose entry has read-only views).
+        #[arg(long)]
+        backend: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Save a sandbox; it keeps running. With --to-store: into the store, restorable on
     /// any node sharing it (container, microvm and vm: memory, processes and files;
     /// fncall: its files), printing the snapshot ID last. Else a container, microvm or vm
@@ -473,6 +492,44 @@ pub(crate) fn print_committed(done: &strata_service::commit::Committed, json: bo
     Ok(())
 }
 
+/// What `sandbox evaluate` prints: the grader's output on stdout and stderr, then what
+/// the agent changed on stderr (or the whole evaluation as JSON); the status to exit with.
+pub(crate) fn print_evaluation(done: &strata_service::evaluate::Evaluation, json: bool) -> Result<i32> {
+    if json {
+        print_json(done)?;
+        return Ok(done.exit_code);
+    }
+    print!("{}", done.stdout);
+    std::io::stdout().flush()?;
+    eprint!("{}", done.stderr);
+    let protected: Vec<&str> = done
+        .changed
+        .iter()
+        .filter(|c| c.protected)
+        .map(|c| c.path.as_str())
+        .collect();
+    eprintln!(
+        "evaluated `{}` in a {} sandbox over layer {} in {}: exit {}{}; the agent changed {} paths",
+        done.command,
+        done.backend,
+        &done.layer.to_string()[..16],
+        humantime::format_duration(Duration::from_millis((done.seconds * 1e3) as u64)),
+        done.exit_code,
+        done.budget
+            .as_ref()
+            .map(|b| format!(" (budget exceeded: {b})"))
+            .unwrap_or_default(),
+        done.changed_total,
+    );
+    if !protected.is_empty() {
+        eprintln!(
+            "dropped before grading, under protected paths: {}",
+            protected.join(", ")
+        );
+    }
+    Ok(done.exit_code)
+}
+
 /// The journal runner name of embedded use: its sandboxes' IDs name no node.
 const EMBEDDED_NODE: &str = "local";
 
@@ -695,6 +752,29 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
         print_committed(&done, *json)?;
         return Ok(0);
     }
+    if let SandboxCommand::Evaluate {
+        id,
+        command,
+        backend,
+        json,
+    } = &cmd
+    {
+        let backend = backend.as_deref().map(str::parse::<Backend>).transpose()?;
+        let (rt, sb) = runtime_and_sandbox(&settings, id).await?;
+        let done = strata_service::evaluate::evaluate(
+            store,
+            &rt,
+            &sb,
+            &strata_service::evaluate::EvaluateRequest {
+                command: command.clone(),
+                backend,
+                identity: settings.registrant.clone(),
+                keep_output: strata_runtime::ExecRequest::default().kept_output(),
+            },
+        )
+        .await?;
+        return print_evaluation(&done, *json);
+    }
     if let SandboxCommand::Exec {
         id,
         step_id: Some(step),
@@ -813,6 +893,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
         match cmd {
             SandboxCommand::Create { .. }
             | SandboxCommand::Commit { .. }
+            | SandboxCommand::Evaluate { .. }
             | SandboxCommand::Journal { .. }
             | SandboxCommand::Fork { .. } => {
                 unreachable!("handled above")

@@ -965,12 +965,23 @@ fn a_container_whose_checkpoint_fails_runs_on_as_it_was() {
         out.trim().parse().unwrap_or_else(|_| panic!("{out}"))
     };
     let before = count();
-    let o = env.cli(&["sandbox", "hibernate", &id]);
-    let (out, err) = text(&o);
-    assert!(
-        !o.status.success(),
-        "a checkpoint of a 100 MiB deleted file passed: {out}"
-    );
+    // Under load CRIU may also fail to seize a task caught in uninterruptible sleep
+    // ("Unseizable non-zombie ... state D"): that too is a refused checkpoint the sandbox
+    // survives, but not the one this test is about, so it is tried again.
+    let mut tries = 0;
+    let err = loop {
+        tries += 1;
+        let o = env.cli(&["sandbox", "hibernate", &id]);
+        let (out, err) = text(&o);
+        assert!(
+            !o.status.success(),
+            "a checkpoint of a 100 MiB deleted file passed: {out}"
+        );
+        if err.contains("ghost") || tries == 3 {
+            break err;
+        }
+        eprintln!("checkpoint refused for another reason, trying again: {err}");
+    };
     assert!(
         err.contains("process checkpoint (CRIU)") && err.contains("ghost"),
         "{err}"
