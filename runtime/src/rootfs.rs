@@ -279,6 +279,34 @@ pub fn mount_views(
             .map_err(RuntimeError::io(p))
     };
     let root = open_dir(merged)?;
+    let fd_path =
+        |fd: &std::os::fd::OwnedFd| PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+    // Every directory on the way to a view is made a mount point (bound onto itself, still
+    // writable) before the views are mounted: a mount point cannot be renamed, so a
+    // process in the sandbox cannot move `/work` aside and put a `/work/tests` of its own
+    // where the grader's absolute paths lead.
+    let mut ancestors: Vec<String> = views
+        .iter()
+        .flat_map(|v| {
+            let parts: Vec<&str> = v.at.split('/').filter(|p| !p.is_empty()).collect();
+            (1..parts.len())
+                .map(|n| format!("/{}", parts[..n].join("/")))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    ancestors.sort_by_key(|a| (a.matches('/').count(), a.clone()));
+    ancestors.dedup();
+    for at in &ancestors {
+        let dir = mount_target(&root, at, true)?;
+        nix::mount::mount(
+            Some(&fd_path(&dir)),
+            &fd_path(&dir),
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|e| RuntimeError::Setup(format!("pinning {at} in place: {e}")))?;
+    }
     for (i, view) in views.iter().enumerate() {
         let tree = if view.layers.len() == 1 {
             dir(i).join("0")
@@ -506,4 +534,32 @@ pub fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mount_target_never_passes_a_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("root");
+        std::fs::create_dir_all(root.join("real")).unwrap();
+        std::os::unix::fs::symlink("/real", root.join("work")).unwrap();
+        std::os::unix::fs::symlink("/etc", root.join("etc")).unwrap();
+        let r = std::fs::File::open(&root).unwrap();
+        let err = mount_target(&r, "/work/tests", true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("symlink at /work"), "{err}");
+        let err = mount_target(&r, "/etc/passwd", false)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("symlink at /etc"), "{err}");
+        // Missing directories are made, a file target is made empty.
+        mount_target(&r, "/real/a/b", true).unwrap();
+        assert!(root.join("real/a/b").is_dir());
+        mount_target(&r, "/real/f", false).unwrap();
+        assert_eq!(std::fs::read(root.join("real/f")).unwrap(), b"");
+    }
 }

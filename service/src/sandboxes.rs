@@ -948,10 +948,16 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         let meta = self.0.meta_for(&who, &req.get_ref().id)?;
         let r = req.into_inner();
         if r.command.is_empty() {
-            return Err(ServiceError::invalid("command", "name the entry's command to grade with").into());
+            return Err(
+                ServiceError::invalid("command", "name the entry's command to grade with").into(),
+            );
         }
         let backend = text(r.backend)
-            .map(|b| b.parse().map_err(|e: strata_catalog::CatalogError| ServiceError::invalid("backend", e.to_string())))
+            .map(|b| {
+                b.parse().map_err(|e: strata_catalog::CatalogError| {
+                    ServiceError::invalid("backend", e.to_string())
+                })
+            })
             .transpose()?;
         let done = self.0.evaluate(&who, &meta, r.command, backend).await?;
         Ok(Response::new(proto::EvaluateReply {

@@ -494,7 +494,10 @@ pub(crate) fn print_committed(done: &strata_service::commit::Committed, json: bo
 
 /// What `sandbox evaluate` prints: the grader's output on stdout and stderr, then what
 /// the agent changed on stderr (or the whole evaluation as JSON); the status to exit with.
-pub(crate) fn print_evaluation(done: &strata_service::evaluate::Evaluation, json: bool) -> Result<i32> {
+pub(crate) fn print_evaluation(
+    done: &strata_service::evaluate::Evaluation,
+    json: bool,
+) -> Result<i32> {
     if json {
         print_json(done)?;
         return Ok(done.exit_code);

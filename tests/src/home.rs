@@ -475,6 +475,46 @@ impl SampleEnv {
     }
 }
 
+impl SampleEnv {
+    /// Registers `datasets/graded` (once): the sample's stack with a `grade` command that
+    /// runs the workspace's tests and the grader's own (`tests/probes/grader/`, built as the
+    /// entry's evaluator layer, mounted at /evaluator), the workspace's tests protected; its
+    /// `grade` prints what the graded code logged to /tmp/tamper.log after. Its reference.
+    pub fn graded(&self) -> &str {
+        static GRADED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        GRADED.get_or_init(|| {
+            let grader = Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/grader");
+            let layer = self.ok(&[
+                "layer", "build", "--kind", "toolkit", "--name", "tests/grader", "--version", "1",
+                &grader.display().to_string(),
+            ]);
+            let layer = layer.lines().last().unwrap_or_default().trim().to_string();
+            let shown: serde_json::Value = serde_json::from_str(&self.ok(&[
+                "catalog", "show", &self.reference, "--json",
+            ]))
+            .expect("catalog show --json");
+            let mut entry = shown["entry"].clone();
+            let e = entry.as_object_mut().expect("an entry");
+            e.insert("id".into(), "datasets/graded".into());
+            e.remove("version");
+            e.insert(
+                "commands".into(),
+                serde_json::json!({"grade": "python3 -m pytest -q -p no:cacheprovider tests /evaluator; s=$?; cat /tmp/tamper.log 2>/dev/null; exit $s"}),
+            );
+            e.insert(
+                "evaluator".into(),
+                serde_json::json!({"layer": layer, "protect": ["/work/tests"]}),
+            );
+            e.retain(|_, v| !v.is_null());
+            let toml = toml::to_string(&entry).expect("the entry as TOML");
+            let file = self.cli.home.join("graded.toml");
+            std::fs::write(&file, toml).expect("writing the graded entry");
+            let out = self.ok(&["catalog", "register", &file.display().to_string()]);
+            out.lines().last().unwrap_or_default().trim().to_string()
+        })
+    }
+}
+
 /// What the agent-integrity probe (`tests/probes/agent_integrity.py`) reports.
 #[derive(Debug, serde::Deserialize)]
 struct ProbeReport {

@@ -1142,3 +1142,180 @@ fn forks_of_a_container_each_continue_its_process_with_their_own_identity() {
         .unwrap_or_default();
     assert!(left.is_empty(), "fork snapshots left: {left:?}");
 }
+
+/// SECURITY.md, "evaluation": an agent's sandbox can change neither what grades it nor how.
+/// The agent overwrites /bin/bash and a /usr/lib file (only its own upper: the next
+/// sandbox of the entry is clean), rewrites the workspace's tests to pass, plants a
+/// conftest where the grader's files will be, and leaves a module that games the grader
+/// at import. `sandbox evaluate` grades it over the workspace's own tests and the grader's
+/// hidden one: it fails, every tampering try under the grader was refused, the audit names
+/// the protected files the agent changed, and the agent's sandbox is as it was. A control
+/// agent that changed nothing passes; one that made /work a symlink is refused by name.
+#[test]
+fn an_agent_can_change_neither_its_grader_nor_the_tests_that_grade_it() {
+    let Some(env) = env("runtime_evaluate") else {
+        return;
+    };
+    let graded = env.graded().to_string();
+    let tamper = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("probes/tampering_wordfreq.py")
+        .display()
+        .to_string();
+    for backend in BACKENDS {
+        let honest = env.ok(&["sandbox", "create", "--backend", backend, &graded]);
+        let honest = honest.lines().last().unwrap_or_default().trim().to_string();
+        let o = env.cli(&["sandbox", "evaluate", &honest, "--command", "grade"]);
+        let (out, err) = text(&o);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{backend}: honest grade: {out}{err}"
+        );
+        assert!(out.contains("5 passed"), "{backend}: {out}");
+
+        let agent = env.ok(&["sandbox", "create", "--backend", backend, &graded]);
+        let agent = agent.lines().last().unwrap_or_default().trim().to_string();
+        env.ok(&["sandbox", "cp", &tamper, &format!("{agent}:/tmp/tamper.py")]);
+        // (An fncall sandbox's commands cannot write in a new top-level directory.)
+        env.sh_ok(
+            &agent,
+            &format!("set -e; cp /tmp/tamper.py /work/src/wordfreq/__init__.py; \
+             printf 'def test_passes():\\n    pass\\n' > /work/tests/test_wordfreq.py; \
+             (mkdir -p /evaluator && echo 'collect_ignore_glob = [\"*\"]' > /evaluator/conftest.py) 2>/dev/null \
+               || test {backend} = fncall; \
+             echo tampered > /usr/lib/os-release; cp /bin/true /bin/bash"),
+        );
+        let o = env.cli(&[
+            "sandbox",
+            "evaluate",
+            &agent,
+            "--command",
+            "grade",
+            "--json",
+        ]);
+        let (out, err) = text(&o);
+        let done: serde_json::Value = serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("{backend}: evaluate --json: {e}: {out}{err}"));
+        assert_eq!(
+            o.status.code(),
+            done["exit_code"].as_i64().map(|c| c as i32)
+        );
+        assert_ne!(
+            done["exit_code"], 0,
+            "{backend}: the gamed grade passed: {done}"
+        );
+        let stdout = done["stdout"].as_str().unwrap_or_default();
+        // The workspace's own four tests and the grader's ran (only `test_empty` holds for
+        // an empty answer).
+        assert!(stdout.contains("4 failed, 1 passed"), "{backend}: {stdout}");
+        assert!(stdout.contains("test_hidden.py"), "{backend}: {stdout}");
+        // Writes meet a read-only file system; moves a mount point (or, on fncall, the
+        // Landlock rules of the root) refuses.
+        for (attempt, refusal) in [
+            (
+                "write /work/tests/test_wordfreq.py",
+                Some("Read-only file system"),
+            ),
+            (
+                "write /evaluator/test_hidden.py",
+                Some("Read-only file system"),
+            ),
+            ("add /evaluator/conftest.py", Some("Read-only file system")),
+            (
+                "remove /work/tests/test_wordfreq.py",
+                Some("Read-only file system"),
+            ),
+            ("move /work/tests away", None),
+            ("move /work away", None),
+        ] {
+            let line = stdout
+                .lines()
+                .find(|l| l.starts_with(&format!("{attempt}: ")))
+                .unwrap_or_else(|| panic!("{backend}: {attempt} not tried: {stdout}"));
+            assert!(!line.ends_with(": done"), "{backend}: {line}");
+            if let Some(refusal) = refusal {
+                assert!(line.ends_with(refusal), "{backend}: {line}");
+            }
+        }
+        let changed: Vec<(String, bool)> = done["changed"]
+            .as_array()
+            .expect("changed")
+            .iter()
+            .map(|c| {
+                (
+                    c["path"].as_str().unwrap_or_default().to_string(),
+                    c["protected"].as_bool().unwrap_or(false),
+                )
+            })
+            .collect();
+        let planted = (backend != "fncall").then_some(("/evaluator/conftest.py", true));
+        for (path, protected) in [
+            ("/work/tests/test_wordfreq.py", true),
+            ("/work/src/wordfreq/__init__.py", false),
+            ("/usr/lib/os-release", false),
+            ("/usr/bin/bash", false),
+        ]
+        .into_iter()
+        .chain(planted)
+        {
+            assert!(
+                changed.contains(&(path.to_string(), protected)),
+                "{backend}: {path} (protected {protected}) not in {changed:?}"
+            );
+        }
+        let audit = env.ok(&["sandbox", "audit", &agent]);
+        let evaluated: serde_json::Value = audit
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|l| l["event"] == "evaluated")
+            .unwrap_or_else(|| panic!("{backend}: no evaluated event: {audit}"));
+        assert_eq!(evaluated["exit_code"], done["exit_code"], "{evaluated}");
+        let tampered = evaluated["protected_changes"].to_string();
+        assert!(
+            tampered.contains("/work/tests/test_wordfreq.py"),
+            "{tampered}"
+        );
+        // The agent's sandbox is as it left it; the next one of the entry is clean.
+        assert_eq!(
+            env.ok(&[
+                "sandbox",
+                "exec",
+                &agent,
+                "--",
+                "cat",
+                "/usr/lib/os-release"
+            ]),
+            "tampered\n"
+        );
+        let fresh = env.ok(&[
+            "run", "--backend", backend, &graded, "--", "bash", "-c",
+            "echo bash-works; grep -c PRETTY_NAME /usr/lib/os-release; grep -c test_lowercases tests/test_wordfreq.py",
+        ]);
+        assert_eq!(fresh, "bash-works\n1\n1\n", "{backend}");
+
+        // A symlink on the way to a protected path is refused, naming it. (An fncall
+        // sandbox's commands cannot move a top-level directory at all.)
+        if backend != "fncall" {
+            env.sh_ok(&honest, "mv /work /work.real && ln -s /work.real /work");
+            let o = env.cli(&["sandbox", "evaluate", &honest, "--command", "grade"]);
+            let (_, err) = text(&o);
+            assert!(
+                !o.status.success(),
+                "{backend}: graded through a symlinked /work"
+            );
+            assert!(err.contains("symlink at /work"), "{backend}: {err}");
+        }
+
+        for id in [&agent, &honest] {
+            env.ok(&["sandbox", "rm", id]);
+        }
+    }
+    // Nothing of the evaluation sandboxes is left mounted.
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let home = env.cli.home.join("runtime").display().to_string();
+    let left: Vec<&str> = mounts
+        .lines()
+        .filter(|l| l.contains(&home) && (l.contains("/views/") || l.contains("/rootfs")))
+        .collect();
+    assert!(left.is_empty(), "left mounted: {left:#?}");
+}
