@@ -934,7 +934,7 @@ type Cli<'a> = dyn Fn(&[&str], Option<&[u8]>) -> std::process::Output + 'a;
 /// The CLI commands a user runs most, run in `strata` through `cli`: the sample's test
 /// suite in both backends, exit statuses, stdin, budgets, stateful sandboxes (exec, cp
 /// both ways, ls, ps, rm, audit), the catalog (ls, show, history) and a missing sandbox.
-fn cli_subset(how: &str, sample: &str, cli: &Cli) -> String {
+fn cli_subset(how: &str, sample: &str, graded: &str, cli: &Cli) -> String {
     let text = |o: &std::process::Output| {
         (
             String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -1061,6 +1061,64 @@ fn cli_subset(how: &str, sample: &str, cli: &Cli) -> String {
     let o = cli(&["sandbox", "commit", &id, "--kind", "base"], None);
     assert_eq!(o.status.code(), Some(1), "{how}: {:?}", text(&o));
     assert!(text(&o).1.contains("workspace"), "{how}: {:?}", text(&o));
+    // A grade (SECURITY.md, "evaluation"): tests the agent rewrote to pass are not what
+    // grades it; the changes it made to them are listed as protected.
+    let o = cli(
+        &["sandbox", "create", "--backend", "container", graded],
+        None,
+    );
+    assert!(o.status.success(), "{how}: {:?}", text(&o));
+    let agent = text(&o).0.lines().last().unwrap_or_default().to_string();
+    let o = cli(
+        &[
+            "sandbox",
+            "exec",
+            &agent,
+            "--",
+            "sh",
+            "-c",
+            "printf 'def test_passes():\\n    pass\\n' > /work/tests/test_wordfreq.py; \
+             echo 'def top(t, n=3): return []' > /work/src/wordfreq/__init__.py",
+        ],
+        None,
+    );
+    assert!(o.status.success(), "{how}: {:?}", text(&o));
+    let o = cli(
+        &[
+            "sandbox",
+            "evaluate",
+            &agent,
+            "--command",
+            "grade",
+            "--json",
+        ],
+        None,
+    );
+    let graded_run: serde_json::Value = serde_json::from_str(&text(&o).0)
+        .unwrap_or_else(|e| panic!("{how}: evaluate --json: {e}: {:?}", text(&o)));
+    assert_eq!(o.status.code(), Some(1), "{how}: {graded_run}");
+    assert!(
+        graded_run["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("failed"),
+        "{how}: {graded_run}"
+    );
+    assert!(
+        graded_run["changed"].as_array().is_some_and(|c| c
+            .iter()
+            .any(|c| c["path"] == "/work/tests/test_wordfreq.py" && c["protected"] == true)),
+        "{how}: {graded_run}"
+    );
+    let o = cli(&["sandbox", "evaluate", &agent, "--command", "nope"], None);
+    assert_eq!(o.status.code(), Some(1), "{how}: {:?}", text(&o));
+    assert!(
+        text(&o).1.contains("has no command `nope` (it has: grade)"),
+        "{how}: {:?}",
+        text(&o)
+    );
+    let o = cli(&["sandbox", "rm", &agent], None);
+    assert!(o.status.success(), "{how}: {:?}", text(&o));
     // A journaled step runs once: asked again it prints the recorded output and exits
     // with the recorded status; a step ID names one command.
     let step = |cmd: &[&str]| {
@@ -1242,23 +1300,30 @@ fn the_cli_through_a_service_behaves_as_it_does_embedded() {
         drop(input);
         child.wait_with_output().expect("strata")
     };
-    let embedded = cli_subset("embedded", &env.reference, &|args, stdin| {
+    let graded = env.graded().to_string();
+    let embedded = cli_subset("embedded", &env.reference, &graded, &|args, stdin| {
         run(&mut env.cmd(args), stdin)
     });
     let p = unique("cli");
     let (home, tokens) = home_with_projects(env, "service-cli-", &[(&p, &[])]);
     let svc = Service::start(&home, "");
-    let served = cli_subset("through the service", &env.reference, &|args, stdin| {
-        // A client has no home of its own on the node: only the URL and the token.
-        let client = strata_tests::scratch_root().join(format!("client-{}", std::process::id()));
-        let mut c = std::process::Command::new(strata_tests::strata_bin());
-        c.args(args)
-            .env("STRATA_HOME", &client)
-            .env("STRATA_STORE", client.join("no-store"))
-            .env("STRATA_SERVER", svc.url())
-            .env("STRATA_TOKEN", &tokens[0]);
-        run(&mut c, stdin)
-    });
+    let served = cli_subset(
+        "through the service",
+        &env.reference,
+        &graded,
+        &|args, stdin| {
+            // A client has no home of its own on the node: only the URL and the token.
+            let client =
+                strata_tests::scratch_root().join(format!("client-{}", std::process::id()));
+            let mut c = std::process::Command::new(strata_tests::strata_bin());
+            c.args(args)
+                .env("STRATA_HOME", &client)
+                .env("STRATA_STORE", client.join("no-store"))
+                .env("STRATA_SERVER", svc.url())
+                .env("STRATA_TOKEN", &tokens[0]);
+            run(&mut c, stdin)
+        },
+    );
     // The same directory makes the same layer, built here or by the node.
     assert_eq!(embedded, served);
 }
