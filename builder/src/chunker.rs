@@ -217,4 +217,46 @@ pub(crate) mod tests {
         assert!(new_bytes <= 2 << 20, "{new_bytes} new bytes");
         assert_eq!(sink.reassemble(&b), edited);
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
+
+        /// Any file of data and zero runs: its chunks put together give it back; holes
+        /// are exactly its all-zero EROFS chunks; content-defined chunks keep their bounds
+        /// (only a segment's last may be shorter than the minimum).
+        #[test]
+        fn chunks_reassemble_the_file_and_keep_their_bounds(
+            runs in proptest::collection::vec((proptest::bool::ANY, 1usize..900_000, proptest::num::u64::ANY), 1..6)
+        ) {
+            let mut data = Vec::new();
+            for (zero, len, seed) in runs {
+                if zero {
+                    data.resize(data.len() + len, 0);
+                } else {
+                    data.extend(noise(len, seed));
+                }
+            }
+            let sink = MemSink::default();
+            let f = chunk_file("p", &mut &data[..], data.len() as u64, &sink).unwrap();
+            proptest::prop_assert_eq!(sink.reassemble(&f) == data, true);
+            let size = 1usize << FileData::chunk_bits(f.size);
+            let mut covered = vec![false; FileData::erofs_chunks(f.size) as usize];
+            let mut next = 0;
+            for seg in &f.segments {
+                proptest::prop_assert!(seg.first >= next, "segments overlap or go back");
+                next = seg.first + seg.count;
+                for i in seg.first..next {
+                    covered[i as usize] = true;
+                }
+                let (last, rest) = seg.chunks.split_last().unwrap();
+                proptest::prop_assert!(last.length as usize <= MAX_CHUNK);
+                for c in rest {
+                    proptest::prop_assert!((MIN_CHUNK..=MAX_CHUNK).contains(&(c.length as usize)));
+                }
+            }
+            for (i, chunk) in data.chunks(size).enumerate() {
+                proptest::prop_assert_eq!(covered[i], !is_zero(chunk), "EROFS chunk {}", i);
+            }
+        }
+    }
 }

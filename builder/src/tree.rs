@@ -641,4 +641,129 @@ mod tests {
         assert_eq!(FileData::erofs_chunks(100 << 20), 100);
         assert_eq!(FileData::erofs_chunks(5000), 1);
     }
+
+    /// What a path holds in the model: a directory, or a file told apart by a marker.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Held {
+        Dir,
+        File(u64),
+    }
+
+    type Model = BTreeMap<String, Held>;
+
+    fn under(path: &str, root: &str) -> bool {
+        path == root || path.starts_with(&format!("{root}/"))
+    }
+
+    /// The model of [`Tree::insert`]: refused under a non-directory; a directory over a
+    /// directory keeps it; anything else replaces what was there, with all it held.
+    fn model_insert(m: &mut Model, path: &str, held: Held) -> bool {
+        let parts: Vec<&str> = path.split('/').collect();
+        for n in 1..parts.len() {
+            let prefix = parts[..n].join("/");
+            match m.get(&prefix) {
+                Some(Held::File(_)) => return false,
+                Some(Held::Dir) => {}
+                None => {
+                    m.insert(prefix, Held::Dir);
+                }
+            }
+        }
+        if m.get(path) == Some(&Held::Dir) && held == Held::Dir {
+            return true;
+        }
+        m.retain(|p, _| !under(p, path));
+        m.insert(path.to_string(), held);
+        true
+    }
+
+    fn node_of(held: Held) -> Node {
+        match held {
+            Held::Dir => Node::new(Meta::DEFAULT_DIR, NodeKind::Dir(BTreeMap::new())),
+            Held::File(marker) => file(marker),
+        }
+    }
+
+    /// A tree and its model from the same inserts (those the tree refuses are skipped).
+    fn build(entries: &[(String, Held)]) -> (Tree, Model) {
+        let (mut t, mut m) = (Tree::new(), Model::new());
+        for (path, held) in entries {
+            let accepted = t.insert(path.as_bytes(), node_of(*held)).is_ok();
+            assert_eq!(accepted, model_insert(&mut m, path, *held), "insert {path}");
+        }
+        (t, m)
+    }
+
+    fn seen(t: &Tree) -> Model {
+        let mut out = Model::new();
+        t.walk(|path, _, node| {
+            let p = String::from_utf8_lossy(path)
+                .trim_start_matches('/')
+                .to_string();
+            if p.is_empty() {
+                return;
+            }
+            let held = match &node.kind {
+                NodeKind::Dir(_) => Held::Dir,
+                NodeKind::File(f) => Held::File(f.size),
+                other => panic!("unexpected {other:?}"),
+            };
+            out.insert(p, held);
+        });
+        out
+    }
+
+    fn entry() -> impl proptest::strategy::Strategy<Value = (String, Held)> {
+        use proptest::prelude::*;
+        (
+            proptest::collection::vec(prop_oneof!["a", "b", "c"], 1..=3),
+            proptest::option::of(0u64..4),
+        )
+            .prop_map(|(parts, marker)| (parts.join("/"), marker.map_or(Held::Dir, Held::File)))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 256, ..Default::default() })]
+
+        /// A layer stacked with its whiteouts (Apply) against the model of OCI layers:
+        /// removals take a path and all it held, an opaque directory loses what lay below,
+        /// then the layer's entries go on top (a directory over a directory merges).
+        #[test]
+        fn whiteouts_apply_as_the_model_says(
+            lower in proptest::collection::vec(entry(), 0..12),
+            upper in proptest::collection::vec(entry(), 0..8),
+            outs in proptest::collection::vec((entry(), proptest::bool::ANY), 0..4),
+        ) {
+            let (mut tree, mut model) = build(&lower);
+            let (layer, upper_model) = build(&upper);
+            let whiteouts: Vec<Whiteout> = outs
+                .iter()
+                .map(|((path, _), opaque)| {
+                    if *opaque {
+                        Whiteout::Opaque { dir: path.as_bytes().to_vec() }
+                    } else {
+                        Whiteout::Remove { path: path.as_bytes().to_vec(), meta: Meta::DEFAULT_DIR }
+                    }
+                })
+                .collect();
+            for ((path, _), opaque) in &outs {
+                if *opaque {
+                    if model.get(path) == Some(&Held::Dir) {
+                        model.retain(|p, _| p == path || !under(p, path));
+                    }
+                } else {
+                    model.retain(|p, _| !under(p, path));
+                }
+            }
+            for (path, held) in &upper_model {
+                if model.get(path) == Some(&Held::Dir) && *held == Held::Dir {
+                    continue;
+                }
+                model.retain(|p, _| !under(p, path));
+                model.insert(path.clone(), *held);
+            }
+            tree.apply_layer(layer, &whiteouts, Whiteouts::Apply).unwrap();
+            proptest::prop_assert_eq!(seen(&tree), model);
+        }
+    }
 }

@@ -944,4 +944,85 @@ mod tests {
         assert!(c.contains(&ChunkAt::of(&b, 1)) && !c.on_disk(&ChunkAt::of(&b, 1)));
         assert_eq!(c.get(&ChunkAt::of(&b, 1)).unwrap(), shared);
     }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Put(usize),
+        Get(usize),
+        /// Prune to this many chunks' worth of bytes.
+        Prune(usize),
+    }
+
+    fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            (0usize..8).prop_map(Op::Put),
+            (0usize..8).prop_map(Op::Get),
+            (0usize..8).prop_map(Op::Prune),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 48, ..Default::default() })]
+
+        /// The cache against a model of least-recently-used eviction: a read finds a chunk
+        /// exactly when the model holds it, with the bytes that were put; a prune keeps the
+        /// most recently used chunks that fit; the bytes counted are the model's, and an
+        /// evicted chunk's whole blocks are given back to the disk.
+        #[test]
+        fn eviction_follows_the_lru_model(ops in proptest::collection::vec(op(), 1..40)) {
+            const LEN: usize = 10_000;
+            let dir = scratch();
+            let chunks: Vec<Bytes> = (0..8u8).map(|i| Bytes::from(vec![i + 1; LEN])).collect();
+            let m = manifest(9, &chunks);
+            let all: Vec<ChunkAt> = (0..chunks.len()).map(|i| ChunkAt::of(&m, i)).collect();
+            let c = ChunkCache::open(dir.path(), 1 << 30).unwrap();
+            c.attach(&m).unwrap();
+            // Chunk index -> last use, in the model's own clock.
+            let mut model: std::collections::BTreeMap<usize, u64> = Default::default();
+            let mut clock = 0u64;
+            let mut ever_put = std::collections::BTreeSet::new();
+            for op in ops {
+                clock += 1;
+                match op {
+                    Op::Put(i) => {
+                        c.put(&all[i], &chunks[i]).unwrap();
+                        model.insert(i, clock);
+                        ever_put.insert(i);
+                    }
+                    Op::Get(i) => {
+                        let got = c.get(&all[i]);
+                        proptest::prop_assert_eq!(got.as_ref(), model.get(&i).map(|_| &chunks[i]), "get {}", i);
+                        if let Some(used) = model.get_mut(&i) {
+                            *used = clock;
+                        }
+                    }
+                    Op::Prune(keep) => {
+                        c.prune((keep * round_up(LEN as u64) as usize) as u64);
+                        let mut by_use: Vec<(u64, usize)> = model.iter().map(|(i, u)| (*u, *i)).collect();
+                        by_use.sort();
+                        let drop = by_use.len().saturating_sub(keep);
+                        for (_, i) in &by_use[..drop] {
+                            model.remove(i);
+                        }
+                    }
+                }
+                let held: Vec<usize> = (0..8).filter(|i| c.on_disk(&all[*i])).collect();
+                proptest::prop_assert_eq!(held, model.keys().copied().collect::<Vec<_>>());
+                proptest::prop_assert_eq!(c.stats().bytes, model.len() as u64 * round_up(LEN as u64));
+                // The blocks of the chunks held, and at most the two partial blocks an evicted
+                // chunk shares with its neighbours.
+                let mut blocks = std::collections::BTreeSet::new();
+                for i in model.keys() {
+                    let (from, to) = (all[*i].offset / BLOCK, round_up(all[*i].offset + LEN as u64) / BLOCK);
+                    blocks.extend(from..to);
+                }
+                let evicted = ever_put.len() - model.len();
+                proptest::prop_assert!(
+                    allocated(dir.path()) <= (blocks.len() + 2 * evicted) as u64 * BLOCK,
+                    "{} bytes allocated", allocated(dir.path())
+                );
+            }
+        }
+    }
 }
