@@ -22,12 +22,15 @@ enum Entry {
     HardLink(String),
 }
 
+/// A generated entry: its path, what it is, and a user xattr to set on it.
+type Generated = (String, Entry, Option<(String, Vec<u8>)>);
+
 fn path() -> impl Strategy<Value = String> {
     proptest::collection::vec(prop_oneof!["a", "b", "c", "dé", "x.py"], 1..=3)
         .prop_map(|p| p.join("/"))
 }
 
-fn entry() -> impl Strategy<Value = (String, Entry, Option<(String, Vec<u8>)>)> {
+fn entry() -> impl Strategy<Value = Generated> {
     let kind = prop_oneof![
         (0o700u32..0o1000).prop_map(Entry::Dir),
         (
@@ -65,7 +68,7 @@ fn content(runs: &[(bool, usize, u8)]) -> Vec<u8> {
 
 /// Writes what of `entries` fits (an entry under a non-directory, or over an existing
 /// name, is skipped) under `root`, with fixed times.
-fn materialize(root: &Path, entries: &[(String, Entry, Option<(String, Vec<u8>)>)]) {
+fn materialize(root: &Path, entries: &[Generated]) {
     for (rel, kind, xattr) in entries {
         let p = root.join(rel);
         if std::fs::symlink_metadata(&p).is_ok() {
