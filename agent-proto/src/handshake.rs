@@ -147,11 +147,10 @@ impl Opening {
                     "the agent refused the connection: {message}"
                 )))
             }
-            _ => {
-                let mut shown = reply.to_string();
-                shown.truncate(200);
-                Err(HandshakeError::NotHandshake(shown))
-            }
+            _ => Err(HandshakeError::NotHandshake(crate::shortened(
+                reply.to_string(),
+                200,
+            ))),
         }
     }
 }
@@ -228,6 +227,17 @@ mod tests {
         opening.check(&json(&reply)).unwrap();
         let again = SandboxKey::from_hex(&key.to_hex()).unwrap();
         assert_eq!(again, key);
+    }
+
+    /// Found while writing the fuzz targets (`fuzz/`): a first frame that is no handshake,
+    /// with a character across the 200th byte of its text (`{"mm":"` is 7 bytes, then
+    /// 2-byte characters), panicked the host side while the error was being shortened.
+    #[test]
+    fn a_peer_text_is_shortened_without_cutting_a_character() {
+        let (_, opening) = hello(None).unwrap();
+        let reply = serde_json::json!({"mm": "é".repeat(150), "op": "x"});
+        let e = opening.check(&reply).unwrap_err().to_string();
+        assert!(e.len() < 400, "{e}");
     }
 
     #[test]

@@ -45,3 +45,26 @@ pub fn proc_cmdline(pid: u32) -> String {
         })
         .unwrap_or_default()
 }
+
+/// `text` cut to at most `max` bytes at a character boundary: for showing what a peer sent
+/// in a message (`String::truncate` panics inside a character, and a peer's text is any).
+pub fn shortened(mut text: String, max: usize) -> String {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn shortening_never_cuts_a_character() {
+        assert_eq!(super::shortened("aé".repeat(3), 4), "aéa");
+        assert_eq!(super::shortened("ééé".into(), 3), "é");
+        assert_eq!(super::shortened("abc".into(), 10), "abc");
+    }
+}

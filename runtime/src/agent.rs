@@ -501,7 +501,6 @@ fn on_path(path: &str, e: RuntimeError) -> RuntimeError {
 }
 
 fn unexpected(what: &str, msg: &AgentMsg) -> RuntimeError {
-    let mut shown = format!("{msg:?}");
-    shown.truncate(200);
+    let shown = strata_agent_proto::shortened(format!("{msg:?}"), 200);
     RuntimeError::Protocol(format!("the sandbox agent answered {shown} to {what}"))
 }

@@ -50,8 +50,9 @@ pub(crate) async fn detached<T: Send + 'static>(
         .map_err(|e| ServiceError::Internal(e.to_string()))?
 }
 
-pub use node::{Node, NodeSize};
+pub use node::{CreateArgs, Node, NodeSize};
 pub use projects::{Caller, Project, Projects, TokenRecord};
+pub use sandboxes::create_args;
 
 /// Everything the service is configured with (the binary resolves it from flags,
 /// `strata.toml` and the environment).

@@ -32,6 +32,57 @@ const EVENT_QUEUE: usize = 16;
 type EventStream = Pin<Box<dyn FutStream<Item = Result<proto::ExecEvent, Status>> + Send>>;
 type ChunkStream = Pin<Box<dyn FutStream<Item = Result<proto::FileChunk, Status>> + Send>>;
 
+/// A create request as the node takes it: every field checked, sizes and durations parsed,
+/// an error naming the first field that is wrong.
+pub fn create_args(r: proto::CreateRequest) -> Result<CreateArgs, ServiceError> {
+    if r.catalog_id.is_empty() {
+        return Err(ServiceError::invalid(
+            "catalog_id",
+            "give a catalog ID (namespace/name[@version])",
+        ));
+    }
+    let backend = match r.backend.as_str() {
+        "" => None,
+        b => Some(b.parse::<Backend>().map_err(|e| {
+            ServiceError::invalid("backend", format!("{e} (fncall, container, microvm or vm)"))
+        })?),
+    };
+    let b = r.budgets.unwrap_or_default();
+    for (field, v) in [("budgets.memory", &b.memory), ("budgets.disk", &b.disk)] {
+        if !v.is_empty() {
+            strata_catalog::parse_size(v)
+                .map_err(|e| ServiceError::invalid(field, e.to_string()))?;
+        }
+    }
+    duration("budgets.timeout", &b.timeout)?;
+    duration("idle_ttl", &r.idle_ttl)?;
+    duration("auto_hibernate", &r.auto_hibernate)?;
+    if b.cpus < 0.0 || !b.cpus.is_finite() {
+        return Err(ServiceError::invalid(
+            "budgets.cpus",
+            "must be a positive number",
+        ));
+    }
+    Ok(CreateArgs {
+        catalog_id: r.catalog_id,
+        backend,
+        budgets: Budgets {
+            memory: text(b.memory),
+            cpus: (b.cpus > 0.0).then_some(b.cpus),
+            disk: text(b.disk),
+            pids: (b.pids > 0).then_some(b.pids),
+            timeout: text(b.timeout),
+            idle_ttl: text(r.idle_ttl),
+            auto_hibernate: text(r.auto_hibernate),
+        },
+        env: r.env.into_iter().collect(),
+        network: (r.network_set || !r.network.is_empty()).then_some(r.network),
+        lifetime: duration("lifetime", &r.lifetime)?,
+        labels: r.labels.into_iter().collect(),
+        inbound: false,
+    })
+}
+
 fn duration(field: &str, text: &str) -> Result<Option<Duration>, ServiceError> {
     if text.is_empty() {
         return Ok(None);
@@ -232,51 +283,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
         req: Request<proto::CreateRequest>,
     ) -> Result<Response<proto::SandboxInfo>, Status> {
         let who = caller(&self.0, &req).await?;
-        let r = req.into_inner();
-        if r.catalog_id.is_empty() {
-            return Err(ServiceError::invalid(
-                "catalog_id",
-                "give a catalog ID (namespace/name[@version])",
-            )
-            .into());
-        }
-        let backend = match r.backend.as_str() {
-            "" => None,
-            b => Some(b.parse::<Backend>().map_err(|e| {
-                ServiceError::invalid("backend", format!("{e} (fncall, container, microvm or vm)"))
-            })?),
-        };
-        let b = r.budgets.unwrap_or_default();
-        for (field, v) in [("budgets.memory", &b.memory), ("budgets.disk", &b.disk)] {
-            if !v.is_empty() {
-                strata_catalog::parse_size(v)
-                    .map_err(|e| ServiceError::invalid(field, e.to_string()))?;
-            }
-        }
-        duration("budgets.timeout", &b.timeout)?;
-        duration("idle_ttl", &r.idle_ttl)?;
-        duration("auto_hibernate", &r.auto_hibernate)?;
-        if b.cpus < 0.0 || !b.cpus.is_finite() {
-            return Err(ServiceError::invalid("budgets.cpus", "must be a positive number").into());
-        }
-        let args = CreateArgs {
-            catalog_id: r.catalog_id,
-            backend,
-            budgets: Budgets {
-                memory: text(b.memory),
-                cpus: (b.cpus > 0.0).then_some(b.cpus),
-                disk: text(b.disk),
-                pids: (b.pids > 0).then_some(b.pids),
-                timeout: text(b.timeout),
-                idle_ttl: text(r.idle_ttl),
-                auto_hibernate: text(r.auto_hibernate),
-            },
-            env: r.env.into_iter().collect(),
-            network: (r.network_set || !r.network.is_empty()).then_some(r.network),
-            lifetime: duration("lifetime", &r.lifetime)?,
-            labels: r.labels.into_iter().collect(),
-            inbound: false,
-        };
+        let args = create_args(req.into_inner())?;
         let meta = self
             .0
             .create(&who, args)

@@ -136,11 +136,25 @@ impl LayerManifest {
                     c.blob_offset
                 )));
             }
-            end = c.blob_offset + c.length as u64;
+            end = match c.blob_offset.checked_add(c.length as u64) {
+                Some(e) => e,
+                None => {
+                    return Err(ManifestError::Table(format!(
+                        "chunk at {} of {} bytes ends past 2^64",
+                        c.blob_offset, c.length
+                    )))
+                }
+            };
             if end > self.blob_size {
                 return Err(ManifestError::Table(format!(
                     "chunk at {} runs past the blob end {}",
                     c.blob_offset, self.blob_size
+                )));
+            }
+            if c.pack_offset.checked_add(c.stored_length as u64).is_none() {
+                return Err(ManifestError::Table(format!(
+                    "chunk at {} is stored at {} in its pack, which ends past 2^64",
+                    c.blob_offset, c.pack_offset
                 )));
             }
             if c.pack as usize >= self.packs.len() {
@@ -244,6 +258,24 @@ mod tests {
         bad.chunks[1].blob_offset = 500;
         bad.id = bad.content_id();
         assert!(bad.validate().is_err());
+        // A chunk whose end overflows is refused, not wrapped round to fit the blob.
+        let mut wraps = m.clone();
+        wraps.chunks[1].blob_offset = u64::MAX - 10;
+        wraps.chunks[1].length = 100;
+        wraps.id = wraps.content_id();
+        assert!(wraps
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("past 2^64"));
+        let mut stored = m.clone();
+        stored.chunks[1].pack_offset = u64::MAX;
+        stored.id = stored.content_id();
+        assert!(stored
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("past 2^64"));
         assert_eq!(m.chunk_at(0), 0);
         assert_eq!(m.chunk_at(1000), 1);
         assert_eq!(m.chunk_at(8191), 2);

@@ -10,7 +10,7 @@
 //! pieces; everything a client sends is parsed as untrusted JSON with size limits.
 
 mod api;
-mod connect;
+pub mod connect;
 mod envd;
 mod files;
 mod procs;
