@@ -151,7 +151,7 @@ pub fn e2b_connect(data: &[u8]) {
     let mut d = strata_service::e2b::connect::Deframer::default();
     for part in [&rest[..at], &rest[at..]] {
         d.push(part);
-        while let Ok(Some(v)) = d.next() {
+        while let Ok(Some(v)) = d.next_message() {
             let _ = strata_service::e2b::connect::field(&v, "processId", "process_id");
             let _ = strata_service::e2b::connect::int(v.get("pid"));
         }

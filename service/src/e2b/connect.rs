@@ -144,7 +144,7 @@ impl Deframer {
 
     /// The next whole message, `Ok(None)` when more bytes are needed (or the client sent
     /// its end frame).
-    pub fn next(&mut self) -> Result<Option<Value>, RpcError> {
+    pub fn next_message(&mut self) -> Result<Option<Value>, RpcError> {
         if self.ended || self.buf.len() < 5 {
             return Ok(None);
         }
@@ -249,11 +249,11 @@ mod tests {
             let mut d = Deframer::default();
             let mut got = Vec::new();
             d.push(&all[..split]);
-            while let Some(v) = d.next().unwrap() {
+            while let Some(v) = d.next_message().unwrap() {
                 got.push(v);
             }
             d.push(&all[split..]);
-            while let Some(v) = d.next().unwrap() {
+            while let Some(v) = d.next_message().unwrap() {
                 got.push(v);
             }
             assert_eq!(got.len(), 2, "split at {split}");
@@ -269,13 +269,13 @@ mod tests {
     fn refuses_oversized_and_compressed_frames() {
         let mut d = Deframer::default();
         d.push(&[0, 0xff, 0xff, 0xff, 0xff]);
-        assert_eq!(d.next().unwrap_err().code, "resource_exhausted");
+        assert_eq!(d.next_message().unwrap_err().code, "resource_exhausted");
         let mut d = Deframer::default();
         d.push(&[1, 0, 0, 0, 2, b'{', b'}']);
-        assert!(d.next().is_err());
+        assert!(d.next_message().is_err());
         let mut d = Deframer::default();
         d.push(&[0, 0, 0, 0, 3, b'{', b'x', b'}']);
-        assert_eq!(d.next().unwrap_err().code, "invalid_argument");
+        assert_eq!(d.next_message().unwrap_err().code, "invalid_argument");
     }
 
     #[test]

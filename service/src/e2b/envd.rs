@@ -101,7 +101,7 @@ async fn next_message(
     de: &mut connect::Deframer,
 ) -> Result<Option<Value>, RpcError> {
     loop {
-        if let Some(v) = de.next()? {
+        if let Some(v) = de.next_message()? {
             return Ok(Some(v));
         }
         match body.next().await {
@@ -152,7 +152,7 @@ async fn rpc(e: &Arc<E2b>, meta: Meta, sb: Sandbox, path: &str, req: Request) ->
     let msg = if streaming {
         let mut de = connect::Deframer::default();
         de.push(&raw);
-        de.next().map(|m| m.unwrap_or_else(|| json!({})))
+        de.next_message().map(|m| m.unwrap_or_else(|| json!({})))
     } else if raw.iter().all(u8::is_ascii_whitespace) {
         Ok(json!({}))
     } else {
