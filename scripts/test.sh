@@ -10,3 +10,5 @@ cargo build --workspace --bins
 CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
   cargo build -p strata-agent --target x86_64-unknown-linux-gnu
 cargo test --workspace --no-fail-fast -- --test-threads="${STRATA_TEST_THREADS:-2}"
+# Every fuzz target under AFL++ for a bounded time (fuzz/, scripts/fuzz.sh).
+bash scripts/fuzz.sh "${STRATA_FUZZ_SECONDS:-20}"

@@ -707,7 +707,12 @@ pub fn stats() -> Result<GuestStats, AgentError> {
     let st = nix::sys::statvfs::statvfs("/")
         .map_err(|e| AgentError::new(ErrorKind::Other, format!("statvfs /: {e}")))?;
     let size = st.blocks() * st.fragment_size();
-    let free = st.blocks_available() * st.fragment_size();
+    // Out of inodes is full, as the host counts its own uppers (`Uppers::usage`).
+    let free = if st.files() > 0 && st.files_available() == 0 {
+        0
+    } else {
+        st.blocks_available() * st.fragment_size()
+    };
     Ok(GuestStats {
         oom_kills: field(&read("memory.events"), "oom_kill "),
         pids_max_hits: field(&read("pids.events"), "max "),
