@@ -62,19 +62,12 @@ pub fn assemble(
     }
     // The directories are named by descriptors (`/proc/self/fd/N`): the options show in
     // the sandbox's mountinfo, and must not show where anything lives on the host.
-    let open = |p: &PathBuf| {
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
-            .open(p)
-            .map_err(RuntimeError::io(p))
-    };
     let lower_fds = paths
         .layers
         .iter()
-        .map(open)
+        .map(|p| open_dir(p))
         .collect::<Result<Vec<_>, _>>()?;
-    let (upper_fd, work_fd) = (open(&paths.upper)?, open(&paths.work)?);
+    let (upper_fd, work_fd) = (open_dir(&paths.upper)?, open_dir(&paths.work)?);
     let named = |f: &std::fs::File| format!("/proc/self/fd/{}", f.as_raw_fd());
     let lower = lower_fds.iter().map(named).collect::<Vec<_>>().join(":");
     let data = format!(
@@ -271,13 +264,6 @@ pub fn mount_views(
             )))
         }
     }
-    let open_dir = |p: &Path| {
-        std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
-            .open(p)
-            .map_err(RuntimeError::io(p))
-    };
     let root = open_dir(merged)?;
     let fd_path =
         |fd: &std::os::fd::OwnedFd| PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
@@ -430,6 +416,16 @@ fn mount_target(
         };
     }
     Ok(cur)
+}
+
+/// A directory as a path descriptor (to name in mount options as `/proc/self/fd/N`, or to
+/// resolve beneath).
+fn open_dir(p: &Path) -> Result<std::fs::File, RuntimeError> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+        .open(p)
+        .map_err(RuntimeError::io(p))
 }
 
 fn mount_overlay(target: &Path, data: &str) -> Result<(), RuntimeError> {
