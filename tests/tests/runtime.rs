@@ -1161,6 +1161,16 @@ fn an_agent_can_change_neither_its_grader_nor_the_tests_that_grade_it() {
         .join("probes/tampering_wordfreq.py")
         .display()
         .to_string();
+    // The evaluation sandboxes made, by the `evaluated` records of the graded ones.
+    let mut graders: Vec<String> = Vec::new();
+    let evaluated = |id: &str| -> serde_json::Value {
+        let audit = env.ok(&["sandbox", "audit", id]);
+        audit
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .find(|l| l["event"] == "evaluated")
+            .unwrap_or_else(|| panic!("no evaluated event: {audit}"))
+    };
     for backend in BACKENDS {
         let honest = env.ok(&["sandbox", "create", "--backend", backend, &graded]);
         let honest = honest.lines().last().unwrap_or_default().trim().to_string();
@@ -1172,6 +1182,11 @@ fn an_agent_can_change_neither_its_grader_nor_the_tests_that_grade_it() {
             "{backend}: honest grade: {out}{err}"
         );
         assert!(out.contains("5 passed"), "{backend}: {out}");
+        assert!(
+            err.contains("the agent changed 0 paths"),
+            "{backend}: {err}"
+        );
+        graders.extend(evaluated(&honest)["sandbox"].as_str().map(str::to_string));
 
         let agent = env.ok(&["sandbox", "create", "--backend", backend, &graded]);
         let agent = agent.lines().last().unwrap_or_default().trim().to_string();
@@ -1200,6 +1215,7 @@ fn an_agent_can_change_neither_its_grader_nor_the_tests_that_grade_it() {
             o.status.code(),
             done["exit_code"].as_i64().map(|c| c as i32)
         );
+        graders.extend(done["sandbox"].as_str().map(str::to_string));
         assert_ne!(
             done["exit_code"], 0,
             "{backend}: the gamed grade passed: {done}"
@@ -1263,12 +1279,7 @@ fn an_agent_can_change_neither_its_grader_nor_the_tests_that_grade_it() {
                 "{backend}: {path} (protected {protected}) not in {changed:?}"
             );
         }
-        let audit = env.ok(&["sandbox", "audit", &agent]);
-        let evaluated: serde_json::Value = audit
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .find(|l| l["event"] == "evaluated")
-            .unwrap_or_else(|| panic!("{backend}: no evaluated event: {audit}"));
+        let evaluated = evaluated(&agent);
         assert_eq!(evaluated["exit_code"], done["exit_code"], "{evaluated}");
         let tampered = evaluated["protected_changes"].to_string();
         assert!(
@@ -1310,12 +1321,16 @@ fn an_agent_can_change_neither_its_grader_nor_the_tests_that_grade_it() {
             env.ok(&["sandbox", "rm", id]);
         }
     }
-    // Nothing of the evaluation sandboxes is left mounted.
+    // Nothing of the evaluation sandboxes is left: no mount, no directory.
+    assert_eq!(graders.len(), 2 * BACKENDS.len(), "{graders:?}");
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
-    let home = env.cli.home.join("runtime").display().to_string();
-    let left: Vec<&str> = mounts
-        .lines()
-        .filter(|l| l.contains(&home) && (l.contains("/views/") || l.contains("/rootfs")))
-        .collect();
-    assert!(left.is_empty(), "left mounted: {left:#?}");
+    for id in &graders {
+        let dir = env.cli.home.join("runtime/sandboxes").join(id);
+        let left: Vec<&str> = mounts
+            .lines()
+            .filter(|l| l.contains(&format!("/sandboxes/{id}/")))
+            .collect();
+        assert!(left.is_empty(), "{id}: left mounted: {left:#?}");
+        assert!(!dir.exists(), "{id}: {} is left", dir.display());
+    }
 }
