@@ -35,6 +35,12 @@ struct Shared {
     /// Response bodies still to corrupt (one byte flipped in each).
     corrupt: AtomicUsize,
     corrupted: AtomicUsize,
+    /// Responses still to cut off halfway through their body (the connection then closed).
+    truncate: AtomicUsize,
+    truncated: AtomicUsize,
+    /// Responses still to answer with a reset instead (RST, nothing of the response sent).
+    reset: AtomicUsize,
+    resets: AtomicUsize,
     connections: AtomicU64,
     bytes_down: AtomicU64,
     /// When the shared downstream link is next free (bandwidth cap).
@@ -113,6 +119,27 @@ impl LatencyProxy {
     /// Response bodies corrupted so far.
     pub fn corrupted(&self) -> usize {
         self.shared.corrupted.load(Ordering::Relaxed)
+    }
+
+    /// Cuts off each of the next `n` responses with a body halfway through it, then
+    /// closes its connection: a truncated body.
+    pub fn truncate_next(&self, n: usize) {
+        self.shared.truncate.store(n, Ordering::Relaxed);
+    }
+
+    /// Responses truncated so far.
+    pub fn truncated(&self) -> usize {
+        self.shared.truncated.load(Ordering::Relaxed)
+    }
+
+    /// Answers each of the next `n` responses with a connection reset (RST) instead.
+    pub fn reset_next(&self, n: usize) {
+        self.shared.reset.store(n, Ordering::Relaxed);
+    }
+
+    /// Connections reset so far.
+    pub fn resets(&self) -> usize {
+        self.shared.resets.load(Ordering::Relaxed)
     }
 
     /// Connections accepted so far.
@@ -202,6 +229,7 @@ async fn connection(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>
     let down = async move {
         let mut buf = vec![0u8; 64 << 10];
         let mut bodies = BodyTracker::default();
+        let mut reset = false;
         loop {
             let n = match sr.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
@@ -214,7 +242,16 @@ async fn connection(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>
             let at = *arrived_rx.borrow() + shared.rtt();
             tokio::time::sleep_until(at).await;
             let data = &mut buf[..n];
-            bodies.feed(data, &shared);
+            let (data, cut) = match bodies.feed(data, &shared) {
+                Verdict::Pass => (data, false),
+                Verdict::CutAt(at) => (&mut data[..at], true),
+                Verdict::Reset => {
+                    // SO_LINGER 0: the close sends RST rather than FIN.
+                    let _ = socket2::SockRef::from(cw.as_ref()).set_linger(Some(Duration::ZERO));
+                    reset = true;
+                    break;
+                }
+            };
             let bw = shared.bandwidth.load(Ordering::Relaxed);
             if bw > 0 {
                 let send_at = {
@@ -229,9 +266,20 @@ async fn connection(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>
             if cw.write_all(data).await.is_err() {
                 break;
             }
-            shared.bytes_down.fetch_add(n as u64, Ordering::Relaxed);
+            shared
+                .bytes_down
+                .fetch_add(data.len() as u64, Ordering::Relaxed);
+            if cut {
+                break;
+            }
         }
-        let _ = cw.shutdown().await;
+        // A reset closes without a FIN (a dropped write half would send one): the socket
+        // closes when the read half goes too, with SO_LINGER 0 an RST.
+        if reset {
+            cw.forget();
+        } else {
+            let _ = cw.shutdown().await;
+        }
     };
     // Either side ending ends the connection (as a reset would).
     tokio::select! {
@@ -240,8 +288,17 @@ async fn connection(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>
     }
 }
 
+/// What to do with a piece of a response.
+enum Verdict {
+    Pass,
+    /// Send this much of it, then close the connection.
+    CutAt(usize),
+    /// Reset the connection, sending none of it.
+    Reset,
+}
+
 /// Follows HTTP/1.1 responses with a `Content-Length` through a connection, to corrupt a
-/// byte inside a body on request. A response it cannot follow (chunked, unparsable) ends
+/// byte inside a body, cut a body short or reset the connection, on request. A response it cannot follow (chunked, unparsable) ends
 /// the tracking for that connection: its bytes pass untouched.
 #[derive(Default)]
 struct BodyTracker {
@@ -249,60 +306,83 @@ struct BodyTracker {
     /// Body bytes of the current response still to pass, and where in them to flip one.
     body_left: u64,
     flip_at: Option<u64>,
+    /// Body bytes still to pass before the connection is cut.
+    cut_after: Option<u64>,
     lost: bool,
 }
 
+/// Takes one from a counter of faults still to inject, if any is left.
+fn take(counter: &AtomicUsize) -> bool {
+    counter
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| c.checked_sub(1))
+        .is_ok()
+}
+
 impl BodyTracker {
-    fn feed(&mut self, mut data: &mut [u8], shared: &Shared) {
-        while !data.is_empty() && !self.lost {
+    fn feed(&mut self, data: &mut [u8], shared: &Shared) -> Verdict {
+        let total = data.len();
+        let mut pos = 0;
+        while pos < total && !self.lost {
+            let rest = &mut data[pos..];
             if self.body_left > 0 {
-                let n = (self.body_left.min(data.len() as u64)) as usize;
+                let n = (self.body_left.min(rest.len() as u64)) as usize;
                 if let Some(at) = self.flip_at {
                     if at < n as u64 {
-                        data[at as usize] ^= 0x5a;
+                        rest[at as usize] ^= 0x5a;
                         self.flip_at = None;
                         shared.corrupted.fetch_add(1, Ordering::Relaxed);
                     } else {
                         self.flip_at = Some(at - n as u64);
                     }
                 }
+                if let Some(left) = self.cut_after {
+                    if left <= n as u64 {
+                        shared.truncated.fetch_add(1, Ordering::Relaxed);
+                        return Verdict::CutAt(pos + left as usize);
+                    }
+                    self.cut_after = Some(left - n as u64);
+                }
                 self.body_left -= n as u64;
-                data = &mut data[n..];
+                pos += n;
                 continue;
             }
             // In a response head: up to its blank line.
             let before = self.head.len();
-            self.head.extend_from_slice(data);
+            self.head.extend_from_slice(rest);
             let Some(end) = self.head.windows(4).position(|w| w == b"\r\n\r\n") else {
                 if self.head.len() > 64 << 10 {
                     self.lost = true;
                 }
-                return;
+                return Verdict::Pass;
             };
             let consumed = end + 4 - before;
             let head = String::from_utf8_lossy(&self.head[..end]).to_ascii_lowercase();
             self.head.clear();
-            data = &mut data[consumed..];
             if head.contains("transfer-encoding: chunked") {
                 self.lost = true;
-                return;
+                return Verdict::Pass;
             }
             let len = head
                 .lines()
                 .find_map(|l| l.strip_prefix("content-length:"))
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .unwrap_or(0);
+            if len > 0 && pos == 0 && before == 0 && take(&shared.reset) {
+                shared.resets.fetch_add(1, Ordering::Relaxed);
+                return Verdict::Reset;
+            }
+            pos += consumed;
             self.body_left = len;
             self.flip_at = None;
-            if len > 0
-                && shared
-                    .corrupt
-                    .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| c.checked_sub(1))
-                    .is_ok()
-            {
+            self.cut_after = None;
+            if len > 0 && take(&shared.corrupt) {
                 self.flip_at = Some(len / 2);
             }
+            if len > 1 && take(&shared.truncate) {
+                self.cut_after = Some(len / 2);
+            }
         }
+        Verdict::Pass
     }
 }
 
@@ -381,6 +461,27 @@ mod tests {
         assert_ne!(&bad[head.len()..], body);
         assert_eq!(proxy.corrupted(), 1);
         assert!(get(&mut s, total).ends_with(body), "only the next one");
+
+        // Truncated: half the body, then the connection closes.
+        proxy.truncate_next(1);
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let mut cut = Vec::new();
+        let _ = s.read_to_end(&mut cut);
+        assert_eq!(cut.len(), head.len() + body.len() / 2, "{cut:?}");
+        assert_eq!(proxy.truncated(), 1);
+        // Reset: nothing of the response, an RST.
+        let mut s = std::net::TcpStream::connect(proxy.addr()).unwrap();
+        get(&mut s, total);
+        proxy.reset_next(1);
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let mut buf = [0u8; 64];
+        let r = s.read(&mut buf);
+        assert!(
+            matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset),
+            "{r:?}"
+        );
+        assert_eq!(proxy.resets(), 1);
+        let mut s = std::net::TcpStream::connect(proxy.addr()).unwrap();
 
         // Down: the live connection is cut at its next exchange, new ones closed.
         proxy.set_down(true);

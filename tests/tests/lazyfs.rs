@@ -568,9 +568,11 @@ fn a_daemon_that_dies_as_it_starts_is_reported_with_its_reason() {
 
 /// The lazy path against a real S3 store (radosgw) behind the latency-injecting proxy at
 /// 2 ms added round-trip time: every byte read back exactly, a corrupt response detected
-/// and fetched again, an outage failing uncached reads within the bound and healing.
+/// and fetched again, a truncated body and a reset connection fetched again, an outage
+/// failing uncached reads within the bound and healing.
 #[test]
-fn over_radosgw_with_added_latency_reads_exactly_refetches_corruption_and_bounds_an_outage() {
+fn over_radosgw_with_added_latency_reads_exactly_survives_corruption_truncation_resets_and_an_outage(
+) {
     use strata_tests::proxy::{LatencyProxy, Link};
     if !have_root("lazyfs_s3") || !have_fuse("lazyfs_s3") {
         return;
@@ -632,6 +634,42 @@ fn over_radosgw_with_added_latency_reads_exactly_refetches_corruption_and_bounds
     assert!(log.contains("is corrupt"), "no corruption reported:\n{log}");
     let cached = std::fs::read(mnt.join("ten-k")).unwrap();
     assert_eq!(cached, std::fs::read(src.join("ten-k")).unwrap());
+
+    // A body cut short and a connection reset: the fetch fails, is tried again, and the
+    // reader gets the right bytes. Files are read in order until one fetch met the fault
+    // (a file already cached fetches nothing).
+    let files: Vec<std::path::PathBuf> = walkdir::WalkDir::new(&src)
+        .sort_by_file_name()
+        .into_iter()
+        .flatten()
+        .filter(|e| e.file_type().is_file())
+        .map(|e| e.path().strip_prefix(&src).unwrap().to_path_buf())
+        .collect();
+    let mut next = files.iter();
+    for (fault, fired) in [
+        (
+            "truncated",
+            &(|p: &LatencyProxy| p.truncated()) as &dyn Fn(&LatencyProxy) -> usize,
+        ),
+        ("reset", &|p: &LatencyProxy| p.resets()),
+    ] {
+        match fault {
+            "truncated" => proxy.truncate_next(1),
+            _ => proxy.reset_next(1),
+        }
+        while fired(&proxy) == 0 {
+            let f = next
+                .next()
+                .unwrap_or_else(|| panic!("no read met the {fault} fault"));
+            assert_eq!(
+                std::fs::read(mnt.join(f)).unwrap(),
+                std::fs::read(src.join(f)).unwrap(),
+                "{} after a {fault} response",
+                f.display()
+            );
+        }
+        assert_eq!(fired(&proxy), 1, "{fault}");
+    }
 
     // An outage: uncached reads fail with EIO within the bound, cached ones keep working,
     // and once the store is back the same read works without remounting.
