@@ -423,6 +423,30 @@ def snapshots():
         sb.kill()
 
 
+FLOOD = 512 << 20
+
+
+def flood():
+    """`yes` through the API: every byte delivered as it is printed (the test checks the
+    service's memory and log stayed bounded meanwhile)."""
+    sb = Sandbox.create(TEMPLATE, timeout=900, **CREATE)
+    log("created", sb.sandbox_id)
+    try:
+        got = [0, 0]
+
+        def on_out(s):
+            got[0] += len(s)
+            got[1] += 1
+
+        r = sb.commands.run(f"yes | head -c {FLOOD}", on_stdout=on_out, timeout=600)
+        assert r.exit_code == 0, r.exit_code
+        assert got[0] == FLOOD, (got[0], FLOOD)
+        assert got[1] > 100, f"{got[1]} pieces: not streamed"
+        log(f"{got[0] >> 20} MiB in {got[1]} pieces")
+    finally:
+        assert sb.kill() is True
+
+
 async def burst():
     async def one(i):
         sb = await AsyncSandbox.create(TEMPLATE, timeout=900, **CREATE)
@@ -479,7 +503,7 @@ def proxy():
 
 
 if __name__ == "__main__":
-    {"full": full, "short": short, "pause": pause_rounds, "hibernate": hibernate_rounds, "fork": fork_children, "snapshot": snapshots, "burst": lambda: asyncio.run(burst()), "proxy": proxy}[SCENARIO]()
+    {"full": full, "short": short, "pause": pause_rounds, "hibernate": hibernate_rounds, "fork": fork_children, "snapshot": snapshots, "burst": lambda: asyncio.run(burst()), "proxy": proxy, "flood": flood}[SCENARIO]()
     log("ok")
     # Every check has passed. The SDK's native HTTP client (pyqwest) aborts the interpreter
     # while it is torn down after asyncio use (SIGABRT at exit, seen with 2.63.0), so the

@@ -179,6 +179,32 @@ fn e2b_pause_and_connect_twenty_times_keeps_files_and_processes() {
     assert_nothing_left(&home);
 }
 
+/// SECURITY.md, "the node service" (what a sandbox sends back crosses in bounded pieces
+/// with back-pressure): 512 MiB of `yes` through the E2B API reaches the SDK whole, in
+/// pieces as it is printed, while the service's resident memory grows by less than 128 MiB
+/// and its log by less than 64 KiB.
+#[test]
+fn e2b_endless_output_streams_through_bounded_memory() {
+    let Some(env) = env("e2b_flood") else {
+        return;
+    };
+    let (home, svc, token) = service(env, "e2b-flood-", &[], "");
+    let (rss, log) = (svc.peak_rss(), svc.log_text().len());
+    run_suite(
+        &svc,
+        &token,
+        E2B_PYTHON[0],
+        "flood",
+        "container",
+        &env.reference,
+    );
+    let grown = svc.peak_rss().saturating_sub(rss);
+    assert!(grown < 128 << 20, "the service grew by {} MiB", grown >> 20);
+    let logged = svc.log_text().len().saturating_sub(log);
+    assert!(logged < 64 << 10, "the service logged {logged} bytes");
+    assert_nothing_left(&home);
+}
+
 #[test]
 fn e2b_burst_of_32_async_creates_runs_the_tests_and_leaves_nothing() {
     let Some(env) = env("e2b_burst") else {
