@@ -945,6 +945,10 @@ impl Runtime {
 /// Whether the reaper ends a sandbox, and why: `record` as found (none while it is being
 /// created), how long its directory has existed and it has been idle, and whether a
 /// process (PID, start time) still runs.
+/// How long a sandbox directory without a record (and without its maker holding its
+/// lock) is left alone: the moment between the directory appearing and its lock taken.
+const RECORDLESS_GRACE: Duration = Duration::from_secs(5);
+
 pub(crate) fn reap_decision(
     record: Option<&SandboxRecord>,
     hibernated: bool,
@@ -953,9 +957,10 @@ pub(crate) fn reap_decision(
     running: &dyn Fn(u32, u64) -> bool,
 ) -> Option<EndReason> {
     match record {
-        // No record yet: being created (the lock is taken just after the directory
-        // appears), unless it has been like that for a minute.
-        None if dir_age < Duration::from_secs(60) => None,
+        // No record yet. Its maker holds the directory's lock from a moment after the
+        // directory appears until the record is written, so a reaper that got the lock
+        // finds a maker that died (a CLI killed mid-create): reaped once past that moment.
+        None if dir_age < RECORDLESS_GRACE => None,
         None => Some(EndReason::Error),
         // Nothing runs and nothing idles: it waits on disk until woken or destroyed.
         Some(_) if hibernated => None,
@@ -1030,10 +1035,14 @@ mod tests {
             reap_decision(Some(&orphan), false, min(5), min(1), &running),
             Some(EndReason::OwnerGone)
         );
-        // Being created: left alone for a minute, then an error.
+        // Being made (its lock free a moment): left alone, then an error.
+        assert_eq!(
+            reap_decision(None, false, Duration::from_secs(1), min(0), &running),
+            None
+        );
         assert_eq!(
             reap_decision(None, false, Duration::from_secs(10), min(0), &running),
-            None
+            Some(EndReason::Error)
         );
         assert_eq!(
             reap_decision(None, false, min(2), min(0), &running),
