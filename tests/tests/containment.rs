@@ -457,8 +457,8 @@ fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
         let audit = home.ok(&["sandbox", "audit", id]);
         let last: serde_json::Value = audit
             .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .last()
+            .rev()
+            .find_map(|l| serde_json::from_str(l).ok())
             .unwrap_or_else(|| panic!("{id}: empty audit"));
         assert_eq!(last["event"], "ended", "{id}: {audit}");
         assert!(last["reason"].is_string(), "{id}: {audit}");
