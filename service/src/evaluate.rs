@@ -126,32 +126,8 @@ pub async fn evaluate(
     req: &EvaluateRequest,
 ) -> Result<Evaluation, ServiceError> {
     let t = Instant::now();
-    let catalog_ref = agent.spec().catalog_ref.clone();
-    if catalog_ref.is_empty() {
-        return Err(ServiceError::invalid(
-            "id",
-            format!(
-                "sandbox {} was not started from a catalog entry: no entry names its grading commands",
-                agent.id()
-            ),
-        ));
-    }
-    let reg = Catalog::open(store).await?.get(&catalog_ref).await?;
-    let line = reg
-        .entry
-        .commands
-        .get(&req.command)
-        .cloned()
-        .ok_or_else(|| {
-            ServiceError::invalid(
-                "command",
-                format!(
-                    "{catalog_ref} has no command `{}` (it has: {})",
-                    req.command,
-                    names(&reg.entry.commands)
-                ),
-            )
-        })?;
+    let (reg, line) =
+        entry_command(store, &agent.spec().catalog_ref, agent.id(), &req.command).await?;
     let evaluator = reg.entry.evaluator.clone();
     let (protected, evaluator_layer, mount) = match &evaluator {
         Some(Evaluator {
@@ -260,6 +236,35 @@ pub async fn evaluate(
                "by": req.identity}),
     );
     Ok(out)
+}
+
+/// The registered entry `catalog_ref` (of sandbox `id`) and the line of its command
+/// `command`: what an evaluation needs before anything is made or admitted.
+pub async fn entry_command(
+    store: &Store,
+    catalog_ref: &str,
+    id: &str,
+    command: &str,
+) -> Result<(std::sync::Arc<strata_catalog::Registered>, String), ServiceError> {
+    if catalog_ref.is_empty() {
+        return Err(ServiceError::invalid(
+            "id",
+            format!(
+                "sandbox {id} was not started from a catalog entry: no entry names its grading commands"
+            ),
+        ));
+    }
+    let reg = Catalog::open(store).await?.get(catalog_ref).await?;
+    let line = reg.entry.commands.get(command).cloned().ok_or_else(|| {
+        ServiceError::invalid(
+            "command",
+            format!(
+                "{catalog_ref} has no command `{command}` (it has: {})",
+                names(&reg.entry.commands)
+            ),
+        )
+    })?;
+    Ok((reg, line))
 }
 
 fn names(commands: &BTreeMap<String, String>) -> String {

@@ -775,6 +775,8 @@ impl Node {
         command: String,
         backend: Option<Backend>,
     ) -> Result<crate::evaluate::Evaluation, ServiceError> {
+        // A request that cannot be graded is refused as such before any admission.
+        crate::evaluate::entry_command(&self.store, &meta.catalog_ref, &meta.id, &command).await?;
         let (node, caller, meta) = (self.clone(), caller.clone(), meta.clone());
         crate::detached(async move {
             let chosen = backend.unwrap_or(meta.backend);

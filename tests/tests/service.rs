@@ -890,6 +890,11 @@ async def main():
         assert len(first.layer) == 64 and first.layer == again.layer, (first, again)
         assert not again.created and first.registered == "", (first, again)
         try:
+            await sb.evaluate("grade")
+            raise AssertionError("graded with a command the entry lacks")
+        except strata.InvalidArgument as e:
+            assert e.field == "command" and "has no command `grade`" in e.message, e
+        try:
             await c.create("{sample}", backend="container")
         except strata.QuotaExceeded:
             pass

@@ -548,6 +548,19 @@ class AsyncSandbox:
             pb.CommitRequest(id=self.id, kind=kind, register=register or ""),
         )
 
+    async def evaluate(self, command: str, *, backend: Optional[str] = None) -> "pb.EvaluateReply":
+        """Grades the sandbox: its catalog entry's command ``command`` runs in a fresh
+        sandbox of the entry's stack with this sandbox's changes on top, the entry's
+        protected paths and evaluator files mounted read-only (``[evaluator]`` in the
+        entry); what this sandbox changed under them is dropped first. This sandbox is left
+        as it is. The reply has ``exit_code``, ``stdout``, ``stderr`` (bytes),
+        ``truncated``, ``budget``, ``layer`` (its changes), ``changed`` (paths, each with
+        ``change`` and ``protected``) and ``changed_total``."""
+        return await self._client._call(
+            self._client._sandboxes.Evaluate,
+            pb.EvaluateRequest(id=self.id, command=command, backend=backend or ""),
+        )
+
     async def snapshot(self, name: Optional[str] = None, *, files_only: bool = False) -> "pb.SnapshotInfo":
         """Saves the sandbox into the store as a snapshot any node sharing the store
         restores (:meth:`AsyncClient.restore`): a microvm's or vm's processes, memory and
@@ -709,6 +722,9 @@ class Sandbox:
 
     def commit(self, kind: str = "workspace", register: Optional[str] = None) -> "pb.CommitReply":
         return self._loop.run(self._sb.commit(kind, register))
+
+    def evaluate(self, command: str, *, backend: Optional[str] = None) -> "pb.EvaluateReply":
+        return self._loop.run(self._sb.evaluate(command, backend=backend))
 
     def snapshot(self, name: Optional[str] = None, *, files_only: bool = False) -> "pb.SnapshotInfo":
         return self._loop.run(self._sb.snapshot(name, files_only=files_only))

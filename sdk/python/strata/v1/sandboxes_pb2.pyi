@@ -465,6 +465,60 @@ class CommitReply(_message.Message):
     seconds: float
     def __init__(self, layer: _Optional[str] = ..., registered: _Optional[str] = ..., files: _Optional[int] = ..., logical_bytes: _Optional[int] = ..., uploaded_bytes: _Optional[int] = ..., created: _Optional[bool] = ..., seconds: _Optional[float] = ...) -> None: ...
 
+class EvaluateRequest(_message.Message):
+    __slots__ = ("id", "command", "backend")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    command: str
+    backend: str
+    def __init__(self, id: _Optional[str] = ..., command: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class ChangedPath(_message.Message):
+    __slots__ = ("path", "change", "protected")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    PROTECTED_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    change: str
+    protected: bool
+    def __init__(self, path: _Optional[str] = ..., change: _Optional[str] = ..., protected: _Optional[bool] = ...) -> None: ...
+
+class EvaluateReply(_message.Message):
+    __slots__ = ("command", "line", "exit_code", "budget", "stdout", "stderr", "truncated", "layer", "backend", "sandbox", "evaluator_layer", "protected", "changed", "changed_total", "seconds")
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_LAYER_FIELD_NUMBER: _ClassVar[int]
+    PROTECTED_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    command: str
+    line: str
+    exit_code: int
+    budget: str
+    stdout: bytes
+    stderr: bytes
+    truncated: bool
+    layer: str
+    backend: str
+    sandbox: str
+    evaluator_layer: str
+    protected: _containers.RepeatedScalarFieldContainer[str]
+    changed: _containers.RepeatedCompositeFieldContainer[ChangedPath]
+    changed_total: int
+    seconds: float
+    def __init__(self, command: _Optional[str] = ..., line: _Optional[str] = ..., exit_code: _Optional[int] = ..., budget: _Optional[str] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., truncated: _Optional[bool] = ..., layer: _Optional[str] = ..., backend: _Optional[str] = ..., sandbox: _Optional[str] = ..., evaluator_layer: _Optional[str] = ..., protected: _Optional[_Iterable[str]] = ..., changed: _Optional[_Iterable[_Union[ChangedPath, _Mapping]]] = ..., changed_total: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class ExtendRequest(_message.Message):
     __slots__ = ("id", "idle_ttl", "lifetime")
     ID_FIELD_NUMBER: _ClassVar[int]

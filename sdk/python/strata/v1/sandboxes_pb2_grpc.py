@@ -149,6 +149,11 @@ class SandboxesStub:
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.CommitRequest.SerializeToString,
                 response_deserializer=strata_dot_v1_dot_sandboxes__pb2.CommitReply.FromString,
                 _registered_method=True)
+        self.Evaluate = channel.unary_unary(
+                '/strata.v1.Sandboxes/Evaluate',
+                request_serializer=strata_dot_v1_dot_sandboxes__pb2.EvaluateRequest.SerializeToString,
+                response_deserializer=strata_dot_v1_dot_sandboxes__pb2.EvaluateReply.FromString,
+                _registered_method=True)
         self.Extend = channel.unary_unary(
                 '/strata.v1.Sandboxes/Extend',
                 request_serializer=strata_dot_v1_dot_sandboxes__pb2.ExtendRequest.SerializeToString,
@@ -342,6 +347,17 @@ class SandboxesServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Evaluate(self, request, context):
+        """Grades the sandbox: its entry's command `command` run in a fresh sandbox of the
+        entry's stack with the sandbox's changes on top (those under the entry's protected
+        paths and evaluator mount dropped), the protected paths mounted read-only from the
+        entry's layers and the evaluator layer read-only at its mount. The sandbox is left as
+        it was; its audit records the grade and which files it changed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Extend(self, request, context):
         """Moves the idle TTL and/or the end of the lifetime.
         """
@@ -496,6 +512,11 @@ def add_SandboxesServicer_to_server(servicer, server):
                     servicer.Commit,
                     request_deserializer=strata_dot_v1_dot_sandboxes__pb2.CommitRequest.FromString,
                     response_serializer=strata_dot_v1_dot_sandboxes__pb2.CommitReply.SerializeToString,
+            ),
+            'Evaluate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Evaluate,
+                    request_deserializer=strata_dot_v1_dot_sandboxes__pb2.EvaluateRequest.FromString,
+                    response_serializer=strata_dot_v1_dot_sandboxes__pb2.EvaluateReply.SerializeToString,
             ),
             'Extend': grpc.unary_unary_rpc_method_handler(
                     servicer.Extend,
@@ -1144,6 +1165,33 @@ class Sandboxes:
             '/strata.v1.Sandboxes/Commit',
             strata_dot_v1_dot_sandboxes__pb2.CommitRequest.SerializeToString,
             strata_dot_v1_dot_sandboxes__pb2.CommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Evaluate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/strata.v1.Sandboxes/Evaluate',
+            strata_dot_v1_dot_sandboxes__pb2.EvaluateRequest.SerializeToString,
+            strata_dot_v1_dot_sandboxes__pb2.EvaluateReply.FromString,
             options,
             channel_credentials,
             insecure,
