@@ -15,6 +15,11 @@ if ! cargo afl --version 2>/dev/null | grep -q "$AFL_VERSION"; then
   echo "fuzz: installing cargo-afl $AFL_VERSION (AFL++ with it)" >&2
   cargo install cargo-afl --version "$AFL_VERSION" --locked >&2
 fi
+# AFL++ itself, built once per Rust toolchain (`cargo afl --version` names it once built).
+if ! cargo afl --version 2>/dev/null | grep -q "AFL++ version"; then
+  echo "fuzz: building AFL++ for this toolchain" >&2
+  cargo afl config --build >&2
+fi
 # Its own target directory: the instrumented build would otherwise invalidate the plain one.
 export CARGO_TARGET_DIR=target/afl
 cargo afl build -p strata-fuzz --features afl >&2
