@@ -291,12 +291,7 @@ pub fn changed_paths(changes: &Changes, dropped: &[String], max: usize) -> (Vec<
         })
     };
     let drops: Vec<&str> = dropped.iter().map(|d| d.trim_start_matches('/')).collect();
-    let in_lowers = |rel: &str| {
-        changes
-            .lowers
-            .iter()
-            .any(|l| std::fs::symlink_metadata(l.join(rel)).is_ok())
-    };
+    let in_lowers = |rel: &str| changes.lowers.iter().any(|l| in_layer(l, rel));
     let walk = walkdir::WalkDir::new(&changes.upper)
         .follow_links(false)
         .min_depth(1)
@@ -336,6 +331,21 @@ pub fn changed_paths(changes: &Changes, dropped: &[String], max: usize) -> (Vec<
         }
     }
     (listed, total)
+}
+
+/// Whether `rel` is in the layer mounted at `lower`, found without following a link on the
+/// way: a layer's absolute link would name a path of the host here.
+fn in_layer(lower: &Path, rel: &str) -> bool {
+    let parts: Vec<&str> = rel.split('/').filter(|p| !p.is_empty()).collect();
+    let mut p = lower.to_path_buf();
+    for (i, part) in parts.iter().enumerate() {
+        p.push(part);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) if i + 1 == parts.len() || m.is_dir() => {}
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// Whether the upper directory `dir` hides its lower contents (overlayfs's opaque mark).
@@ -385,5 +395,12 @@ mod tests {
         assert_eq!(total, 4);
         let (listed, total) = changed_paths(&changes, &[], 2);
         assert_eq!((listed.len(), total), (2, 4));
+        // A link in a layer is not followed on the host: `etc` pointing at the host's /etc
+        // does not make the host's /etc/hostname a file of the layer.
+        let linked = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("/etc", linked.path().join("etc")).unwrap();
+        assert!(!in_layer(linked.path(), "etc/hostname"));
+        assert!(in_layer(lower.path(), "work/app.py"));
+        assert!(in_layer(linked.path(), "etc"));
     }
 }
