@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 use serde_json::json;
+use strata_builder::source::upper::layer_entry;
 use strata_builder::LayerKind;
 use strata_catalog::{Backend, Catalog, Evaluator};
 use strata_runtime::{
@@ -291,7 +292,7 @@ pub fn changed_paths(changes: &Changes, dropped: &[String], max: usize) -> (Vec<
         })
     };
     let drops: Vec<&str> = dropped.iter().map(|d| d.trim_start_matches('/')).collect();
-    let in_lowers = |rel: &str| changes.lowers.iter().any(|l| in_layer(l, rel));
+    let in_lowers = |rel: &str| changes.lowers.iter().any(|l| layer_entry(l, rel).is_some());
     let walk = walkdir::WalkDir::new(&changes.upper)
         .follow_links(false)
         .min_depth(1)
@@ -331,21 +332,6 @@ pub fn changed_paths(changes: &Changes, dropped: &[String], max: usize) -> (Vec<
         }
     }
     (listed, total)
-}
-
-/// Whether `rel` is in the layer mounted at `lower`, found without following a link on the
-/// way: a layer's absolute link would name a path of the host here.
-fn in_layer(lower: &Path, rel: &str) -> bool {
-    let parts: Vec<&str> = rel.split('/').filter(|p| !p.is_empty()).collect();
-    let mut p = lower.to_path_buf();
-    for (i, part) in parts.iter().enumerate() {
-        p.push(part);
-        match std::fs::symlink_metadata(&p) {
-            Ok(m) if i + 1 == parts.len() || m.is_dir() => {}
-            _ => return false,
-        }
-    }
-    true
 }
 
 /// Whether the upper directory `dir` hides its lower contents (overlayfs's opaque mark).
@@ -399,8 +385,8 @@ mod tests {
         // does not make the host's /etc/hostname a file of the layer.
         let linked = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink("/etc", linked.path().join("etc")).unwrap();
-        assert!(!in_layer(linked.path(), "etc/hostname"));
-        assert!(in_layer(lower.path(), "work/app.py"));
-        assert!(in_layer(linked.path(), "etc"));
+        assert!(layer_entry(linked.path(), "etc/hostname").is_none());
+        assert!(layer_entry(lower.path(), "work/app.py").is_some());
+        assert!(layer_entry(linked.path(), "etc").is_some());
     }
 }

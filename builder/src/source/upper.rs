@@ -59,8 +59,28 @@ impl Filter<'_> {
         if !(parent.is_empty() || parent.ends_with('/')) {
             return false;
         }
-        self.lowers.iter().any(|lower| lower.join(parent).is_dir())
+        self.lowers
+            .iter()
+            .any(|lower| layer_entry(lower, parent).is_some_and(|m| m.is_dir()))
     }
+}
+
+/// What `rel` is in the layer mounted at `lower`, found without following a link on the
+/// way (a layer's absolute link would name a path of the host here); none if it is not
+/// there.
+pub fn layer_entry(lower: &Path, rel: &str) -> Option<std::fs::Metadata> {
+    let parts: Vec<&str> = rel.split('/').filter(|p| !p.is_empty()).collect();
+    let mut p = lower.to_path_buf();
+    let mut meta = std::fs::symlink_metadata(&p).ok()?;
+    for part in parts {
+        // A link's metadata is not a directory's: nothing beyond a link is looked at.
+        if !meta.is_dir() {
+            return None;
+        }
+        p.push(part);
+        meta = std::fs::symlink_metadata(&p).ok()?;
+    }
+    Some(meta)
 }
 
 impl PathFilter for Filter<'_> {
