@@ -57,17 +57,18 @@ pub fn main(args: &[String]) -> Result<(), String> {
                 let Ok(client) = client else { continue };
                 next = next.wrapping_add(1);
                 let id = next;
+                // Known before the guest hears of it: its answer may come back before
+                // `join` returns, and one to a conversation not (yet) in the map is dropped
+                // (a lost `welcome` once made the next frame look like the handshake's
+                // answer, with 64 VMs on two cores). The reader takes the map, then the
+                // port, as this does: no deadlock.
+                let mut map = conns.lock().unwrap_or_else(|p| p.into_inner());
                 {
                     let mut w = out.lock().unwrap_or_else(|p| p.into_inner());
                     if mux::write(&mut *w, id, mux::OPEN, b"").is_err() {
                         std::process::exit(0);
                     }
                 }
-                // Known before its first bytes go out: the guest's answer may come back
-                // before `join` returns, and one to a conversation not (yet) in the map is
-                // dropped (a lost `welcome` once made the next frame look like the
-                // handshake's answer, with 64 VMs on two cores).
-                let mut map = conns.lock().unwrap_or_else(|p| p.into_inner());
                 if let Ok(conv) = mux::join(id, client, out.clone()) {
                     map.insert(id, conv);
                 }
