@@ -704,20 +704,14 @@ pub fn stats() -> Result<GuestStats, AgentError> {
             .find_map(|l| l.strip_prefix(key)?.trim().parse::<u64>().ok())
             .unwrap_or(0)
     };
-    let st = nix::sys::statvfs::statvfs("/")
+    // Counted as the host counts its own uppers (out of inodes is full).
+    let (disk_used, disk_size) = strata_host::fs::disk_use(std::path::Path::new("/"))
         .map_err(|e| AgentError::new(ErrorKind::Other, format!("statvfs /: {e}")))?;
-    let size = st.blocks() * st.fragment_size();
-    // Out of inodes is full, as the host counts its own uppers (`Uppers::usage`).
-    let free = if st.files() > 0 && st.files_available() == 0 {
-        0
-    } else {
-        st.blocks_available() * st.fragment_size()
-    };
     Ok(GuestStats {
         oom_kills: field(&read("memory.events"), "oom_kill "),
         pids_max_hits: field(&read("pids.events"), "max "),
         memory_bytes: read("memory.current").trim().parse().unwrap_or(0),
-        disk_used: size.saturating_sub(free),
-        disk_size: size,
+        disk_used,
+        disk_size,
     })
 }

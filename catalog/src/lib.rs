@@ -295,10 +295,9 @@ impl Catalog {
             toolkits.push(resolve(t).await?);
         }
         entry.toolkits = toolkits;
-        if let Some(layer) = entry.evaluator.as_mut().and_then(|e| e.layer.take()) {
-            let resolved = resolve(layer).await?;
-            if let Some(e) = entry.evaluator.as_mut() {
-                e.layer = Some(resolved);
+        if let Some(e) = entry.evaluator.as_mut() {
+            if let Some(layer) = e.layer.take() {
+                e.layer = Some(resolve(layer).await?);
             }
         }
         for layer in entry.all_layers() {

@@ -153,6 +153,26 @@ pub fn on_tmpfs(dir: &Path) -> io::Result<bool> {
     Ok(st.f_type as i64 == libc::TMPFS_MAGIC)
 }
 
+/// Bytes used on the filesystem holding `path`, and its size (blocks an unprivileged
+/// writer can use). A filesystem without a free inode is full whatever its bytes (a
+/// million empty files end a disk budget as surely as one big file): it is reported as
+/// using its whole size.
+pub fn disk_use(path: &Path) -> io::Result<(u64, u64)> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: a zeroed statvfs is a valid out-parameter.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c is NUL-terminated and st a valid statvfs to fill.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let size = st.f_blocks * st.f_frsize;
+    if st.f_files > 0 && st.f_favail == 0 {
+        return Ok((size, size));
+    }
+    Ok((size.saturating_sub(st.f_bavail * st.f_frsize), size))
+}
+
 /// Whether `path` is the root of a mount (`statx`'s `STATX_ATTR_MOUNT_ROOT`, Linux 5.8+),
 /// and the device of the filesystem mounted there (`stx_dev`). One system call, where
 /// scanning `/proc/self/mountinfo` costs as much as the host has mounts. The last
@@ -311,5 +331,7 @@ mod tests {
         let e = open_beneath(&root, "../root", libc::O_PATH, 0).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EXDEV));
         assert!(open_beneath(&root, "d", libc::O_PATH | libc::O_DIRECTORY, 0).is_ok());
+        let (used, size) = disk_use(dir.path()).unwrap();
+        assert!(size > 0 && used <= size, "{used} of {size}");
     }
 }

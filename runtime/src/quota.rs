@@ -253,19 +253,11 @@ impl Uppers {
         Ok(template)
     }
 
-    /// Bytes used in an upper and its size; an upper without a free inode is full
-    /// whatever its bytes (a million empty files end a disk budget as surely as one big
-    /// file), and is reported as using its whole size.
+    /// Bytes used in an upper and its size (an upper out of inodes is full:
+    /// [`strata_host::fs::disk_use`]).
     pub fn usage(&self, id: &str) -> Result<(u64, u64), RuntimeError> {
         let dir = self.dir(id);
-        let st = nix::sys::statvfs::statvfs(&dir)
-            .map_err(|e| RuntimeError::io(&dir)(std::io::Error::from(e)))?;
-        let size = st.blocks() * st.fragment_size();
-        let free = st.blocks_available() * st.fragment_size();
-        if st.files() > 0 && st.files_available() == 0 {
-            return Ok((size, size));
-        }
-        Ok((size.saturating_sub(free), size))
+        strata_host::fs::disk_use(&dir).map_err(RuntimeError::io(&dir))
     }
 
     /// Unmounts and deletes an upper (no-op when there is none).

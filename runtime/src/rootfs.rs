@@ -68,12 +68,11 @@ pub fn assemble(
         .map(|p| open_dir(p))
         .collect::<Result<Vec<_>, _>>()?;
     let (upper_fd, work_fd) = (open_dir(&paths.upper)?, open_dir(&paths.work)?);
-    let named = |f: &std::fs::File| format!("/proc/self/fd/{}", f.as_raw_fd());
-    let lower = lower_fds.iter().map(named).collect::<Vec<_>>().join(":");
+    let lower = lower_fds.iter().map(fd_path).collect::<Vec<_>>().join(":");
     let data = format!(
         "lowerdir={lower},upperdir={},workdir={}",
-        named(&upper_fd),
-        named(&work_fd)
+        fd_path(&upper_fd),
+        fd_path(&work_fd)
     );
     mount_overlay(&paths.merged, &data)?;
     drop((lower_fds, upper_fd, work_fd));
@@ -265,8 +264,6 @@ pub fn mount_views(
         }
     }
     let root = open_dir(merged)?;
-    let fd_path =
-        |fd: &std::os::fd::OwnedFd| PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
     // Every directory on the way to a view is made a mount point (bound onto itself, still
     // writable) before the views are mounted: a mount point cannot be renamed, so a
     // process in the sandbox cannot move `/work` aside and put a `/work/tests` of its own
@@ -285,8 +282,8 @@ pub fn mount_views(
     for at in &ancestors {
         let dir = mount_target(&root, at, true)?;
         nix::mount::mount(
-            Some(&fd_path(&dir)),
-            &fd_path(&dir),
+            Some(fd_path(&dir).as_str()),
+            fd_path(&dir).as_str(),
             None::<&str>,
             nix::mount::MsFlags::MS_BIND,
             None::<&str>,
@@ -300,21 +297,14 @@ pub fn mount_views(
             let lowers = (0..view.layers.len())
                 .map(|j| open_dir(&dir(i).join(j.to_string())))
                 .collect::<Result<Vec<_>, _>>()?;
-            let named = |f: &std::fs::File| format!("/proc/self/fd/{}", f.as_raw_fd());
             let data = format!(
                 "lowerdir={}",
-                lowers.iter().map(named).collect::<Vec<_>>().join(":")
+                lowers.iter().map(fd_path).collect::<Vec<_>>().join(":")
             );
             let target = dir(i).join("root");
             std::fs::create_dir_all(&target).map_err(RuntimeError::io(&target))?;
-            nix::mount::mount(
-                Some("strata"),
-                &target,
-                Some("overlay"),
-                nix::mount::MsFlags::MS_RDONLY,
-                Some(data.as_str()),
-            )
-            .map_err(|e| RuntimeError::Setup(format!("overlay of the view at {}: {e}", view.at)))?;
+            // Without an upper, overlayfs mounts read-only.
+            mount_overlay(&target, &data)?;
             target
         };
         let tree = open_dir(&tree)?;
@@ -330,16 +320,13 @@ pub fn mount_views(
                 view.from, view.at
             ))
         })?;
-        let is_dir = std::fs::File::from(source.try_clone().map_err(RuntimeError::io(merged))?)
-            .metadata()
-            .map_err(RuntimeError::io(merged))?
-            .is_dir();
+        let is_dir = nix::sys::stat::fstat(&source)
+            .map(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR)
+            .map_err(|e| RuntimeError::Setup(format!("the view at {}: {e}", view.at)))?;
         let target = mount_target(&root, &view.at, is_dir)?;
-        let fd_path =
-            |fd: &std::os::fd::OwnedFd| PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
         nix::mount::mount(
-            Some(&fd_path(&source)),
-            &fd_path(&target),
+            Some(fd_path(&source).as_str()),
+            fd_path(&target).as_str(),
             None::<&str>,
             nix::mount::MsFlags::MS_BIND,
             None::<&str>,
@@ -352,7 +339,7 @@ pub fn mount_views(
         use nix::mount::MsFlags;
         nix::mount::mount(
             None::<&str>,
-            &fd_path(&mounted),
+            fd_path(&mounted).as_str(),
             None::<&str>,
             MsFlags::MS_REMOUNT
                 | MsFlags::MS_BIND
@@ -394,7 +381,7 @@ fn mount_target(
         let last = n + 1 == parts.len();
         let so_far = format!("/{}", parts[..=n].join("/"));
         if last && !is_dir {
-            return strata_host::fs::open_beneath(&cur, part, libc::O_PATH | libc::O_NOFOLLOW, 0)
+            return strata_host::fs::open_beneath(&cur, part, libc::O_PATH, 0)
                 .or_else(|e| {
                     if e.kind() != std::io::ErrorKind::NotFound {
                         return Err(e);
@@ -418,8 +405,13 @@ fn mount_target(
     Ok(cur)
 }
 
-/// A directory as a path descriptor (to name in mount options as `/proc/self/fd/N`, or to
-/// resolve beneath).
+/// How a descriptor is named in mount options and calls: `/proc/self/fd/N`, so nothing
+/// of where it lives on the host shows in the sandbox's mountinfo.
+fn fd_path(fd: &impl AsRawFd) -> String {
+    format!("/proc/self/fd/{}", fd.as_raw_fd())
+}
+
+/// A directory as a path descriptor (to name as [`fd_path`], or to resolve beneath).
 fn open_dir(p: &Path) -> Result<std::fs::File, RuntimeError> {
     std::fs::OpenOptions::new()
         .read(true)

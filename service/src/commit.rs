@@ -58,13 +58,13 @@ pub async fn commit(
         .map(|(c, ())| c)
 }
 
-/// [`commit`], leaving out the paths `exclude` matches too (glob patterns, as a layer
+/// [`commit`], leaving out the paths `also_exclude` matches too (glob patterns, as a layer
 /// definition's), and calling `inspect` on the changes while the sandbox is held still.
 pub(crate) async fn commit_inspecting<T: Send + 'static>(
     store: &Store,
     sandbox: &Sandbox,
     req: &CommitRequest,
-    exclude: &[String],
+    also_exclude: &[String],
     inspect: impl FnOnce(&strata_runtime::Changes) -> T + Send + 'static,
 ) -> Result<(Committed, T), ServiceError> {
     let catalog_ref = sandbox.spec().catalog_ref.clone();
@@ -88,10 +88,9 @@ pub(crate) async fn commit_inspecting<T: Send + 'static>(
     })
     .await
     .map_err(|e| ServiceError::Internal(e.to_string()))??;
-    let extra = exclude;
     let mut exclude: Vec<String> = DEFAULT_EXCLUDES.iter().map(|s| s.to_string()).collect();
     exclude.extend(changes.runtime_paths.iter().cloned());
-    exclude.extend(extra.iter().cloned());
+    exclude.extend(also_exclude.iter().cloned());
     let mut provenance = serde_json::Map::new();
     provenance.insert("committed_from".into(), json!(catalog_ref));
     provenance.insert("sandbox".into(), json!(sandbox.id()));

@@ -20,7 +20,7 @@ use serde::Serialize;
 use serde_json::json;
 use strata_builder::source::upper::layer_entry;
 use strata_builder::LayerKind;
-use strata_catalog::{Backend, Catalog, Evaluator};
+use strata_catalog::{Backend, Catalog};
 use strata_runtime::{
     Changes, ExecRequest, Overrides, ReadonlyView, Runtime, Sandbox, SandboxSpec,
 };
@@ -33,14 +33,11 @@ pub const MAX_LISTED_CHANGES: usize = 10_000;
 /// The most changed paths the agent sandbox's audit record lists.
 const MAX_AUDITED_CHANGES: usize = 1_000;
 
-/// What to evaluate.
+/// How to evaluate (what with is a [`Grading`]).
 #[derive(Debug, Clone)]
 pub struct EvaluateRequest {
-    /// The name of one of the entry's `commands`.
-    pub command: String,
-    /// The evaluation sandbox's backend; by default the agent's (a container when the
-    /// agent ran in a VM and the entry has read-only views, which the host mounts).
-    pub backend: Option<Backend>,
+    /// The evaluation sandbox's backend ([`Grading::backend`]).
+    pub backend: Backend,
     /// Who asked (the commit's registrant, the audit's `by`).
     pub identity: String,
     /// How much of each output stream the result keeps.
@@ -118,36 +115,31 @@ pub struct Evaluation {
     pub seconds: f64,
 }
 
-/// Runs `req.command` of `agent`'s catalog entry over `agent`'s changes (see the module's
-/// comment). A grading command that fails is a result, not an error.
+/// Runs `grading`'s command over `agent`'s changes (see the module's comment). A grading
+/// command that fails is a result, not an error.
 pub async fn evaluate(
     store: &Store,
     rt: &Runtime,
     agent: &Sandbox,
+    grading: &Grading,
     req: &EvaluateRequest,
 ) -> Result<Evaluation, ServiceError> {
     let t = Instant::now();
-    let (reg, line) =
-        entry_command(store, &agent.spec().catalog_ref, agent.id(), &req.command).await?;
-    let evaluator = reg.entry.evaluator.clone();
-    let (protected, evaluator_layer, mount) = match &evaluator {
-        Some(Evaluator {
-            layer,
-            mount,
-            protect,
-        }) => (protect.clone(), layer.clone(), Some(mount.clone())),
-        None => (Vec::new(), None, None),
+    let entry = &grading.reg.entry;
+    let (protected, grader) = match entry.evaluator.clone() {
+        Some(e) => (e.protect, e.layer.map(|layer| (layer, e.mount))),
+        None => (Vec::new(), None),
     };
     // What the grade must not take from the agent: its changes there are not committed.
-    let mut dropped = protected.clone();
-    if evaluator_layer.is_some() {
-        dropped.extend(mount.clone());
-    }
+    let dropped: Vec<String> = protected
+        .iter()
+        .chain(grader.as_ref().map(|(_, at)| at))
+        .cloned()
+        .collect();
     let exclude: Vec<String> = dropped
         .iter()
         .map(|p| glob::Pattern::escape(p.trim_start_matches('/')))
         .collect();
-    let listed_drops = dropped.clone();
     let (committed, (changed, changed_total)) = crate::commit::commit_inspecting(
         store,
         agent,
@@ -157,42 +149,36 @@ pub async fn evaluate(
             registrant: req.identity.clone(),
         },
         &exclude,
-        move |changes| changed_paths(changes, &listed_drops, MAX_LISTED_CHANGES),
+        move |changes| changed_paths(changes, &dropped, MAX_LISTED_CHANGES),
     )
     .await?;
 
     let mut views: Vec<ReadonlyView> = protected
         .iter()
         .map(|p| ReadonlyView {
-            layers: reg.entry.layers().into_iter().map(str::to_string).collect(),
+            layers: entry.layers().into_iter().map(str::to_string).collect(),
             from: p.clone(),
             at: p.clone(),
         })
         .collect();
-    if let (Some(layer), Some(at)) = (&evaluator_layer, &mount) {
-        views.push(ReadonlyView {
-            layers: vec![layer.clone()],
-            from: "/".into(),
-            at: at.clone(),
-        });
-    }
-    let backend = req.backend.unwrap_or(match agent.spec().backend {
-        Backend::Microvm | Backend::Vm if !views.is_empty() => Backend::Container,
-        b => b,
-    });
+    views.extend(grader.as_ref().map(|(layer, at)| ReadonlyView {
+        layers: vec![layer.clone()],
+        from: "/".into(),
+        at: at.clone(),
+    }));
     let over = Overrides {
-        backend: Some(backend),
+        backend: Some(req.backend),
         identity: Some(req.identity.clone()),
         ..Default::default()
     };
-    let mut spec = SandboxSpec::resolve(&reg, &over)?;
+    let mut spec = SandboxSpec::resolve(&grading.reg, &over)?;
     spec.layers.insert(0, committed.layer.to_string());
     spec.views = views;
 
     let rt2 = rt.clone();
     let exec = ExecRequest {
         keep_output: Some(req.keep_output),
-        ..ExecRequest::shell(&line)
+        ..ExecRequest::shell(&grading.line)
     };
     let (sandbox, result) = crate::blocking(move || {
         let sb = rt2.create_owned(spec)?;
@@ -205,17 +191,17 @@ pub async fn evaluate(
     })
     .await?;
     let out = Evaluation {
-        command: req.command.clone(),
-        line,
+        command: grading.command.clone(),
+        line: grading.line.clone(),
         exit_code: result.status_code(),
         budget: result.budget.map(|b| b.to_string()),
         stdout: String::from_utf8_lossy(&result.stdout).into_owned(),
         stderr: String::from_utf8_lossy(&result.stderr).into_owned(),
         truncated: result.truncated,
         layer: committed.layer,
-        backend: backend.as_str().to_string(),
+        backend: req.backend.as_str().to_string(),
         sandbox,
-        evaluator_layer,
+        evaluator_layer: grader.map(|(layer, _)| layer),
         protected,
         changed,
         changed_total,
@@ -239,33 +225,62 @@ pub async fn evaluate(
     Ok(out)
 }
 
-/// The registered entry `catalog_ref` (of sandbox `id`) and the line of its command
-/// `command`: what an evaluation needs before anything is made or admitted.
-pub async fn entry_command(
-    store: &Store,
-    catalog_ref: &str,
-    id: &str,
-    command: &str,
-) -> Result<(std::sync::Arc<strata_catalog::Registered>, String), ServiceError> {
-    if catalog_ref.is_empty() {
-        return Err(ServiceError::invalid(
-            "id",
-            format!(
-                "sandbox {id} was not started from a catalog entry: no entry names its grading commands"
-            ),
-        ));
+/// What an evaluation grades with: the agent sandbox's registered entry and the command
+/// of it to run. Found before anything is made or admitted, so a request that cannot be
+/// graded is refused as such.
+pub struct Grading {
+    reg: std::sync::Arc<strata_catalog::Registered>,
+    command: String,
+    line: String,
+}
+
+impl Grading {
+    /// The command `command` of the entry `catalog_ref` sandbox `id` was started from.
+    pub async fn of(
+        catalog: &Catalog,
+        catalog_ref: &str,
+        id: &str,
+        command: &str,
+    ) -> Result<Grading, ServiceError> {
+        if catalog_ref.is_empty() {
+            return Err(ServiceError::invalid(
+                "id",
+                format!(
+                    "sandbox {id} was not started from a catalog entry: no entry names its grading commands"
+                ),
+            ));
+        }
+        let reg = catalog.get(catalog_ref).await?;
+        let line = reg.entry.commands.get(command).cloned().ok_or_else(|| {
+            ServiceError::invalid(
+                "command",
+                format!(
+                    "{catalog_ref} has no command `{command}` (it has: {})",
+                    names(&reg.entry.commands)
+                ),
+            )
+        })?;
+        Ok(Grading {
+            reg,
+            command: command.to_string(),
+            line,
+        })
     }
-    let reg = Catalog::open(store).await?.get(catalog_ref).await?;
-    let line = reg.entry.commands.get(command).cloned().ok_or_else(|| {
-        ServiceError::invalid(
-            "command",
-            format!(
-                "{catalog_ref} has no command `{command}` (it has: {})",
-                names(&reg.entry.commands)
-            ),
-        )
-    })?;
-    Ok((reg, line))
+
+    /// The evaluation sandbox's backend: `requested`, else the agent's, but a container
+    /// for a microvm or vm agent whose entry has read-only views (the host mounts them).
+    pub fn backend(&self, agent: Backend, requested: Option<Backend>) -> Backend {
+        let views = self
+            .reg
+            .entry
+            .evaluator
+            .as_ref()
+            .is_some_and(|e| e.layer.is_some() || !e.protect.is_empty());
+        requested.unwrap_or(match agent {
+            Backend::Microvm | Backend::Vm if views => Backend::Container,
+            b => b,
+        })
+    }
 }
 
 fn names(commands: &BTreeMap<String, String>) -> String {

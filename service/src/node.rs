@@ -475,21 +475,7 @@ impl Node {
         audit: serde_json::Value,
         make: impl std::future::Future<Output = Result<Sandbox, ServiceError>>,
     ) -> Result<Meta, ServiceError> {
-        if !caller.project.allows_backend(spec.backend) {
-            self.metrics.refused("backend");
-            return Err(ServiceError::PermissionDenied(format!(
-                "project `{}` may not use the {} backend (it may use: {})",
-                caller.project.name,
-                spec.backend.as_str(),
-                caller
-                    .project
-                    .backends
-                    .iter()
-                    .map(|b| b.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
+        self.check_backend(caller, spec.backend)?;
         let memory_bytes = spec.limits.memory_bytes
             + if matches!(spec.backend, Backend::Microvm | Backend::Vm) {
                 VM_OVERHEAD
@@ -498,11 +484,10 @@ impl Node {
             };
         // An unthrottled sandbox counts as one CPU.
         let cpus = spec.limits.cpus.unwrap_or(1.0);
-        let local = format!("pending-{}", uuid::Uuid::new_v4().simple());
         let lifetime = args.lifetime.or(self.cfg.default_lifetime);
         let mut meta = Meta {
             id: String::new(),
-            local: local.clone(),
+            local: String::new(),
             project: caller.project.name.clone(),
             token: caller.token.clone(),
             catalog_ref: spec.catalog_ref.clone(),
@@ -519,25 +504,10 @@ impl Node {
             inbound: args.inbound,
             pending: true,
         };
-        {
-            let mut map = self.lock();
-            if let Err(e) = admission::admit(
-                map.values(),
-                &caller.project,
-                Ask { memory_bytes, cpus },
-                self.capacity(),
-                self.cfg.retry_after,
-            ) {
-                if let ServiceError::Exhausted { reason, .. } = &e {
-                    self.metrics.refused(reason);
-                }
-                return Err(e);
-            }
-            map.insert(local.clone(), meta.clone());
-        }
+        let pending = self.admit_pending(caller, &meta, 1)?;
         let resolved_ms = started.elapsed().as_secs_f64() * 1e3;
         let made = make.await;
-        self.lock().remove(&local);
+        self.release(&pending);
         let sb = made?;
         meta.local = sb.id().to_string();
         meta.id = self.external_id(sb.id());
@@ -684,9 +654,6 @@ impl Node {
         count: usize,
     ) -> Result<(Vec<Meta>, bool, f64), ServiceError> {
         crate::fork::check_count(count)?;
-        let pending: Vec<String> = (0..count)
-            .map(|_| format!("pending-{}", uuid::Uuid::new_v4().simple()))
-            .collect();
         let template = Meta {
             created_ms: now_ms(),
             paused: false,
@@ -694,37 +661,7 @@ impl Node {
             pending: true,
             ..parent.clone()
         };
-        {
-            let mut map = self.lock();
-            for local in &pending {
-                let admitted = admission::admit(
-                    map.values(),
-                    &caller.project,
-                    Ask {
-                        memory_bytes: parent.memory_bytes,
-                        cpus: parent.cpus,
-                    },
-                    self.capacity(),
-                    self.cfg.retry_after,
-                );
-                if let Err(e) = admitted {
-                    if let ServiceError::Exhausted { reason, .. } = &e {
-                        self.metrics.refused(reason);
-                    }
-                    for l in &pending {
-                        map.remove(l);
-                    }
-                    return Err(e);
-                }
-                map.insert(
-                    local.clone(),
-                    Meta {
-                        local: local.clone(),
-                        ..template.clone()
-                    },
-                );
-            }
-        }
+        let pending = self.admit_pending(caller, &template, count)?;
         let node = self.clone();
         let p = parent.clone();
         let made = match tokio::task::spawn_blocking(move || node.sandbox(&p)).await {
@@ -734,12 +671,7 @@ impl Node {
             Ok(Err(e)) => Err(e),
             Err(e) => Err(ServiceError::Internal(e.to_string())),
         };
-        {
-            let mut map = self.lock();
-            for l in &pending {
-                map.remove(l);
-            }
-        }
+        self.release(&pending);
         let forked = made?;
         let mut metas = Vec::new();
         for sb in forked.children {
@@ -766,55 +698,24 @@ impl Node {
     }
 
     /// Grades the caller's sandbox `meta` with its entry's `command` (see
-    /// [`crate::evaluate`]): the evaluation sandbox is admitted as a sandbox of the
-    /// project's while it runs, and must be of a backend the project may use.
+    /// [`crate::evaluate`]): the evaluation sandbox must be of a backend the project may
+    /// use, and is admitted as a sandbox of the project's while it runs. A request that
+    /// cannot be graded is refused as such before any admission.
     pub async fn evaluate(
         self: &Arc<Self>,
         caller: &Caller,
         meta: &Meta,
-        command: String,
+        command: &str,
         backend: Option<Backend>,
     ) -> Result<crate::evaluate::Evaluation, ServiceError> {
-        // A request that cannot be graded is refused as such before any admission.
-        crate::evaluate::entry_command(&self.store, &meta.catalog_ref, &meta.id, &command).await?;
+        let grading =
+            crate::evaluate::Grading::of(&self.catalog, &meta.catalog_ref, &meta.id, command)
+                .await?;
+        let backend = grading.backend(meta.backend, backend);
+        self.check_backend(caller, backend)?;
         let (node, caller, meta) = (self.clone(), caller.clone(), meta.clone());
         crate::detached(async move {
-            let chosen = backend.unwrap_or(meta.backend);
-            if !caller.project.allows_backend(chosen) {
-                return Err(ServiceError::PermissionDenied(format!(
-                    "project `{}` may not use the {} backend",
-                    caller.project.name,
-                    chosen.as_str()
-                )));
-            }
-            let local = format!("pending-{}", uuid::Uuid::new_v4().simple());
-            {
-                let mut map = node.lock();
-                let ask = Ask {
-                    memory_bytes: meta.memory_bytes,
-                    cpus: meta.cpus,
-                };
-                if let Err(e) = admission::admit(
-                    map.values(),
-                    &caller.project,
-                    ask,
-                    node.capacity(),
-                    node.cfg.retry_after,
-                ) {
-                    if let ServiceError::Exhausted { reason, .. } = &e {
-                        node.metrics.refused(reason);
-                    }
-                    return Err(e);
-                }
-                map.insert(
-                    local.clone(),
-                    Meta {
-                        local: local.clone(),
-                        pending: true,
-                        ..meta.clone()
-                    },
-                );
-            }
+            let pending = node.admit_pending(&caller, &meta, 1)?;
             let n = node.clone();
             let m = meta.clone();
             let graded = match tokio::task::spawn_blocking(move || n.sandbox(&m)).await {
@@ -823,8 +724,8 @@ impl Node {
                         &node.store,
                         &node.rt,
                         &sb,
+                        &grading,
                         &crate::evaluate::EvaluateRequest {
-                            command,
                             backend,
                             identity: caller.identity(),
                             keep_output: node.cfg.output_cap,
@@ -835,10 +736,85 @@ impl Node {
                 Ok(Err(e)) => Err(e),
                 Err(e) => Err(ServiceError::Internal(e.to_string())),
             };
-            node.lock().remove(&local);
+            node.release(&pending);
             graded
         })
         .await
+    }
+
+    /// Refuses a backend the caller's project may not use.
+    fn check_backend(&self, caller: &Caller, backend: Backend) -> Result<(), ServiceError> {
+        if caller.project.allows_backend(backend) {
+            return Ok(());
+        }
+        self.metrics.refused("backend");
+        Err(ServiceError::PermissionDenied(format!(
+            "project `{}` may not use the {} backend (it may use: {})",
+            caller.project.name,
+            backend.as_str(),
+            caller
+                .project
+                .backends
+                .iter()
+                .map(|b| b.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )))
+    }
+
+    /// Admits `count` sandboxes like `like` (its memory and CPUs) for `caller` against its
+    /// project's quota and the node's capacity, all or none, and holds them as pending
+    /// records under fresh local names until [`Self::release`]d: later admissions count
+    /// them while they are being made.
+    fn admit_pending(
+        &self,
+        caller: &Caller,
+        like: &Meta,
+        count: usize,
+    ) -> Result<Vec<String>, ServiceError> {
+        let ask = Ask {
+            memory_bytes: like.memory_bytes,
+            cpus: like.cpus,
+        };
+        let mut map = self.lock();
+        let mut pending = Vec::with_capacity(count);
+        for _ in 0..count {
+            let admitted = admission::admit(
+                map.values(),
+                &caller.project,
+                ask,
+                self.capacity(),
+                self.cfg.retry_after,
+            );
+            if let Err(e) = admitted {
+                if let ServiceError::Exhausted { reason, .. } = &e {
+                    self.metrics.refused(reason);
+                }
+                for l in &pending {
+                    map.remove(l);
+                }
+                return Err(e);
+            }
+            let local = format!("pending-{}", uuid::Uuid::new_v4().simple());
+            map.insert(
+                local.clone(),
+                Meta {
+                    local: local.clone(),
+                    pending: true,
+                    ..like.clone()
+                },
+            );
+            pending.push(local);
+        }
+        Ok(pending)
+    }
+
+    /// Drops pending records [`Self::admit_pending`] made.
+    fn release(&self, pending: &[String]) {
+        let mut map = self.lock();
+        for l in pending {
+            map.remove(l);
+        }
     }
 
     fn top_up(&self, backend: Backend, disk: u64) {

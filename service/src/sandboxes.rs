@@ -41,12 +41,7 @@ pub fn create_args(r: proto::CreateRequest) -> Result<CreateArgs, ServiceError> 
             "give a catalog ID (namespace/name[@version])",
         ));
     }
-    let backend = match r.backend.as_str() {
-        "" => None,
-        b => Some(b.parse::<Backend>().map_err(|e| {
-            ServiceError::invalid("backend", format!("{e} (fncall, container, microvm or vm)"))
-        })?),
-    };
+    let backend = backend_field(&r.backend)?;
     let b = r.budgets.unwrap_or_default();
     for (field, v) in [("budgets.memory", &b.memory), ("budgets.disk", &b.disk)] {
         if !v.is_empty() {
@@ -81,6 +76,17 @@ pub fn create_args(r: proto::CreateRequest) -> Result<CreateArgs, ServiceError> 
         labels: r.labels.into_iter().collect(),
         inbound: false,
     })
+}
+
+/// A request's `backend` field: empty for none.
+fn backend_field(text: &str) -> Result<Option<Backend>, ServiceError> {
+    match text {
+        "" => Ok(None),
+        b => b
+            .parse::<Backend>()
+            .map(Some)
+            .map_err(|e| ServiceError::invalid("backend", e.to_string())),
+    }
 }
 
 fn duration(field: &str, text: &str) -> Result<Option<Duration>, ServiceError> {
@@ -959,14 +965,8 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
                 ServiceError::invalid("command", "name the entry's command to grade with").into(),
             );
         }
-        let backend = text(r.backend)
-            .map(|b| {
-                b.parse().map_err(|e: strata_catalog::CatalogError| {
-                    ServiceError::invalid("backend", e.to_string())
-                })
-            })
-            .transpose()?;
-        let done = self.0.evaluate(&who, &meta, r.command, backend).await?;
+        let backend = backend_field(&r.backend)?;
+        let done = self.0.evaluate(&who, &meta, &r.command, backend).await?;
         Ok(Response::new(proto::EvaluateReply {
             command: done.command,
             line: done.line,

@@ -764,13 +764,21 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
     {
         let backend = backend.as_deref().map(str::parse::<Backend>).transpose()?;
         let (rt, sb) = runtime_and_sandbox(&settings, id).await?;
+        let catalog = Catalog::open(store).await?;
+        let grading = strata_service::evaluate::Grading::of(
+            &catalog,
+            &sb.spec().catalog_ref,
+            sb.id(),
+            command,
+        )
+        .await?;
         let done = strata_service::evaluate::evaluate(
             store,
             &rt,
             &sb,
+            &grading,
             &strata_service::evaluate::EvaluateRequest {
-                command: command.clone(),
-                backend,
+                backend: grading.backend(sb.spec().backend, backend),
                 identity: settings.registrant.clone(),
                 keep_output: strata_runtime::ExecRequest::default().kept_output(),
             },

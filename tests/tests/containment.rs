@@ -129,7 +129,7 @@ fn overwritten_system_files_stay_in_their_sandbox() {
 /// SECURITY.md, "the host's kernel": the recursive grep that crashed a host kernel in
 /// DSec's report (through /proc/kpagecgroup) completes inside, within its budgets, and
 /// finds nothing of the host: a marker the test writes into files of the host (its /tmp,
-/// the home) is not found. The host's kernel taint flags are unchanged. Host backends
+/// the home) is not found, the same marker in a file of the sandbox's own is. The host's kernel taint flags are unchanged. Host backends
 /// grep the whole root; VM guests the kernel and runtime trees (/proc, /sys, /dev, /run,
 /// /etc, /tmp, /root; their /usr is the same layer and costs minutes under emulation).
 #[test]
@@ -156,18 +156,22 @@ fn a_recursive_grep_of_everything_completes_and_finds_nothing_of_the_host() {
             env,
             backend,
             &["--timeout", "10m"],
-            &format!("grep -r -I -l -s {marker} {roots}; echo \"grep exit $?\"",),
+            // The control: the marker in a file of the sandbox's own, which grep must find.
+            &format!(
+                "echo {marker} > /tmp/strata-control; grep -r -I -l -s {marker} {roots}; echo \"grep exit $?\""
+            ),
         );
         assert_eq!(code, Some(0), "{backend}: {out}{err}");
-        // 1: nothing matched (2 would be an error reading something, which -s hides but
-        // counts; a read the kernel refuses is fine, only a match is not).
+        // 0: a match; 2: a match and a read the kernel refused somewhere (-s hides which).
+        let (found, status) = out.trim_end().rsplit_once('\n').unwrap_or(("", out.trim()));
         assert!(
-            out.contains("grep exit 1") || out.contains("grep exit 2"),
+            status == "grep exit 0" || status == "grep exit 2",
             "{backend}: {out}{err}"
         );
-        assert!(
-            !out.contains(&marker),
-            "{backend}: found the host's marker: {out}"
+        assert_eq!(
+            found.lines().collect::<Vec<_>>(),
+            ["/tmp/strata-control"],
+            "{backend}: grep found the host's marker, or not its own"
         );
         assert!(!err.contains("budget exceeded"), "{backend}: {err}");
     }
@@ -183,31 +187,37 @@ fn a_recursive_grep_of_everything_completes_and_finds_nothing_of_the_host() {
 
 /// SECURITY.md, "confinement every sandbox gets" (budgets in cgroups, a disk budget as a
 /// filesystem of its own): the usual escapes from a budget are held and attributed. A
-/// tmpfs filled inside counts against memory; a disk's inodes run out like its bytes
-/// do; open files stop at the descriptor limit.
+/// tmpfs filled inside counts against memory (VM guests; see below); a disk's inodes run
+/// out like its bytes do; open files stop at the descriptor limit.
 #[test]
 fn budget_escapes_are_held() {
     let Some(env) = env("containment_budgets") else {
         return;
     };
     for backend in BACKENDS {
-        // tmpfs pages are the sandbox's memory: /dev/shm (64 MiB) filled under a 48 MiB
-        // budget is stopped, by its size or by the budget, never past it.
-        let (_, out, err) = run(
-            env,
-            backend,
-            &["--memory", "48M"],
-            "dd if=/dev/zero of=/dev/shm/fill bs=1M count=200 2>&1 | tail -1; du -m /dev/shm/fill | cut -f1",
-        );
-        let held: u64 = out
-            .lines()
-            .last()
-            .and_then(|l| l.trim().parse().ok())
-            .unwrap_or(0);
-        assert!(
-            held <= 64 || err.contains("budget exceeded: memory"),
-            "{backend}: /dev/shm grew to {held} MiB under a 48M budget: {out}{err}"
-        );
+        // tmpfs pages are the sandbox's memory: /dev/shm (64 MiB) filled under a 32 MiB
+        // budget stops at the budget, the writer killed and the budget named. Checked in
+        // VM guests only: on fncall and container the OOM killer picks the agent itself
+        // (tmpfs pages belong to no process), and the sandbox is lost rather than the
+        // command (a known gap, README "Containment").
+        if backend.ends_with("vm") {
+            let (_, out, err) = run(
+                env,
+                backend,
+                &["--memory", "32M"],
+                "dd if=/dev/zero of=/dev/shm/fill bs=1M count=200 2>/dev/null; du -m /dev/shm/fill | cut -f1",
+            );
+            let held: u64 = out
+                .lines()
+                .last()
+                .and_then(|l| l.trim().parse().ok())
+                .unwrap_or_else(|| panic!("{backend}: no size of /dev/shm/fill: {out}{err}"));
+            assert!(
+                held <= 32,
+                "{backend}: /dev/shm held {held} MiB under a 32M budget"
+            );
+            assert!(err.contains("budget exceeded: memory"), "{backend}: {err}");
+        }
 
         // Inodes: a 16M disk runs out of them (or of bytes) for a million empty files.
         let (code, out, err) = run(
@@ -463,21 +473,14 @@ fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
         assert_eq!(last["event"], "ended", "{id}: {audit}");
         assert!(last["reason"].is_string(), "{id}: {audit}");
     }
-    assert!(
-        home_sandboxes(&home.home).is_empty(),
-        "{:?}",
-        home_sandboxes(&home.home)
-    );
+    let left = strata_tests::home::sandboxes_in(&home.home);
+    assert!(left.is_empty(), "{left:?}");
     let verify = home.cli(&["store", "verify", "--json"]);
     assert!(verify.status.success(), "{:?}", text(&verify));
     eprintln!(
         "soak: {cycles} cycles, {} sandboxes, {kills} CLIs killed mid-run, {crashes} inits killed, {lazyfs_kills} lazyfs daemons killed: nothing left, store intact",
         audits.len()
     );
-}
-
-fn home_sandboxes(home: &std::path::Path) -> Vec<String> {
-    strata_tests::home::sandboxes_in(home)
 }
 
 /// The lazyfs daemon of `home`: the process holding its lock file open.
