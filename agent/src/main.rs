@@ -12,6 +12,9 @@
 //! namespace, waiting for one `Setup` naming the root; a pool of these makes a sandbox
 //! start without the ~10 ms-per-hierarchy cgroup attach and the process start.
 //!
+//! `strata-agent egress CONFIG` is the host-side egress proxy of a networked sandbox with
+//! rules by name (see [`egress`]).
+//!
 //! `strata-agent init --listen-fd N --key-fd M` is the init of a container (see
 //! [`container_init`]); as `/init` of a VM guest's initramfs it is the guest's pid 1 (see
 //! `guest`); `strata-agent relay` and `connect` are the host-side helpers of a VM (see
@@ -35,7 +38,7 @@ use nix::sched::CloneFlags;
 use nix::unistd::ForkResult;
 use strata_agent_proto::{AgentError, AgentMsg, ErrorKind, HostMsg, SandboxBoot, SandboxKey};
 
-const USAGE: &str = "usage: strata-agent sandbox (settings as JSON on stdin) | strata-agent init --listen-fd N --key-fd M | strata-agent relay ... | strata-agent connect ...";
+const USAGE: &str = "usage: strata-agent sandbox (settings as JSON on stdin) | strata-agent init --listen-fd N --key-fd M | strata-agent relay ... | strata-agent connect ... | strata-agent egress CONFIG";
 
 fn read_boot() -> Result<SandboxBoot, String> {
     let mut text = String::new();
@@ -106,6 +109,7 @@ fn main() {
     let helper: Option<(&str, Helper)> = match role.as_str() {
         "connect" => Some(("connect", relay::connect)),
         "relay" => Some(("relay", relay::main)),
+        "egress" => Some(("egress", egress)),
         _ => None,
     };
     if let Some((name, run_helper)) = helper {
@@ -135,6 +139,31 @@ fn main() {
     if let Err(e) = result {
         eprintln!("strata-agent: {e}");
         std::process::exit(1);
+    }
+}
+
+/// `strata-agent egress CONFIG`: binds the proxy's sockets (so a failure is this
+/// process's exit status), then serves from a child of its own session; the parent
+/// prints the child's PID and exits, so whoever starts it has nothing to reap.
+fn egress(args: &[String]) -> Result<(), String> {
+    let [config] = args else {
+        return Err("usage: strata-agent egress CONFIG".into());
+    };
+    let text = std::fs::read(config).map_err(|e| format!("{config}: {e}"))?;
+    let cfg: strata_egress::ProxyConfig =
+        serde_json::from_slice(&text).map_err(|e| format!("{config}: {e}"))?;
+    let proxy = strata_egress::Proxy::bind(cfg).map_err(|e| e.to_string())?;
+    match sys::fork_single_threaded().map_err(|e| format!("fork: {e}"))? {
+        ForkResult::Parent { child } => {
+            println!("{child}");
+            Ok(())
+        }
+        ForkResult::Child => {
+            let _ = nix::unistd::setsid();
+            close_inherited_stdio();
+            proxy.serve();
+            std::process::exit(0);
+        }
     }
 }
 

@@ -150,8 +150,8 @@ pub(crate) trait SandboxBackend: Send + Sync {
     }
 
     /// Replaces the sandbox's egress allowlist while it runs: the host's rules for its
-    /// network namespace (one created without an allowlist is wired now), and the
-    /// allowed names in its /etc/hosts.
+    /// network namespace (one created without an allowlist is wired now), its egress
+    /// proxy, and the resolver its /etc/resolv.conf names.
     fn set_network(
         &self,
         sb: &SandboxRef,
@@ -159,7 +159,7 @@ pub(crate) trait SandboxBackend: Send + Sync {
         rules: &[NetRule],
     ) -> Result<(), RuntimeError> {
         let net = network::update(networks, &sb.record.id, sb.record.init_pid, rules)?;
-        crate::hostroot::write_hosts(&sb.rootfs(), &net.hosts)
+        crate::hostroot::write_resolver(&sb.rootfs(), net.nameserver)
     }
 
     /// A TCP connection to `port` on the sandbox's own loopback, made from its network

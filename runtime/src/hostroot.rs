@@ -1,7 +1,7 @@
 //! The root of a sandbox whose processes run on the host's kernel (fncall, container):
 //! its writable upper (a pooled one, or a fresh image), its layers stacked with overlayfs
-//! under it, and the network namespace of an allowlist with the allowed names in its
-//! /etc/hosts.
+//! under it, and the network namespace of an allowlist, its /etc/resolv.conf naming the
+//! egress proxy when rules name hosts.
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -41,9 +41,7 @@ pub(crate) fn prepare(
         None
     } else {
         let net = network::setup(host.networks, new.id, &new.spec.network)?;
-        if !net.hosts.is_empty() {
-            write_hosts(&paths.merged, &net.hosts)?;
-        }
+        write_resolver(&paths.merged, net.nameserver)?;
         Some(net.netns)
     };
     tracing::debug!(
@@ -58,47 +56,30 @@ pub(crate) fn prepare(
     })
 }
 
-/// Marks the lines of /etc/hosts the runtime wrote, so a new allowlist replaces them.
-const HOSTS_MARK: &str = "# strata allowlist";
-/// The most of the sandbox's own /etc/hosts kept when the allowed names are rewritten.
-const HOSTS_MAX: usize = 1 << 20;
-
-/// Names the allowed hosts in the /etc/hosts of the root `merged`, in place of the names
-/// an earlier allowlist put there; the sandbox's own lines stay.
-pub(crate) fn write_hosts(merged: &Path, hosts: &[(Ipv4Addr, String)]) -> Result<(), RuntimeError> {
-    let mut old = Vec::new();
-    let read = files::read_file_with(merged, "/etc/hosts", &mut |part| {
-        if old.len() + part.len() > HOSTS_MAX {
-            return Err(RuntimeError::Invalid(format!(
-                "the sandbox's /etc/hosts is over {HOSTS_MAX} bytes: the allowed names are not written into it"
-            )));
-        }
-        old.extend_from_slice(part);
-        Ok(())
-    });
-    match read {
-        Ok(()) => {}
-        Err(RuntimeError::File { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
-            old.clear()
-        }
-        Err(e) => return Err(e),
-    }
-    let mut text: String = String::from_utf8_lossy(&old)
-        .lines()
-        .filter(|l| !l.ends_with(HOSTS_MARK))
-        .map(|l| format!("{l}\n"))
-        .collect();
-    for (addr, name) in hosts {
-        text.push_str(&format!("{addr}\t{name}\t{HOSTS_MARK}\n"));
-    }
-    files::write_file(merged, "/etc/hosts", text.as_bytes(), 0o644)
+/// Names `nameserver` (the sandbox's egress proxy) in the /etc/resolv.conf of the root
+/// `merged`. Without one the file stays as it is: a proxy named by an earlier allowlist
+/// answers no more (nothing redirects to it), so names stop resolving, as they should.
+pub(crate) fn write_resolver(
+    merged: &Path,
+    nameserver: Option<Ipv4Addr>,
+) -> Result<(), RuntimeError> {
+    let Some(ns) = nameserver else {
+        return Ok(());
+    };
+    files::write_file(
+        merged,
+        "/etc/resolv.conf",
+        format!("nameserver {ns}\noptions attempts:2 timeout:2\n").as_bytes(),
+        0o644,
+    )
 }
 
-/// What the runtime writes into a host root's upper itself: the allowed hosts' names.
+/// What the runtime writes into a host root's upper itself: the egress proxy's name in
+/// /etc/resolv.conf.
 pub(crate) fn runtime_written_paths(spec: &crate::SandboxSpec) -> Vec<String> {
     if spec.network.is_empty() {
         Vec::new()
     } else {
-        vec!["etc/hosts".to_string()]
+        vec!["etc/resolv.conf".to_string()]
     }
 }

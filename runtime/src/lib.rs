@@ -366,7 +366,8 @@ impl Runtime {
         )?;
         let cgroups = Cgroups::probe(&cfg.cgroup_root, cgroup::parent_for(&cfg.state_dir))?;
         tracing::debug!(mode = %cgroups.mode(), "cgroups");
-        let networks = network::Networks::new(&cfg.state_dir, cfg.net_slots.clone());
+        let networks =
+            network::Networks::new(&cfg.state_dir, cfg.net_slots.clone(), cfg.agent.clone());
         let container = container::ContainerBackend {
             criu: cfg.criu.clone().map(|binary| checkpoint::Criu { binary }),
             networks: networks.clone(),
@@ -908,6 +909,13 @@ impl Runtime {
                 let _ = self
                     .audit(id)
                     .record("network-refused", json!({"destinations": refused}));
+            }
+            let egress = network::egress_log(&self.inner.networks, id);
+            if !egress.entries.is_empty() || egress.dropped > 0 {
+                let _ = self.audit(id).record(
+                    "network-egress",
+                    json!({"entries": egress.entries, "dropped": egress.dropped}),
+                );
             }
             network::teardown(&self.inner.networks, id);
         }

@@ -4,7 +4,12 @@
 //! its veth reach only allowlisted (address, port) pairs, forwarded or to the host itself;
 //! everything else, the host's own addresses and private ranges included, is dropped, and
 //! each dropped destination is remembered in a per-sandbox set for the audit record.
-//! Host names are resolved when the sandbox is created and written to its /etc/hosts.
+//! Rules by name (`pypi.org:443`, `*.debian.org:80`, the rule sets of `strata_egress`) are
+//! enforced by the sandbox's egress proxy (`strata-agent egress`, outside the sandbox, on
+//! the host side of its veth): every DNS packet the sandbox sends is redirected to the
+//! proxy's resolver, every TCP connection to a port a name rule opens to its forwarder,
+//! which checks the TLS server name or HTTP Host against the rules and the destination
+//! against what its resolver answered. The sandbox's /etc/resolv.conf names the proxy.
 //! The allowlist of a running sandbox can be replaced ([`update`]); one created without
 //! a network gets its veth then, into the namespace its init already has.
 //!
@@ -13,9 +18,11 @@
 //! address slots are claimed host-wide (`/run/strata/net/<slot>`, naming home and
 //! sandbox), so two homes never hand out one address.
 
-use std::net::{Ipv4Addr, ToSocketAddrs};
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use strata_egress::{AnswerFilter, DomainRule, EgressLog, Pattern, Policy, ProxyConfig};
 
 use crate::spec::NetRule;
 use crate::RuntimeError;
@@ -31,16 +38,23 @@ pub struct Destination {
     /// An address or CIDR, as nft writes it.
     pub net: String,
     pub port: u16,
-    /// The name it was resolved from, for /etc/hosts.
-    pub name: Option<String>,
 }
 
 /// A sandbox's network, set up.
 #[derive(Debug, Clone)]
 pub struct Network {
     pub netns: PathBuf,
-    pub hosts: Vec<(Ipv4Addr, String)>,
+    /// The resolver the sandbox asks (its egress proxy), when rules name hosts.
+    pub nameserver: Option<Ipv4Addr>,
 }
+
+/// The files of a sandbox's egress proxy, in its directory.
+const PROXY_CONFIG: &str = "egress.json";
+const PROXY_PID: &str = "egress.pid";
+/// The proxy's log of decisions (see [`egress_log`]).
+const PROXY_LOG: &str = "egress-log.json";
+/// The most connections one sandbox's proxy forwards at once.
+const PROXY_CONNECTIONS: usize = 256;
 
 fn veth(id: &str) -> String {
     format!("sv{id}")
@@ -55,12 +69,14 @@ pub struct Networks {
     tag: String,
     /// Where /30 slots are claimed, host-wide.
     slots: PathBuf,
+    /// The `strata-agent` binary, which runs the egress proxy of rules by name.
+    agent: PathBuf,
 }
 
 impl Networks {
     /// The networks of the home `state`, claiming slots in `slots` (normally
-    /// `/run/strata/net`, shared by every home on the host).
-    pub fn new(state: &Path, slots: PathBuf) -> Networks {
+    /// `/run/strata/net`, shared by every home on the host); `agent` runs egress proxies.
+    pub fn new(state: &Path, slots: PathBuf, agent: PathBuf) -> Networks {
         let tag = crate::cgroup::parent_for(state)
             .trim_start_matches("strata-")
             .to_string();
@@ -68,7 +84,12 @@ impl Networks {
             state: state.to_path_buf(),
             tag,
             slots,
+            agent,
         }
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.state.join("sandboxes").join(id)
     }
 
     fn netns_name(&self, id: &str) -> String {
@@ -85,9 +106,11 @@ impl Networks {
     }
 }
 
-/// Resolves the rules: names through the host's resolver (IPv4), CIDRs as given.
-pub fn resolve(rules: &[NetRule]) -> Result<Vec<Destination>, RuntimeError> {
+/// Splits the rules: addresses and CIDRs as nft destinations, names (and `*.` patterns)
+/// as the egress proxy's policy.
+pub fn resolve(rules: &[NetRule]) -> Result<(Vec<Destination>, Policy), RuntimeError> {
     let mut out = Vec::new();
+    let mut policy = Policy::default();
     for r in rules {
         let host = r.host.as_str();
         if let Some((a, m)) = parse_cidr(host) {
@@ -99,36 +122,21 @@ pub fn resolve(rules: &[NetRule]) -> Result<Vec<Destination>, RuntimeError> {
                     a.to_string()
                 },
                 port: r.port,
-                name: None,
             });
+        } else if host.parse::<std::net::IpAddr>().is_ok() {
+            return Err(RuntimeError::Invalid(format!(
+                "network destination `{host}`: IPv6 is not routed to sandboxes"
+            )));
         } else {
-            let addrs: Vec<Ipv4Addr> = (host, r.port)
-                .to_socket_addrs()
-                .map_err(|e| {
-                    RuntimeError::Invalid(format!(
-                        "network destination `{host}`: cannot resolve: {e}"
-                    ))
-                })?
-                .filter_map(|sa| match sa.ip() {
-                    std::net::IpAddr::V4(a) => Some(a),
-                    std::net::IpAddr::V6(_) => None,
-                })
-                .collect();
-            if addrs.is_empty() {
-                return Err(RuntimeError::Invalid(format!(
-                    "network destination `{host}` has no IPv4 address (IPv6 is not routed to sandboxes)"
-                )));
-            }
-            for a in addrs {
-                out.push(Destination {
-                    net: a.to_string(),
-                    port: r.port,
-                    name: Some(host.to_string()),
-                });
-            }
+            let pattern = Pattern::parse(host)
+                .map_err(|e| RuntimeError::Invalid(format!("network destination: {e}")))?;
+            policy.rules.push(DomainRule {
+                pattern,
+                port: r.port,
+            });
         }
     }
-    Ok(out)
+    Ok((out, policy))
 }
 
 fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, RuntimeError> {
@@ -176,12 +184,16 @@ fn ensure_table() -> Result<(), RuntimeError> {
     let script = format!(
         "add table {TABLE}\n\
          add map {TABLE} sandboxes {{ type ifname : verdict; }}\n\
+         add map {TABLE} sandboxes_nat {{ type ifname : verdict; }}\n\
+         add chain {TABLE} prerouting {{ type nat hook prerouting priority -100; }}\n\
          add chain {TABLE} forward {{ type filter hook forward priority 0; policy accept; }}\n\
          add chain {TABLE} input {{ type filter hook input priority 0; policy accept; }}\n\
          add chain {TABLE} postrouting {{ type nat hook postrouting priority 100; }}\n\
          flush chain {TABLE} forward\n\
          flush chain {TABLE} input\n\
          flush chain {TABLE} postrouting\n\
+         flush chain {TABLE} prerouting\n\
+         add rule {TABLE} prerouting iifname vmap @sandboxes_nat\n\
          add rule {TABLE} forward iifname vmap @sandboxes\n\
          add rule {TABLE} forward iifname \"sv*\" drop\n\
          add rule {TABLE} input iifname vmap @sandboxes\n\
@@ -194,31 +206,41 @@ fn ensure_table() -> Result<(), RuntimeError> {
 
 /// Creates the namespace, the veth pair and the rules for sandbox `id`.
 pub fn setup(nets: &Networks, id: &str, rules: &[NetRule]) -> Result<Network, RuntimeError> {
-    let dests = resolve(rules)?;
+    let (dests, policy) = resolve(rules)?;
     ensure_table()?;
     let slot = allocate_slot(nets, id)?;
     run("ip", &["netns", "add", &nets.netns_name(id)], None)?;
-    wire(nets, id, slot, &dests)
+    wire(nets, id, slot, &dests, &policy)
 }
 
 /// Replaces the allowlist of running sandbox `id` with `rules`, at once (one nft
-/// transaction). A sandbox without a network yet gets one: the namespace of its init
-/// (`init_pid`) is named and wired as [`setup`] wires a new one. The caller records that
-/// the sandbox is networked before, so a crash in between leaves nothing untracked.
+/// transaction; the egress proxy restarted with the new names). A sandbox without a
+/// network yet gets one: the namespace of its init (`init_pid`) is named and wired as
+/// [`setup`] wires a new one. The caller records that the sandbox is networked before, so
+/// a crash in between leaves nothing untracked.
 pub fn update(
     nets: &Networks,
     id: &str,
     init_pid: u32,
     rules: &[NetRule],
 ) -> Result<Network, RuntimeError> {
-    let dests = resolve(rules)?;
+    let (dests, policy) = resolve(rules)?;
     if nets.netns_path(id).exists() {
-        let mut script = format!("flush set {TABLE} allow_{id}\n");
+        let slot = claimed_slot(nets, id).ok_or_else(|| {
+            RuntimeError::Setup(format!("sandbox {id} has a network but no address slot"))
+        })?;
+        let (host_ip, _) = slot_addrs(slot);
+        stop_proxy(nets, id);
+        let mut script = format!(
+            "flush set {TABLE} allow_{id}
+"
+        );
         script.push_str(&add_elements(id, &dests));
+        script.push_str(&chain_rules(id, host_ip, &policy));
         run("nft", &["-f", "-"], Some(&script))?;
         return Ok(Network {
             netns: nets.netns_path(id),
-            hosts: hosts_of(&dests),
+            nameserver: start_proxy(nets, id, host_ip, &policy)?,
         });
     }
     ensure_table()?;
@@ -233,7 +255,7 @@ pub fn update(
         ],
         None,
     )
-    .and_then(|_| wire(nets, id, slot, &dests));
+    .and_then(|_| wire(nets, id, slot, &dests, &policy));
     if wired.is_err() {
         // Half a network is none: the sandbox stays as it was.
         teardown(nets, id);
@@ -241,13 +263,14 @@ pub fn update(
     wired
 }
 
-/// The veth pair into the named namespace of `id`, its addresses and route, and its
-/// rules allowing `dests`.
+/// The veth pair into the named namespace of `id`, its addresses and route, its rules
+/// allowing `dests`, and the egress proxy of `policy`.
 fn wire(
     nets: &Networks,
     id: &str,
     slot: u32,
     dests: &[Destination],
+    policy: &Policy,
 ) -> Result<Network, RuntimeError> {
     let (host_ip, sandbox_ip) = slot_addrs(slot);
     let (ns, v) = (nets.netns_name(id), veth(id));
@@ -273,27 +296,143 @@ fn wire(
     let mut script = format!(
         "add set {TABLE} allow_{id} {{ type ipv4_addr . inet_service; flags interval; }}\n\
          add set {TABLE} tried_{id} {{ type ipv4_addr . inet_service; flags dynamic; size 4096; }}\n\
-         add chain {TABLE} sb_{id}\n"
+         add chain {TABLE} sb_{id}\n\
+         add chain {TABLE} nat_{id}\n"
     );
     script.push_str(&add_elements(id, dests));
+    script.push_str(&chain_rules(id, host_ip, policy));
     script.push_str(&format!(
-        "add rule {TABLE} sb_{id} ip daddr . tcp dport @allow_{id} accept\n\
-         add rule {TABLE} sb_{id} ip daddr . udp dport @allow_{id} accept\n\
-         add rule {TABLE} sb_{id} meta l4proto {{ tcp, udp }} add @tried_{id} {{ ip daddr . th dport }} drop\n\
-         add rule {TABLE} sb_{id} drop\n\
-         add element {TABLE} sandboxes {{ \"{v}\" : jump sb_{id} }}\n"
+        "add element {TABLE} sandboxes {{ \"{v}\" : jump sb_{id} }}\n\
+         add element {TABLE} sandboxes_nat {{ \"{v}\" : jump nat_{id} }}\n"
     ));
     run("nft", &["-f", "-"], Some(&script))?;
     Ok(Network {
         netns: nets.netns_path(id),
-        hosts: hosts_of(dests),
+        nameserver: start_proxy(nets, id, host_ip, policy)?,
     })
 }
 
-fn hosts_of(dests: &[Destination]) -> Vec<(Ipv4Addr, String)> {
-    dests
-        .iter()
-        .filter_map(|d| Some((d.net.parse().ok()?, d.name.clone()?)))
+/// The rules of sandbox `id`'s chains, replacing what they held. The filter chain
+/// (forward and input) lets through the allow set and, with rules by name, the proxy's
+/// two ports on the host side of the veth; everything else is remembered and dropped.
+/// The nat chain (prerouting) sends every DNS packet and every TCP connection to a port
+/// a name rule opens (not an allowed address) to the proxy.
+fn chain_rules(id: &str, host_ip: Ipv4Addr, policy: &Policy) -> String {
+    let mut script = format!(
+        "flush chain {TABLE} sb_{id}\n\
+         flush chain {TABLE} nat_{id}\n\
+         add rule {TABLE} sb_{id} ip daddr . tcp dport @allow_{id} accept\n\
+         add rule {TABLE} sb_{id} ip daddr . udp dport @allow_{id} accept\n"
+    );
+    let ports = policy.ports();
+    if !ports.is_empty() {
+        let ports = ports
+            .iter()
+            .map(u16::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let fwd = strata_egress::FORWARD_PORT;
+        script.push_str(&format!(
+            "add rule {TABLE} sb_{id} ip daddr {host_ip} udp dport 53 accept\n\
+             add rule {TABLE} sb_{id} ip daddr {host_ip} tcp dport {fwd} accept\n\
+             add rule {TABLE} nat_{id} udp dport 53 redirect to :53\n\
+             add rule {TABLE} nat_{id} ip daddr . tcp dport @allow_{id} return\n\
+             add rule {TABLE} nat_{id} tcp dport {{ {ports} }} redirect to :{fwd}\n"
+        ));
+    }
+    script.push_str(&format!(
+        "add rule {TABLE} sb_{id} meta l4proto {{ tcp, udp }} add @tried_{id} {{ ip daddr . th dport }} drop\n\
+         add rule {TABLE} sb_{id} drop\n"
+    ));
+    script
+}
+
+/// The slot sandbox `id` of this home holds.
+fn claimed_slot(nets: &Networks, id: &str) -> Option<u32> {
+    let owner = nets.owner(id);
+    std::fs::read_dir(&nets.slots)
+        .ok()?
+        .flatten()
+        .find_map(|e| {
+            let slot = e.file_name().to_str()?.parse().ok()?;
+            std::fs::read_to_string(e.path())
+                .is_ok_and(|o| o == owner)
+                .then_some(slot)
+        })
+}
+
+/// Starts the egress proxy of sandbox `id` on `host_ip` when `policy` names hosts; the
+/// resolver the sandbox is to use then.
+fn start_proxy(
+    nets: &Networks,
+    id: &str,
+    host_ip: Ipv4Addr,
+    policy: &Policy,
+) -> Result<Option<Ipv4Addr>, RuntimeError> {
+    if policy.rules.is_empty() {
+        return Ok(None);
+    }
+    let dir = nets.sandbox_dir(id);
+    let cfg = ProxyConfig {
+        listen: host_ip,
+        dns_port: 53,
+        forward_port: strata_egress::FORWARD_PORT,
+        policy: policy.clone(),
+        filter: AnswerFilter {
+            host: host_addresses(),
+            ranges: vec![(Ipv4Addr::new(POOL[0], POOL[1], 0, 0), 16)],
+        },
+        log: dir.join(PROXY_LOG),
+        alive: dir.clone(),
+        max_connections: PROXY_CONNECTIONS,
+    };
+    let config = dir.join(PROXY_CONFIG);
+    let text = serde_json::to_vec(&cfg).map_err(|e| RuntimeError::Setup(e.to_string()))?;
+    std::fs::write(&config, text).map_err(RuntimeError::io(&config))?;
+    let agent = nets.agent.to_string_lossy().into_owned();
+    let pid = run(&agent, &["egress", &config.to_string_lossy()], None)?;
+    let pid_file = dir.join(PROXY_PID);
+    std::fs::write(&pid_file, pid.trim()).map_err(RuntimeError::io(&pid_file))?;
+    Ok(Some(host_ip))
+}
+
+/// Ends the egress proxy of sandbox `id`, if it runs (it would end by itself once the
+/// sandbox's directory is gone).
+fn stop_proxy(nets: &Networks, id: &str) {
+    let dir = nets.sandbox_dir(id);
+    let Some(pid) = std::fs::read_to_string(dir.join(PROXY_PID))
+        .ok()
+        .and_then(|p| p.trim().parse::<i32>().ok())
+    else {
+        return;
+    };
+    // Only the proxy of this sandbox: a PID reused since is left alone.
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let config = dir.join(PROXY_CONFIG);
+    if String::from_utf8_lossy(&cmdline).contains(&*config.to_string_lossy()) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let _ = std::fs::remove_file(dir.join(PROXY_PID));
+}
+
+/// The decisions of sandbox `id`'s egress proxy so far (empty without one).
+pub fn egress_log(nets: &Networks, id: &str) -> EgressLog {
+    EgressLog::read(&nets.sandbox_dir(id).join(PROXY_LOG)).unwrap_or_default()
+}
+
+/// The host's own IPv4 addresses (no answer may send a sandbox to them).
+fn host_addresses() -> Vec<Ipv4Addr> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    addrs
+        .filter_map(|a| {
+            a.address
+                .and_then(|sa| sa.as_sockaddr_in().map(|sin| sin.ip()))
+        })
         .collect()
 }
 
@@ -441,11 +580,15 @@ pub fn refused(id: &str) -> Vec<String> {
 /// Removes the rules, the veth and the namespace of sandbox `id`; tolerates any of them
 /// being gone already.
 pub fn teardown(nets: &Networks, id: &str) {
+    stop_proxy(nets, id);
     let v = veth(id);
-    let script = format!("delete element {TABLE} sandboxes {{ \"{v}\" }}\n");
-    let _ = run("nft", &["-f", "-"], Some(&script));
+    for map in ["sandboxes", "sandboxes_nat"] {
+        let script = format!("delete element {TABLE} {map} {{ \"{v}\" }}\n");
+        let _ = run("nft", &["-f", "-"], Some(&script));
+    }
     for obj in [
         format!("chain {TABLE} sb_{id}"),
+        format!("chain {TABLE} nat_{id}"),
         format!("set {TABLE} allow_{id}"),
         format!("set {TABLE} tried_{id}"),
     ] {
@@ -512,37 +655,73 @@ mod tests {
     use super::*;
 
     #[test]
-    fn rules_resolve_to_addresses_and_cidrs() {
-        let d = resolve(&[
-            NetRule {
-                host: "10.0.0.0/8".into(),
-                port: 80,
-            },
-            NetRule {
-                host: "192.0.2.7".into(),
-                port: 443,
-            },
-            NetRule {
-                host: "localhost".into(),
-                port: 22,
-            },
+    fn rules_split_into_addresses_and_names() {
+        let rule = |host: &str, port| NetRule {
+            host: host.into(),
+            port,
+        };
+        let (d, policy) = resolve(&[
+            rule("10.0.0.0/8", 80),
+            rule("192.0.2.7", 443),
+            rule("localhost", 22),
+            rule("*.debian.org", 80),
         ])
         .unwrap();
         assert_eq!(d[0].net, "10.0.0.0/8");
         assert_eq!(d[1].net, "192.0.2.7");
-        assert!(d
-            .iter()
-            .any(|x| x.name.as_deref() == Some("localhost") && x.net == "127.0.0.1"));
-        assert!(resolve(&[NetRule {
-            host: "no-such-host.invalid".into(),
-            port: 1
-        }])
-        .is_err());
+        assert_eq!(d.len(), 2, "a name became an address: {d:?}");
+        assert!(policy.allows("localhost", 22) && policy.allows("deb.debian.org", 80));
+        assert!(!policy.allows("localhost", 80));
+        assert!(resolve(&[rule("::1", 80)]).is_err());
         let (h, s) = slot_addrs(1);
         assert_eq!(
             (h, s),
             (Ipv4Addr::new(10, 231, 0, 5), Ipv4Addr::new(10, 231, 0, 6))
         );
+    }
+
+    #[test]
+    fn name_rules_send_dns_and_their_ports_to_the_proxy() {
+        let (_, policy) = resolve(&[
+            NetRule {
+                host: "pypi.org".into(),
+                port: 443,
+            },
+            NetRule {
+                host: "1.2.3.4".into(),
+                port: 443,
+            },
+        ])
+        .unwrap();
+        let host = Ipv4Addr::new(10, 231, 0, 1);
+        let with = chain_rules("x", host, &policy);
+        assert!(
+            with.contains("nat_x udp dport 53 redirect to :53"),
+            "{with}"
+        );
+        assert!(
+            with.contains("nat_x ip daddr . tcp dport @allow_x return"),
+            "{with}"
+        );
+        assert!(
+            with.contains("tcp dport { 443 } redirect to :3129"),
+            "{with}"
+        );
+        assert!(
+            with.contains("ip daddr 10.231.0.1 udp dport 53 accept"),
+            "{with}"
+        );
+        let without = chain_rules("x", host, &Policy::default());
+        assert!(
+            !without.contains("redirect") && !without.contains("dport 53"),
+            "{without}"
+        );
+        // Whatever the sandbox sends that is not allowed is remembered and dropped, last.
+        for script in [with, without] {
+            assert!(script
+                .trim_end()
+                .ends_with("add rule inet strata sb_x drop"));
+        }
     }
 
     #[test]
@@ -591,7 +770,6 @@ mod tests {
         let d = |net: &str, port| Destination {
             net: net.into(),
             port,
-            name: None,
         };
         let line = add_elements(
             "x",
@@ -614,8 +792,8 @@ mod tests {
     fn two_homes_claim_distinct_slots_and_see_only_their_own() {
         let slots = tempfile::tempdir().unwrap();
         let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-        let na = Networks::new(a.path(), slots.path().to_path_buf());
-        let nb = Networks::new(b.path(), slots.path().to_path_buf());
+        let na = Networks::new(a.path(), slots.path().to_path_buf(), "strata-agent".into());
+        let nb = Networks::new(b.path(), slots.path().to_path_buf(), "strata-agent".into());
         assert_ne!(na.netns_name("x"), nb.netns_name("x"));
         // The same sandbox ID in both homes still gets two addresses.
         let sa = allocate_slot(&na, "abc").unwrap();

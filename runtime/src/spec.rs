@@ -138,7 +138,8 @@ pub struct ReadonlyView {
     pub at: String,
 }
 
-/// One allowed destination: a host name or address (or CIDR) and a port.
+/// One allowed destination: a host name (or `*.domain`), an address or a CIDR, and a
+/// port. Names are enforced by the sandbox's egress proxy (TCP), addresses by nftables.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetRule {
     pub host: String,
@@ -146,21 +147,52 @@ pub struct NetRule {
 }
 
 impl NetRule {
-    pub fn parse(text: &str) -> Result<NetRule, RuntimeError> {
-        let bad = || {
+    /// One rule: `HOST:PORT`, `*.DOMAIN:PORT`, `ADDRESS[/LEN]:PORT`, or the name of a
+    /// shipped rule set (`pypi`, `npm`, `crates`, `debian`, `github`), which stands for
+    /// several.
+    pub fn parse(text: &str) -> Result<Vec<NetRule>, RuntimeError> {
+        let bad = |why: &str| {
             RuntimeError::Invalid(format!(
-                "network destination `{text}` must be HOST:PORT (e.g. pypi.org:443, 10.0.0.0/8:80)"
+                "network destination `{text}`{why} must be HOST:PORT (e.g. pypi.org:443, \
+                 *.debian.org:80, 10.0.0.0/8:80) or a rule set ({})",
+                strata_egress::rule_set_names()
             ))
         };
-        let (host, port) = text.rsplit_once(':').ok_or_else(bad)?;
-        let port: u16 = port.parse().map_err(|_| bad())?;
-        if host.is_empty() || port == 0 {
-            return Err(bad());
+        if let Some(set) = strata_egress::rule_set(text.trim()) {
+            return Ok(set
+                .iter()
+                .map(|(host, port)| NetRule {
+                    host: host.to_string(),
+                    port: *port,
+                })
+                .collect());
         }
-        Ok(NetRule {
-            host: host.trim_matches(['[', ']']).to_string(),
+        let (host, port) = text.rsplit_once(':').ok_or_else(|| bad(""))?;
+        let port: u16 = port.parse().map_err(|_| bad(""))?;
+        let host = host.trim_matches(['[', ']']);
+        if host.is_empty() || port == 0 {
+            return Err(bad(""));
+        }
+        let is_address = host.parse::<std::net::IpAddr>().is_ok()
+            || host
+                .split_once('/')
+                .is_some_and(|(a, _)| a.parse::<std::net::Ipv4Addr>().is_ok());
+        if !is_address && strata_egress::Pattern::parse(host).is_err() {
+            return Err(bad(": not a host name, address or range;"));
+        }
+        Ok(vec![NetRule {
+            host: host.to_string(),
             port,
-        })
+        }])
+    }
+
+    /// Every rule of `texts`, rule sets expanded.
+    pub fn parse_all<S: AsRef<str>>(texts: &[S]) -> Result<Vec<NetRule>, RuntimeError> {
+        let mut out = Vec::new();
+        for t in texts {
+            out.extend(NetRule::parse(t.as_ref())?);
+        }
+        Ok(out)
     }
 }
 
@@ -174,13 +206,7 @@ impl SandboxSpec {
         let mut env = base_env();
         env.extend(e.env.clone());
         env.extend(over.env.clone());
-        let network = over
-            .network
-            .as_ref()
-            .unwrap_or(&e.network)
-            .iter()
-            .map(|t| NetRule::parse(t))
-            .collect::<Result<Vec<_>, _>>()?;
+        let network = NetRule::parse_all(over.network.as_ref().unwrap_or(&e.network))?;
         let backend = over.backend.unwrap_or(e.backend);
         if let (Some(image), false) = (&e.disk_image, backend == Backend::Vm) {
             return Err(RuntimeError::Invalid(format!(
@@ -234,17 +260,45 @@ mod tests {
 
     #[test]
     fn net_rules_parse_and_reject() {
+        let rule = |host: &str, port| NetRule {
+            host: host.into(),
+            port,
+        };
         assert_eq!(
             NetRule::parse("pypi.org:443").unwrap(),
-            NetRule {
-                host: "pypi.org".into(),
-                port: 443
-            }
+            vec![rule("pypi.org", 443)]
         );
-        assert_eq!(NetRule::parse("[::1]:80").unwrap().host, "::1");
-        assert!(NetRule::parse("pypi.org").is_err());
-        assert!(NetRule::parse("pypi.org:0").is_err());
-        assert!(NetRule::parse(":80").is_err());
+        assert_eq!(NetRule::parse("[::1]:80").unwrap()[0].host, "::1");
+        assert_eq!(
+            NetRule::parse("*.debian.org:80").unwrap(),
+            vec![rule("*.debian.org", 80)]
+        );
+        assert_eq!(
+            NetRule::parse("10.0.0.0/8:22").unwrap(),
+            vec![rule("10.0.0.0/8", 22)]
+        );
+        assert_eq!(
+            NetRule::parse_all(&["pypi", "1.2.3.4:80"]).unwrap(),
+            vec![
+                rule("pypi.org", 443),
+                rule("files.pythonhosted.org", 443),
+                rule("1.2.3.4", 80)
+            ]
+        );
+        for bad in [
+            "pypi.org",
+            "pypi.org:0",
+            ":80",
+            "a_b.org:80",
+            "*.org:443",
+            "nowhere",
+        ] {
+            let e = NetRule::parse(bad).unwrap_err().to_string();
+            assert!(
+                e.contains("HOST:PORT") && e.contains("pypi, npm"),
+                "{bad}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -373,12 +373,10 @@ impl Node {
         self.update(&meta.local, |m| m.paused = paused)
     }
 
-    /// Replaces a running sandbox's egress allowlist (`HOST:PORT` rules; blocking).
+    /// Replaces a running sandbox's egress allowlist (`HOST:PORT` rules and rule sets;
+    /// blocking).
     pub fn set_network(&self, meta: &Meta, rules: &[String]) -> Result<(), ServiceError> {
-        let rules = rules
-            .iter()
-            .map(|r| strata_runtime::NetRule::parse(r))
-            .collect::<Result<Vec<_>, _>>()
+        let rules = strata_runtime::NetRule::parse_all(rules)
             .map_err(|e| ServiceError::invalid("network", e.to_string()))?;
         let mut sb = self.sandbox(meta)?;
         sb.set_network(rules)?;

@@ -94,11 +94,7 @@ impl StepRunner for RuntimeStepRunner {
             .map_err(|e| BuildError::Definition(format!("[budgets]: {e}")))?;
         let limits = Limits::from_budgets(&build_defaults().overridden_by(&budgets))
             .map_err(|e| BuildError::Definition(format!("[budgets]: {e}")))?;
-        let network = plan
-            .network
-            .iter()
-            .map(|n| NetRule::parse(n))
-            .collect::<Result<Vec<_>, _>>()
+        let network = NetRule::parse_all(&plan.network)
             .map_err(|e| BuildError::Definition(format!("network: {e}")))?;
         let mut env = base_env();
         let ca_bundle = self.ca_bundle.clone();

@@ -1059,10 +1059,7 @@ pub async fn sandbox(store: &Store, settings: &Settings, cmd: SandboxCommand) ->
                 Ok(0)
             }
             SandboxCommand::Network { id, net } => {
-                let rules = net
-                    .iter()
-                    .map(|r| strata_runtime::NetRule::parse(r))
-                    .collect::<Result<Vec<_>, _>>()?;
+                let rules = strata_runtime::NetRule::parse_all(&net)?;
                 rt.get(&id)?.set_network(rules)?;
                 Ok(0)
             }

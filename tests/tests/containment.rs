@@ -313,6 +313,145 @@ fn nothing_of_the_host_or_the_private_network_is_reachable() {
     }
 }
 
+/// SECURITY.md, "the network": rules by name hold outside the sandbox. With `debian`-like
+/// names (`*.debian.org:80`), the `pypi` rule set and the host's own name allowed, a
+/// sandbox resolves and reaches exactly the allowed names; a name no rule allows gets
+/// NXDOMAIN, also when asked of a public resolver directly (the query reaches only the
+/// proxy); a forged Host or TLS server name, or an address no answer gave, is cut off; an
+/// allowed name that resolves to the host itself (as a rebinding attacker's name would)
+/// is answered with no address, and the host's listener sees nothing. The audit lists the
+/// allowed and denied names and destinations; nothing of the proxy outlives the sandbox.
+/// VMs reach exact names by forwarders of their own: `*.` patterns are refused by name.
+#[test]
+fn names_reach_only_their_hosts_through_the_egress_proxy() {
+    let Some(env) = env("containment_egress") else {
+        return;
+    };
+    let listener = TcpListener::bind("0.0.0.0:0").expect("a listener on the host");
+    let port = listener.local_addr().expect("its port").port();
+    listener.set_nonblocking(true).expect("nonblocking");
+    let host_name = strata_tests::sh("hostname").trim().to_string();
+    let host_addr = host_address();
+    let probe = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/egress.py"),
+    )
+    .expect("the egress probe");
+    let own_rule = format!("{host_name}:{port}");
+    for backend in ["fncall", "container"] {
+        let id = env.create(&[
+            "--backend",
+            backend,
+            "--net",
+            "pypi",
+            "--net",
+            "*.debian.org:80",
+            "--net",
+            &own_rule,
+        ]);
+        let o = env.cli(&[
+            "sandbox",
+            "exec",
+            &id,
+            "--",
+            "python3",
+            "-c",
+            &probe,
+            &host_name,
+            &port.to_string(),
+            &host_addr,
+            "127.0.0.1",
+        ]);
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{backend}: {out}{err}");
+        let answer = |what: &str| {
+            out.lines()
+                .find_map(|l| l.strip_prefix(&format!("{what} ")))
+                .unwrap_or_else(|| panic!("{backend}: no {what} in {out}"))
+                .to_string()
+        };
+        for allowed in ["dns-allowed", "tls-allowed"] {
+            assert!(answer(allowed).starts_with("ok"), "{backend}: {out}");
+        }
+        assert!(
+            answer("http-allowed").starts_with("ok HTTP/1.1_"),
+            "{backend}: {out}"
+        );
+        assert_eq!(
+            answer("dns-raw-denied"),
+            "ok 3",
+            "{backend}: NXDOMAIN expected: {out}"
+        );
+        assert_eq!(answer("dns-raw-allowed"), "ok 0", "{backend}: {out}");
+        for refused in [
+            "dns-denied",
+            "http-host-forged",
+            "http-address-not-given",
+            "tls-sni-forged",
+            "rebind-dns",
+        ] {
+            assert!(
+                answer(refused).starts_with("refused"),
+                "{backend}: {refused}: {out}"
+            );
+        }
+        for addr in [host_addr.as_str(), "127.0.0.1"] {
+            assert!(
+                answer(&format!("rebind-connect-{addr}")).starts_with("refused"),
+                "{backend}: {out}"
+            );
+        }
+        if let Ok((_, from)) = listener.accept() {
+            panic!("{backend}: a sandbox connected to the host's listener from {from}");
+        }
+        env.ok(&["sandbox", "rm", &id]);
+        env.assert_gone(&id, &[]);
+        assert!(
+            !strata_tests::sh("nft list table inet strata").contains(&id),
+            "{backend}: rules left"
+        );
+        assert!(
+            !strata_tests::sh("ps -eo args").contains(&format!("{id}/egress.json")),
+            "{backend}: the egress proxy outlived its sandbox"
+        );
+        let audit = env.ok(&["sandbox", "audit", &id]);
+        let egress = audit
+            .lines()
+            .find(|l| l.contains("\"network-egress\""))
+            .unwrap_or_else(|| panic!("{backend}: no network-egress in {audit}"));
+        let record: serde_json::Value = serde_json::from_str(egress).expect("audit JSON");
+        let entries = record["entries"].as_array().expect("entries");
+        let has = |kind: &str, name: &str, allowed: bool| {
+            entries
+                .iter()
+                .any(|e| e["kind"] == kind && e["name"] == name && e["allowed"] == allowed)
+        };
+        assert!(has("dns", "deb.debian.org", true), "{backend}: {egress}");
+        assert!(has("dns", "example.com", false), "{backend}: {egress}");
+        assert!(
+            has("dns", "exfil-secret.example.com", false),
+            "{backend}: {egress}"
+        );
+        assert!(
+            has("connect", "deb.debian.org", true),
+            "{backend}: {egress}"
+        );
+        assert!(has("connect", "example.com", false), "{backend}: {egress}");
+        assert!(
+            entries
+                .iter()
+                .any(|e| e["destination"] == "1.1.1.1:80" && e["allowed"] == false),
+            "{backend}: {egress}"
+        );
+    }
+    for backend in ["microvm", "vm"] {
+        env.refused_run(
+            &["--backend", backend, "--net", "*.debian.org:80"],
+            &env.reference,
+            "exact host names only",
+        );
+    }
+}
+
 /// The host's address on its default route.
 fn host_address() -> String {
     let o = std::process::Command::new("ip")

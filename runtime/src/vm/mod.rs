@@ -282,6 +282,15 @@ impl VmBackend {
         let mut opts = String::from("restrict=on,net=10.0.2.0/24,dhcpstart=10.0.2.15");
         let mut hosts: Vec<HostName> = Vec::new();
         for rule in rules {
+            if rule.host.starts_with("*.") {
+                return Err(RuntimeError::Invalid(format!(
+                    "network destination {}:{}: a {} sandbox reaches exact host names only \
+                     (`*.` patterns, and rule sets with them, are for fncall and container sandboxes)",
+                    rule.host,
+                    rule.port,
+                    self.machine.as_str()
+                )));
+            }
             // QEMU runs the forwarder through a shell: a name is letters, digits, dots
             // and hyphens, or it is refused.
             let name_ok = !rule.host.starts_with('-')
