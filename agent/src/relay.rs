@@ -93,23 +93,54 @@ pub fn main(args: &[String]) -> Result<(), String> {
     }
 }
 
-/// Joins stdin/stdout to a TCP connection to HOST:PORT until either side ends.
+/// `connect HOST PORT ADDR...`, the forwarder QEMU runs per guest connection to an
+/// allowed name: reads what the guest's first bytes ask for (TLS server name or HTTP
+/// Host; a guest that names another host is cut off), then joins stdin/stdout to a TCP
+/// connection to one of ADDR (the name's addresses when the sandbox was made, so a name
+/// rebound since reaches nothing new) on PORT, until either side ends.
 pub fn connect(args: &[String]) -> Result<(), String> {
     use std::io::{Read, Write};
-    let [host, port] = args else {
-        return Err("usage: strata-agent connect HOST PORT".into());
+    let [host, port, addrs @ ..] = args else {
+        return Err("usage: strata-agent connect HOST PORT ADDR...".into());
     };
     let port: u16 = port.parse().map_err(|_| format!("bad port {port}"))?;
-    let addrs: Vec<std::net::SocketAddr> =
-        std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port))
-            .map_err(|e| format!("resolving {host}: {e}"))?
-            .collect();
+    let addrs: Vec<std::net::SocketAddr> = addrs
+        .iter()
+        .map(|a| {
+            a.parse::<std::net::Ipv4Addr>()
+                .map(|ip| std::net::SocketAddr::from((ip, port)))
+                .map_err(|_| format!("bad address {a}"))
+        })
+        .collect::<Result<_, _>>()?;
+    // Joined at once, so a server that speaks first is heard without delay; the guest's
+    // bytes are held until they say which host they want.
     let stream = addrs
         .iter()
         .find_map(|a| std::net::TcpStream::connect_timeout(a, Duration::from_secs(10)).ok())
         .ok_or_else(|| format!("cannot reach {host}:{port}"))?;
-    let mut upstream = stream.try_clone().map_err(|e| e.to_string())?;
-    let writer = std::thread::spawn(move || {
+    let mut downstream = stream.try_clone().map_err(|e| e.to_string())?;
+    let answering = std::thread::spawn(move || {
+        let mut out = std::io::stdout().lock();
+        let mut buf = vec![0u8; 64 << 10];
+        while let Ok(n) = downstream.read(&mut buf) {
+            if n == 0 || out.write_all(&buf[..n]).and_then(|()| out.flush()).is_err() {
+                break;
+            }
+        }
+        // The server is done: so is this connection, whatever the guest still holds open.
+        std::process::exit(0);
+    });
+    let first = first_bytes(Duration::from_secs(5))?;
+    if let Some(name) = strata_egress::sniff::sniff(&first).name() {
+        if !name.eq_ignore_ascii_case(host) {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            return Err(format!(
+                "the guest asked for {name} on the forwarder of {host}:{port}: cut off"
+            ));
+        }
+    }
+    let mut upstream = stream;
+    if upstream.write_all(&first).is_ok() {
         let mut stdin = std::io::stdin().lock();
         let mut buf = vec![0u8; 64 << 10];
         while let Ok(n) = stdin.read(&mut buf) {
@@ -117,16 +148,43 @@ pub fn connect(args: &[String]) -> Result<(), String> {
                 break;
             }
         }
-        let _ = upstream.shutdown(std::net::Shutdown::Write);
-    });
-    let mut downstream = stream;
-    let mut out = std::io::stdout().lock();
-    let mut buf = vec![0u8; 64 << 10];
-    while let Ok(n) = downstream.read(&mut buf) {
-        if n == 0 || out.write_all(&buf[..n]).and_then(|()| out.flush()).is_err() {
-            break;
+    }
+    let _ = upstream.shutdown(std::net::Shutdown::Write);
+    let _ = answering.join();
+    Ok(())
+}
+
+/// The guest's first bytes on a forwarded connection: until they say which host they
+/// want, [`strata_egress::sniff::SNIFF_MAX`] of them, or `within` passes with nothing
+/// more (a protocol whose server speaks first). Read unbuffered, so what follows stays
+/// on stdin for the pump.
+fn first_bytes(within: Duration) -> Result<Vec<u8>, String> {
+    use std::os::fd::AsFd;
+    use strata_egress::sniff::{sniff, Sniffed, SNIFF_MAX};
+    let stdin = std::io::stdin();
+    let deadline = Instant::now() + within;
+    let mut first = Vec::new();
+    let mut buf = [0u8; 4096];
+    while sniff(&first) == Sniffed::Incomplete && first.len() < SNIFF_MAX {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+        let mut fds = [nix::poll::PollFd::new(
+            stdin.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        match nix::poll::poll(&mut fds, ms) {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(format!("stdin: {e}")),
+        }
+        let want = buf.len().min(SNIFF_MAX - first.len());
+        match nix::unistd::read(stdin.as_fd(), &mut buf[..want]) {
+            Ok(0) => break,
+            Ok(n) => first.extend_from_slice(&buf[..n]),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(format!("stdin: {e}")),
         }
     }
-    drop(writer);
-    Ok(())
+    Ok(first)
 }

@@ -364,65 +364,77 @@ fn forward_one(mut conn: TcpStream, shared: &Shared) {
     let Some(dst) = original_destination(&conn) else {
         return;
     };
-    let _ = conn.set_read_timeout(Some(SNIFF_TIMEOUT));
-    let deadline = Instant::now() + SNIFF_TIMEOUT;
-    let mut first = Vec::with_capacity(4096);
-    let mut buf = [0u8; 4096];
-    let sniffed = loop {
-        let s = sniff(&first);
-        if s != Sniffed::Incomplete || first.len() >= SNIFF_MAX || Instant::now() >= deadline {
-            break if s == Sniffed::Incomplete {
-                Sniffed::Other
-            } else {
-                s
-            };
-        }
-        match conn.read(&mut buf) {
-            Ok(0) => break sniff(&first),
-            Ok(n) => first.extend_from_slice(&buf[..n.min(SNIFF_MAX - first.len())]),
-            // Nothing said in time: a protocol where the server speaks first.
-            Err(_) => break Sniffed::Other,
-        }
-    };
-    let decision = match shared.pins.lock() {
-        Ok(pins) => decide(&shared.cfg.policy, &pins, &sniffed, dst),
+    let pinned = |sniffed: &Sniffed| match shared.pins.lock() {
+        Ok(pins) => decide(&shared.cfg.policy, &pins, sniffed, dst),
         Err(_) => Err("internal: pins poisoned".into()),
     };
-    let name = match decision {
-        Ok(name) => name,
-        Err(why) => {
-            shared.record("connect", sniffed.name(), Some(dst.to_string()), Some(why));
-            return;
-        }
-    };
+    // Any connection that can go through goes to a pinned address: one that is not is
+    // refused before a byte is read. The rest is joined at once, so a server that speaks
+    // first (SSH, SMTP) is heard without delay; the client's bytes are held until they
+    // say which host they want.
+    if let Err(why) = pinned(&Sniffed::Other) {
+        shared.record("connect", None, Some(dst.to_string()), Some(why));
+        return;
+    }
     let upstream = match TcpStream::connect_timeout(&dst.into(), CONNECT_TIMEOUT) {
         Ok(u) => u,
         Err(e) => {
             shared.record(
                 "connect",
-                Some(&name),
+                None,
                 Some(dst.to_string()),
                 Some(format!("unreachable: {e}")),
             );
             return;
         }
     };
-    shared.record("connect", Some(&name), Some(dst.to_string()), None);
-    let _ = conn.set_read_timeout(None);
-    let (Ok(mut up_w), Ok(mut down_r)) = (upstream.try_clone(), conn.try_clone()) else {
+    let (Ok(mut up_r), Ok(mut down_w)) = (upstream.try_clone(), conn.try_clone()) else {
         return;
     };
-    if up_w.write_all(&first).is_err() {
-        return;
-    }
-    let sending = std::thread::spawn(move || {
-        let _ = std::io::copy(&mut down_r, &mut up_w);
-        let _ = up_w.shutdown(Shutdown::Write);
+    let answering = std::thread::spawn(move || {
+        let _ = std::io::copy(&mut up_r, &mut down_w);
+        let _ = down_w.shutdown(Shutdown::Write);
     });
-    let (mut up_r, mut down_w) = (upstream, conn);
-    let _ = std::io::copy(&mut up_r, &mut down_w);
-    let _ = down_w.shutdown(Shutdown::Write);
-    let _ = sending.join();
+    let (first, sniffed) = first_bytes(&mut conn);
+    match pinned(&sniffed) {
+        Ok(name) => {
+            shared.record("connect", Some(&name), Some(dst.to_string()), None);
+            let _ = conn.set_read_timeout(None);
+            let mut up_w = upstream;
+            if up_w.write_all(&first).is_ok() {
+                let _ = std::io::copy(&mut conn, &mut up_w);
+            }
+            let _ = up_w.shutdown(Shutdown::Write);
+        }
+        Err(why) => {
+            shared.record("connect", sniffed.name(), Some(dst.to_string()), Some(why));
+            let _ = upstream.shutdown(Shutdown::Both);
+            let _ = conn.shutdown(Shutdown::Both);
+        }
+    }
+    let _ = answering.join();
+}
+
+/// The client's first bytes: until they say what they ask for, [`SNIFF_MAX`] of them,
+/// or [`SNIFF_TIMEOUT`] passes (a client waiting for the server names nothing).
+fn first_bytes(conn: &mut TcpStream) -> (Vec<u8>, Sniffed) {
+    let _ = conn.set_read_timeout(Some(SNIFF_TIMEOUT));
+    let deadline = Instant::now() + SNIFF_TIMEOUT;
+    let mut first = Vec::with_capacity(4096);
+    let mut buf = [0u8; 4096];
+    loop {
+        let s = sniff(&first);
+        if s != Sniffed::Incomplete {
+            return (first, s);
+        }
+        if first.len() >= SNIFF_MAX || Instant::now() >= deadline {
+            return (first, Sniffed::Other);
+        }
+        match conn.read(&mut buf) {
+            Ok(0) | Err(_) => return (first, Sniffed::Other),
+            Ok(n) => first.extend_from_slice(&buf[..n.min(SNIFF_MAX - first.len())]),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -20,6 +20,8 @@ pub const TARGETS: &[Target] = &[
     ("catalog_entry", catalog_entry),
     ("e2b_connect", e2b_connect),
     ("grpc_create", grpc_create),
+    ("egress_dns", egress_dns),
+    ("egress_sniff", egress_sniff),
 ];
 
 /// The target called `name`.
@@ -163,5 +165,40 @@ pub fn grpc_create(data: &[u8]) {
     use prost::Message;
     if let Ok(req) = strata_service::proto::CreateRequest::decode(data) {
         let _ = strata_service::create_args(req);
+    }
+}
+
+/// A DNS packet a sandbox sends its egress proxy, answered for a policy allowing
+/// `*.example.org`: an answer is a DNS message again, and names only admitted addresses.
+pub fn egress_dns(data: &[u8]) {
+    use strata_egress::{dns, AnswerFilter, DomainRule, Pattern, Policy};
+    let Ok(pattern) = Pattern::parse("*.example.org") else {
+        return;
+    };
+    let policy = Policy {
+        rules: vec![DomainRule { pattern, port: 443 }],
+    };
+    let filter = AnswerFilter::default();
+    let (reply, outcome) = dns::answer(data, &policy, &filter, &mut |_| {
+        vec![
+            std::net::Ipv4Addr::new(127, 0, 0, 1),
+            std::net::Ipv4Addr::new(93, 184, 216, 34),
+        ]
+    });
+    if let dns::Outcome::Answered { name, addrs } = &outcome {
+        assert!(policy.allows_name(name), "answered {name}");
+        assert!(addrs.iter().all(|a| filter.admits(*a)), "{addrs:?}");
+    }
+    if let Some(reply) = reply {
+        assert!(reply.len() <= 4096, "a reply of {} bytes", reply.len());
+    }
+}
+
+/// The first bytes of a sandbox's connection, read for the name they ask for.
+pub fn egress_sniff(data: &[u8]) {
+    let data = &data[..data.len().min(strata_egress::sniff::SNIFF_MAX)];
+    let got = strata_egress::sniff::sniff(data);
+    if let Some(name) = got.name() {
+        assert!(name.len() <= data.len(), "a name longer than its input");
     }
 }

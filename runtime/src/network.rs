@@ -139,6 +139,29 @@ pub fn resolve(rules: &[NetRule]) -> Result<(Vec<Destination>, Policy), RuntimeE
     Ok((out, policy))
 }
 
+/// The IPv4 addresses the host's resolver gives `host` now (a VM's forwarders join only
+/// these).
+pub(crate) fn resolve_name(host: &str) -> Result<Vec<Ipv4Addr>, RuntimeError> {
+    let addrs: Vec<Ipv4Addr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, 0))
+        .map_err(|e| {
+            RuntimeError::Invalid(format!("network destination `{host}`: cannot resolve: {e}"))
+        })?
+        .filter_map(|sa| match sa.ip() {
+            std::net::IpAddr::V4(a) => Some(a),
+            std::net::IpAddr::V6(_) => None,
+        })
+        .collect();
+    if addrs.is_empty() {
+        return Err(RuntimeError::Invalid(format!(
+            "network destination `{host}` has no IPv4 address (IPv6 is not routed to sandboxes)"
+        )));
+    }
+    let mut addrs = addrs;
+    addrs.sort();
+    addrs.dedup();
+    Ok(addrs)
+}
+
 fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, RuntimeError> {
     crate::run_tool(Command::new(program).args(args), stdin)
 }

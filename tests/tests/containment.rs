@@ -443,6 +443,25 @@ fn names_reach_only_their_hosts_through_the_egress_proxy() {
             "{backend}: {egress}"
         );
     }
+    // A VM reaches a name through a forwarder of its own, which joins only the name's
+    // addresses at create and cuts off a guest that asks it for another name.
+    let tls = "import socket, ssl, sys\n\
+        ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE\n\
+        for name in ['pypi.org', 'example.com']:\n\
+        \x20   try:\n\
+        \x20       s = socket.create_connection(('pypi.org', 443), timeout=20)\n\
+        \x20       print(name, 'ok', ctx.wrap_socket(s, server_hostname=name).version())\n\
+        \x20   except Exception as e:\n\
+        \x20       print(name, 'refused', type(e).__name__)\n";
+    let (code, out, err) = run(
+        env,
+        "microvm",
+        &["--memory", "256M", "--net", "pypi"],
+        &format!("python3 -c \"{tls}\""),
+    );
+    assert_eq!(code, Some(0), "microvm: {out}{err}");
+    assert!(out.contains("pypi.org ok TLS"), "microvm: {out}");
+    assert!(out.contains("example.com refused"), "microvm: {out}");
     for backend in ["microvm", "vm"] {
         env.refused_run(
             &["--backend", backend, "--net", "*.debian.org:80"],

@@ -271,16 +271,21 @@ impl VmBackend {
     /// The user-mode network of a sandbox with an allowlist: nothing is reachable
     /// (`restrict=on`) but one forwarder per allowed destination, an address in the
     /// guest's network that the host's `strata-agent connect` joins to the destination,
-    /// named in the guest's /etc/hosts. `None` without an allowlist (no NIC at all).
+    /// named in the guest's /etc/hosts. Each name is resolved now (`resolve`) and the
+    /// forwarder joins only those addresses, so a name rebound later reaches nothing new;
+    /// it also cuts off a connection whose TLS server name or HTTP Host is another name.
+    /// `None` without an allowlist (no NIC at all).
     fn network(
         &self,
         rules: &[crate::NetRule],
+        resolve: &mut dyn FnMut(&str) -> Result<Vec<std::net::Ipv4Addr>, RuntimeError>,
     ) -> Result<Option<(String, strata_agent_proto::GuestNetwork)>, RuntimeError> {
         if rules.is_empty() {
             return Ok(None);
         }
         let mut opts = String::from("restrict=on,net=10.0.2.0/24,dhcpstart=10.0.2.15");
         let mut hosts: Vec<HostName> = Vec::new();
+        let mut pinned: Vec<(String, Vec<String>)> = Vec::new();
         for rule in rules {
             if rule.host.starts_with("*.") {
                 return Err(RuntimeError::Invalid(format!(
@@ -326,9 +331,24 @@ impl VmBackend {
                     ip
                 }
             };
+            let addrs = match pinned.iter().find(|(h, _)| *h == rule.host) {
+                Some((_, a)) => a.clone(),
+                None => {
+                    let a: Vec<String> =
+                        resolve(&rule.host)?.iter().map(|a| a.to_string()).collect();
+                    pinned.push((rule.host.clone(), a.clone()));
+                    a
+                }
+            };
             // QEMU runs the command for each connection; commas are doubled in options.
             let agent = self.agent.display().to_string().replace('\'', "'\\''");
-            let cmd = format!("'{agent}' connect {} {}", rule.host, rule.port).replace(',', ",,");
+            let cmd = format!(
+                "'{agent}' connect {} {} {}",
+                rule.host,
+                rule.port,
+                addrs.join(" ")
+            )
+            .replace(',', ",,");
             opts.push_str(&format!(",guestfwd=tcp:{ip}:{}-cmd:{cmd}", rule.port));
         }
         if hosts.len() > 100 {
@@ -790,7 +810,7 @@ impl VmBackend {
         let ctx = new;
         let l = &ctx.spec.limits;
         let mut shape = self.shape(l, disks.layers.len(), ctx.spec.display)?;
-        let network = self.network(&ctx.spec.network)?;
+        let network = self.network(&ctx.spec.network, &mut crate::network::resolve_name)?;
         shape.network = network.is_some();
         let slots = self.slots(&shape, disks)?;
         let mut memory_image = None;
@@ -1415,19 +1435,35 @@ mod tests {
     #[test]
     fn an_allowlist_becomes_one_forwarder_per_destination_and_names_in_hosts() {
         let b = backend();
-        assert!(b.network(&[]).unwrap().is_none());
-        let (opts, guest) = b
-            .network(&[
-                rule("pypi.org", 443),
-                rule("pypi.org", 80),
-                rule("files.example", 443),
+        let mut asked = Vec::new();
+        let mut resolve = |h: &str| {
+            asked.push(h.to_string());
+            Ok(vec![
+                std::net::Ipv4Addr::new(151, 101, 0, 223),
+                std::net::Ipv4Addr::new(151, 101, 64, 223),
             ])
+        };
+        assert!(b.network(&[], &mut resolve).unwrap().is_none());
+        let (opts, guest) = b
+            .network(
+                &[
+                    rule("pypi.org", 443),
+                    rule("pypi.org", 80),
+                    rule("files.example", 443),
+                ],
+                &mut resolve,
+            )
             .unwrap()
             .unwrap();
+        assert_eq!(
+            asked,
+            ["pypi.org", "files.example"],
+            "each name resolved once"
+        );
         assert!(opts.starts_with("restrict=on,"), "{opts}");
         assert!(
             opts.contains(
-                "guestfwd=tcp:10.0.2.100:443-cmd:'/opt/it'\\''s strata/strata-agent' connect pypi.org 443"
+                "guestfwd=tcp:10.0.2.100:443-cmd:'/opt/it'\\''s strata/strata-agent' connect pypi.org 443 151.101.0.223 151.101.64.223"
             ),
             "{opts}"
         );
@@ -1457,7 +1493,10 @@ mod tests {
             "1.1.1.1",
             "10.0.0.0/8",
         ] {
-            let e = b.network(&[rule(bad, 80)]).unwrap_err().to_string();
+            let e = b
+                .network(&[rule(bad, 80)], &mut |_| Ok(Vec::new()))
+                .unwrap_err()
+                .to_string();
             assert!(e.contains(bad), "{bad}: {e}");
         }
     }
