@@ -254,9 +254,13 @@ pub fn update(
         })?;
         let (host_ip, _) = slot_addrs(slot);
         stop_proxy(nets, id);
+        // A network wired by an older build has neither the nat map nor its chain.
+        ensure_table()?;
+        let v = veth(id);
         let mut script = format!(
-            "flush set {TABLE} allow_{id}
-"
+            "add chain {TABLE} nat_{id}\n\
+             add element {TABLE} sandboxes_nat {{ \"{v}\" : jump nat_{id} }}\n\
+             flush set {TABLE} allow_{id}\n"
         );
         script.push_str(&add_elements(id, &dests));
         script.push_str(&chain_rules(id, host_ip, &policy));
