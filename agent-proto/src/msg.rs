@@ -32,6 +32,10 @@ pub struct SandboxBoot {
     pub netns: Option<String>,
     /// The key (hex) every conversation must prove (a pooled agent's: its slot's).
     pub key: String,
+    /// The size of /dev/shm ([`crate::policy::shm_bytes`] of the memory budget); none:
+    /// 64 MiB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm_bytes: Option<u64>,
 }
 
 /// The first frame of every conversation (see [`crate::handshake`]).
@@ -55,6 +59,9 @@ pub struct PoolSetup {
     pub netns: Option<String>,
     /// The sandbox's own key (hex), which replaces the pool slot's from now on.
     pub key: String,
+    /// The size of /dev/shm, as in [`SandboxBoot`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm_bytes: Option<u64>,
 }
 
 /// After a VM is restored from a snapshot: set the clock, mix fresh entropy into the

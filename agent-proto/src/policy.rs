@@ -190,6 +190,17 @@ pub fn resolve(names: &'static [&'static str]) -> impl Iterator<Item = (&'static
 /// mounted over them). runc's defaults, and the kernel's page tables of the host's memory
 /// (`/proc/kpage*`): a recursive grep that read `/proc/kpagecgroup` crashed a host kernel
 /// in DSec's report, and they show every page of the host.
+/// The size of a host sandbox's /dev: device nodes and links only.
+pub const DEV_TMPFS_BYTES: u64 = 1 << 20;
+
+/// The size of a host sandbox's /dev/shm under a memory budget of `memory_bytes`: a
+/// quarter of it, between 1 and 64 MiB. tmpfs pages count against the budget but belong
+/// to no process, so a /dev/shm as large as the budget, filled, would leave the OOM
+/// killer only the sandbox's agent to kill: the sandbox lost instead of a write refused.
+pub fn shm_bytes(memory_bytes: u64) -> u64 {
+    (memory_bytes / 4).clamp(1 << 20, 64 << 20)
+}
+
 pub const MASKED_PATHS: &[&str] = &[
     "/proc/acpi",
     "/proc/asound",

@@ -29,8 +29,10 @@ pub const DEV_LINKS: [(&str, &str); 5] = [
     ("stderr", "/proc/self/fd/2"),
 ];
 
-pub fn enter(rootfs: &Path, hostname: &str) -> Result<(), String> {
-    mount_filesystems(rootfs)?;
+/// Enters the sandbox's root `rootfs` and confines this process; /dev/shm holds
+/// `shm_bytes` (64 MiB when not given).
+pub fn enter(rootfs: &Path, hostname: &str, shm_bytes: Option<u64>) -> Result<(), String> {
+    mount_filesystems(rootfs, shm_bytes.unwrap_or(64 << 20))?;
     nix::unistd::sethostname(hostname).map_err(|e| format!("sethostname: {e}"))?;
     sys::loopback_up()?;
     limit_resources()?;
@@ -57,7 +59,7 @@ fn ctx<T>(what: &str, r: nix::Result<T>) -> Result<T, String> {
     r.map_err(|e| format!("{what}: {e}"))
 }
 
-fn mount_filesystems(root: &Path) -> Result<(), String> {
+fn mount_filesystems(root: &Path, shm_bytes: u64) -> Result<(), String> {
     ctx(
         "making / private",
         mount(
@@ -102,7 +104,7 @@ fn mount_filesystems(root: &Path) -> Result<(), String> {
             &dev,
             Some("tmpfs"),
             MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
-            Some("mode=755,size=65536k"),
+            Some(format!("mode=755,size={}", policy::DEV_TMPFS_BYTES).as_str()),
         ),
     )?;
     for node in ["null", "zero", "full", "random", "urandom", "tty"] {
@@ -140,7 +142,7 @@ fn mount_filesystems(root: &Path) -> Result<(), String> {
             &shm,
             Some("tmpfs"),
             nosuid,
-            Some("mode=1777,size=65536k"),
+            Some(format!("mode=1777,size={shm_bytes}").as_str()),
         ),
     )?;
     for (link, to) in DEV_LINKS {

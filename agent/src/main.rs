@@ -205,7 +205,9 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
             let mut ready = std::fs::File::from(ready_w);
             let entered = match &boot.rootfs {
                 None => Ok(()),
-                Some(rootfs) => confine::enter(std::path::Path::new(rootfs), &boot.hostname),
+                Some(rootfs) => {
+                    confine::enter(std::path::Path::new(rootfs), &boot.hostname, boot.shm_bytes)
+                }
             };
             match entered {
                 Ok(()) => {
@@ -275,7 +277,11 @@ fn await_setup(listener: &UnixListener) -> Result<(), String> {
                 enter_network(setup.netns.as_deref())?;
                 nix::sched::unshare(CloneFlags::CLONE_NEWNS)
                     .map_err(|e| format!("unshare: {e}"))?;
-                confine::enter(std::path::Path::new(&setup.rootfs), &setup.hostname)?;
+                confine::enter(
+                    std::path::Path::new(&setup.rootfs),
+                    &setup.hostname,
+                    setup.shm_bytes,
+                )?;
                 serve::set_key(key);
                 Ok(())
             });

@@ -264,9 +264,33 @@ impl ContainerBackend {
                 .map_err(bad)?])
             .build()
             .map_err(bad)?;
+        // /dev and /dev/shm are tmpfs, whose pages count against the memory budget: sized
+        // below it (see `policy::shm_bytes`), so filling them is a refused write, never
+        // an OOM kill of the agent.
+        let tmpfs_size = |dest: &std::path::Path| match dest.to_str() {
+            Some("/dev") => Some(strata_agent_proto::policy::DEV_TMPFS_BYTES),
+            Some("/dev/shm") => Some(strata_agent_proto::policy::shm_bytes(
+                new.spec.limits.memory_bytes,
+            )),
+            _ => None,
+        };
         let mut mounts: Vec<Mount> = oci_spec::runtime::get_default_mounts()
             .into_iter()
             .filter(|m| !m.destination().starts_with("/sys/fs/cgroup"))
+            .map(|mut m| {
+                if let Some(bytes) = tmpfs_size(m.destination()) {
+                    let options = m
+                        .options()
+                        .iter()
+                        .flatten()
+                        .filter(|o| !o.starts_with("size="))
+                        .cloned()
+                        .chain([format!("size={bytes}")])
+                        .collect();
+                    m.set_options(Some(options));
+                }
+                m
+            })
             .collect();
         if self.agent.is_none() {
             mounts.push(

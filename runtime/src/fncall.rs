@@ -138,6 +138,7 @@ impl FncallBackend {
                             hostname: "sandbox".into(),
                             netns: None,
                             key: key.to_hex(),
+                            shm_bytes: None,
                         },
                     )
                 })
@@ -248,6 +249,9 @@ impl FncallBackend {
             hostname: new.hostname.clone(),
             netns: root.netns.as_ref().map(|n| n.display().to_string()),
             key: read_key(new.dir)?.to_hex(),
+            shm_bytes: Some(strata_agent_proto::policy::shm_bytes(
+                new.spec.limits.memory_bytes,
+            )),
         });
         match slot.request(&setup, None, Duration::from_secs(30))?.0 {
             AgentMsg::Ready => {}
@@ -288,6 +292,9 @@ impl SandboxBackend for FncallBackend {
             hostname: new.hostname.clone(),
             netns: root.netns.as_ref().map(|n| n.display().to_string()),
             key: read_key(new.dir)?.to_hex(),
+            shm_bytes: Some(strata_agent_proto::policy::shm_bytes(
+                new.spec.limits.memory_bytes,
+            )),
         };
         let pid = self.spawn_agent(&new.cgroup, &boot)?;
         // The agent serves before its parent reports the PID: this checks the handshake
