@@ -224,8 +224,11 @@ async fn build_leased(
     let mut tree = match read {
         Ok(t) => t,
         Err(e) => {
-            uploader.abort();
-            return Err(e);
+            // "The upload worker stopped early" says less than why it did.
+            return Err(match (uploader.abort().await, e) {
+                (Some(cause), BuildError::Internal(_)) => cause,
+                (_, e) => e,
+            });
         }
     };
 

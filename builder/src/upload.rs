@@ -125,14 +125,22 @@ impl Uploader {
         Ok(out)
     }
 
-    /// Stops the worker without committing anything (a failed build).
-    pub fn abort(&self) {
+    /// Stops the worker without committing anything (a failed build), and returns the
+    /// error that ended the worker, if one did: the cause when the reader failed only
+    /// because the worker was gone (a full disk, an unreachable store).
+    pub async fn abort(&self) -> Option<BuildError> {
         if let Ok(mut q) = self.queue.lock() {
             q.take();
         }
-        if let Ok(mut w) = self.worker.lock() {
-            if let Some(w) = w.take() {
-                w.abort();
+        let mut worker = self.worker.lock().ok().and_then(|mut w| w.take())?;
+        // With the queue closed the worker ends once its uploads in flight do; it may
+        // also have ended already, on an error of its own.
+        match tokio::time::timeout(std::time::Duration::from_secs(2), &mut worker).await {
+            Ok(Ok(Err(e))) => Some(e),
+            Ok(_) => None,
+            Err(_) => {
+                worker.abort();
+                None
             }
         }
     }

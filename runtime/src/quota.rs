@@ -1,6 +1,9 @@
 //! Writable uppers with a size limit. Each sandbox's upper is its own small ext4
 //! filesystem in a sparse image file on the host's disk, loop-mounted: filling it gives
 //! ENOSPC inside the sandbox and nothing outside notices, and only written blocks use disk.
+//! Because only written blocks use disk, a host disk that fills first would lose writes
+//! the sandbox was told succeeded: an upper is made only while the host disk has its whole
+//! size free.
 //!
 //! Why not one filesystem with project quotas: this kind of host's kernel has neither
 //! XFS quota nor CONFIG_QUOTA for ext4 (both measured), so a per-sandbox filesystem is the
@@ -41,6 +44,7 @@ impl Uppers {
     /// to `uppers/<id>` and its image renamed, so from here on it is like one made fresh.
     /// `None` when the pool has none of that size (or the move fails).
     pub fn claim(&self, id: &str, bytes: u64) -> Option<PathBuf> {
+        self.ensure_room(bytes).ok()?;
         let sized = self.pool.join(bytes.to_string());
         for e in std::fs::read_dir(&sized).ok()?.flatten() {
             let slot = e.file_name().to_string_lossy().into_owned();
@@ -129,6 +133,7 @@ impl Uppers {
     /// formatted template of that size (made by `mkfs.ext4` once), bound to a loop device
     /// and mounted, without spawning anything.
     pub fn create(&self, id: &str, bytes: u64) -> Result<PathBuf, RuntimeError> {
+        self.ensure_room(bytes)?;
         self.remove(id)?;
         let template = self.template(bytes)?;
         copy_sparse(&template, &self.image(id), bytes)?;
@@ -142,8 +147,32 @@ impl Uppers {
         let len = std::fs::metadata(from)
             .map_err(RuntimeError::io(from))?
             .len();
+        self.ensure_room(len)?;
         copy_sparse(from, &self.image(id), len)?;
         self.mount(id)
+    }
+
+    /// Refuses an upper of `bytes` while the disk its image would be on has less free.
+    /// Images are sparse: a sandbox's writes take host blocks only as they are written
+    /// back, and a host disk full by then loses them (the kernel's "lost async page
+    /// write") while the sandbox was told they succeeded. Checked at every create, so a
+    /// disk that is nearly full takes no new sandbox; sandboxes already running share what
+    /// is left (the README's "disk full" says so).
+    fn ensure_room(&self, bytes: u64) -> Result<(), RuntimeError> {
+        let stat = nix::sys::statvfs::statvfs(&self.images).map_err(|e| {
+            RuntimeError::io(&self.images)(std::io::Error::from_raw_os_error(e as i32))
+        })?;
+        let free = stat.blocks_available() as u64 * stat.fragment_size() as u64;
+        if free < bytes {
+            return Err(RuntimeError::Quota(format!(
+                "the disk holding {} has {} MiB free, less than the sandbox's disk budget of {} MiB \
+                 (its writes could not all be kept): free space there, or give the sandbox a smaller disk budget (--disk)",
+                self.images.display(),
+                free >> 20,
+                bytes >> 20
+            )));
+        }
+        Ok(())
     }
 
     /// Binds the image of `id` to a loop device and mounts it at its directory.
@@ -202,9 +231,13 @@ impl Uppers {
         match from {
             Some(src) => {
                 let len = std::fs::metadata(src).map_err(RuntimeError::io(src))?.len();
+                self.ensure_room(len)?;
                 copy_sparse(src, &image, len)?;
             }
-            None => copy_sparse(&self.template(bytes)?, &image, bytes)?,
+            None => {
+                self.ensure_room(bytes)?;
+                copy_sparse(&self.template(bytes)?, &image, bytes)?
+            }
         }
         Ok(image)
     }

@@ -49,6 +49,8 @@ pub enum StoreError {
         #[source]
         source: object_store::Error,
     },
+    #[error("store {op} of `{key}`: no space left on the store's disk; free space there (`strata store gc` deletes what no layer references) or point --store / STRATA_STORE at a larger one")]
+    Full { op: &'static str, key: String },
     #[error("layer `{0}` is not in the store (see `strata layer ls`)")]
     LayerNotFound(String),
     #[error("layer prefix `{prefix}` matches {count} layers; give more digits")]
@@ -110,7 +112,30 @@ fn backend_err(
     key: &ObjectPath,
 ) -> impl FnOnce(object_store::Error) -> StoreError {
     let key = key.to_string();
-    move |source| StoreError::Backend { op, key, source }
+    move |source| {
+        if is_disk_full(&source) {
+            StoreError::Full { op, key }
+        } else {
+            StoreError::Backend { op, key, source }
+        }
+    }
+}
+
+/// Whether an error was caused by a full disk (or a spent quota) under the backend.
+fn is_disk_full(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<std::io::Error>().is_some_and(|io| {
+            matches!(
+                io.kind(),
+                std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+            )
+        }) {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
 }
 
 fn shard(prefix: &str, d: &Digest) -> ObjectPath {

@@ -94,6 +94,9 @@ fn init_logging(settings: &Settings) -> Result<()> {
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
+        // A log that cannot be written (a daemon's log file on a full disk) loses the
+        // line: reporting that on the same stderr would panic whatever logged it.
+        .log_internal_errors(false)
         .init();
     Ok(())
 }
@@ -124,7 +127,7 @@ fn main() {
     {
         Ok(s) => s,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", describe(&e));
             std::process::exit(1);
         }
     };
@@ -181,8 +184,33 @@ fn main() {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", describe(&e));
             std::process::exit(1);
         }
     }
+}
+
+/// An error for people: its chain of causes, each said once (the library errors name
+/// their cause in their own message already), and what to do when a disk is full.
+fn describe(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let said = cause.to_string();
+        if !text.contains(&said) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&said);
+        }
+    }
+    let disk_full = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::StorageFull)
+    });
+    if disk_full && !text.contains("free space") {
+        text.push_str(
+            " (the disk is full: free space on it, or set STRATA_HOME to a directory on a larger disk)",
+        );
+    }
+    text
 }

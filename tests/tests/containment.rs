@@ -479,6 +479,180 @@ fn names_reach_only_their_hosts_through_the_egress_proxy() {
     }
 }
 
+/// A small disk of its own, loop-mounted, for a home and a store to fill; unmounted (and
+/// its lazyfs daemon and pooled uppers ended) when dropped.
+struct SmallDisk {
+    dir: std::path::PathBuf,
+    home: strata_tests::home::CliHome,
+}
+
+impl SmallDisk {
+    fn new(store: Option<&std::path::Path>) -> SmallDisk {
+        let dir = tempfile::Builder::new()
+            .prefix("full-disk-")
+            .tempdir_in(strata_tests::scratch_root())
+            .expect("tempdir")
+            .keep();
+        let mnt = dir.join("mnt");
+        strata_tests::sh(&format!(
+            "truncate -s 256M {d}/disk.img && mkfs.ext4 -q {d}/disk.img && mkdir -p {m} && mount -o loop {d}/disk.img {m}",
+            d = dir.display(),
+            m = mnt.display()
+        ));
+        let home = strata_tests::home::CliHome {
+            home: mnt.join("home"),
+            store: store.map_or_else(|| mnt.join("store"), |s| s.to_path_buf()),
+        };
+        std::fs::create_dir_all(&home.home).expect("the home");
+        SmallDisk { dir, home }
+    }
+
+    /// Fills the disk but `left_mib`.
+    fn fill(&self, left_mib: u64) {
+        let mnt = self.dir.join("mnt");
+        strata_tests::sh(&format!(
+            "rm -f {m}/ballast; sync; free=$(df -m --output=avail {m} | tail -1); \
+             fallocate -l $(( free - {left_mib} ))M {m}/ballast",
+            m = mnt.display()
+        ));
+    }
+
+    fn empty(&self) {
+        let _ = std::fs::remove_file(self.dir.join("mnt/ballast"));
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = self.home.cli(&["sandbox", "pool", "--drain"]);
+        let _ = self.home.cli(&["lazyfs", "stop"]);
+        let mnt = self.dir.join("mnt");
+        // The daemon lets go of the disk a moment after `lazyfs stop` answers.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while std::process::Command::new("umount")
+            .arg("-R")
+            .arg(&mnt)
+            .status()
+            .is_ok_and(|s| !s.success())
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// SECURITY.md, "nothing stored is lost": the disk under STRATA_HOME full during a build,
+/// cache writes and sandbox writes. A build that runs out of space fails naming the store's
+/// disk and what to do, and leaves no layer (verify clean); the same build succeeds once
+/// there is room. A sandbox whose layers' chunks cannot be cached still reads them (from
+/// the store, verified) and the lazyfs daemon keeps serving; a sandbox is refused, naming
+/// its disk budget and the free space, when its upper's writes could not all be kept
+/// (sparse images on a full disk lose writes the sandbox was told succeeded).
+#[test]
+fn a_full_disk_under_the_home_gives_clear_errors_and_loses_nothing() {
+    let Some(env) = env("containment_full_disk") else {
+        return;
+    };
+    // A build into a store on the full disk.
+    let disk = SmallDisk::new(None);
+    let src = disk.dir.join("src");
+    std::fs::create_dir_all(&src).expect("source dir");
+    strata_tests::sh(&format!(
+        "head -c 48M /dev/urandom > {s}/blob && echo small > {s}/note",
+        s = src.display()
+    ));
+    disk.fill(12);
+    let src_arg = src.display().to_string();
+    let o = disk.home.cli(&["layer", "build", &src_arg]);
+    let (out, err) = text(&o);
+    assert_eq!(o.status.code(), Some(1), "{out}{err}");
+    assert!(
+        err.contains("no space left on the store's disk") && err.contains("strata store gc"),
+        "{err}"
+    );
+    assert_eq!(
+        disk.home.ok(&["layer", "ls"]).lines().count(),
+        1,
+        "a layer was listed"
+    );
+    let verify = disk.home.ok(&["store", "verify"]);
+    assert!(verify.contains("0 problem(s)"), "{verify}");
+    disk.empty();
+    let layer = disk.home.ok(&["layer", "build", &src_arg]);
+    assert!(
+        disk.home
+            .ok(&["store", "verify"])
+            .contains("verified 1 layers"),
+        "{layer}"
+    );
+    drop(disk);
+
+    // A home on the full disk, its store elsewhere.
+    let disk = SmallDisk::new(Some(&env.cli.store));
+    let home = &disk.home;
+    disk.fill(3);
+    let o = home.cli(&[
+        "run",
+        "--backend",
+        "fncall",
+        "--disk",
+        "1M",
+        &env.reference,
+        "--",
+        "python3",
+        "-c",
+        "import json, email, asyncio, unittest, http.client, sqlite3, decimal; print('read')",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success() && out.contains("read"), "{out}{err}");
+    for backend in ["fncall", "container"] {
+        let o = home.cli(&["run", "--backend", backend, &env.reference, "--", "true"]);
+        let (out, err) = text(&o);
+        assert_eq!(o.status.code(), Some(1), "{backend}: {out}{err}");
+        assert!(
+            err.contains("less than the sandbox's disk budget of 1024 MiB")
+                && err.contains("--disk"),
+            "{backend}: {err}"
+        );
+    }
+    // The lazyfs daemon lived through it, and everything works once there is room.
+    let daemon = lazyfs_pid(&home.home).expect("the home's lazyfs daemon");
+    disk.empty();
+    let o = home.cli(&[
+        "run",
+        "--backend",
+        "fncall",
+        "--disk",
+        "16M",
+        &env.reference,
+        "--",
+        "sh",
+        "-c",
+        "echo kept > /root/f && cat /root/f",
+    ]);
+    let (out, err) = text(&o);
+    assert!(o.status.success() && out.contains("kept"), "{out}{err}");
+    assert_eq!(
+        lazyfs_pid(&home.home),
+        Some(daemon),
+        "the lazyfs daemon was replaced"
+    );
+    let sandboxes = home.home.join("runtime/sandboxes").display().to_string();
+    let mounts = std::fs::read_to_string("/proc/mounts").expect("mounts");
+    assert!(
+        !mounts.contains(&sandboxes),
+        "a sandbox's mount was left: {mounts}"
+    );
+    let mnt = disk.dir.join("mnt").display().to_string();
+    drop(disk);
+    let mounts = std::fs::read_to_string("/proc/mounts").expect("mounts");
+    assert!(
+        !mounts.contains(&mnt),
+        "the small disk stayed mounted: {mounts}"
+    );
+}
+
 /// The host's address on its default route.
 fn host_address() -> String {
     let o = std::process::Command::new("ip")
