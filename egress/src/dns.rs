@@ -92,7 +92,6 @@ pub fn answer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rules::{DomainRule, Pattern};
     use hickory_proto::op::Query;
     use hickory_proto::rr::Name;
     use std::str::FromStr;
@@ -108,12 +107,7 @@ mod tests {
     }
 
     fn policy() -> Policy {
-        Policy {
-            rules: vec![DomainRule {
-                pattern: Pattern::parse("*.example.org").unwrap(),
-                port: 443,
-            }],
-        }
+        Policy::of(&[("*.example.org", 443)]).unwrap()
     }
 
     #[test]

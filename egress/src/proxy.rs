@@ -440,22 +440,10 @@ fn first_bytes(conn: &mut TcpStream) -> (Vec<u8>, Sniffed) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rules::{DomainRule, Pattern};
 
     #[test]
     fn a_connection_goes_through_only_for_an_allowed_name_at_its_pinned_address() {
-        let policy = Policy {
-            rules: vec![
-                DomainRule {
-                    pattern: Pattern::parse("pypi.org").unwrap(),
-                    port: 443,
-                },
-                DomainRule {
-                    pattern: Pattern::parse("*.debian.org").unwrap(),
-                    port: 80,
-                },
-            ],
-        };
+        let policy = Policy::of(&[("pypi.org", 443), ("*.debian.org", 80)]).unwrap();
         let mut pins = Pins::default();
         let pypi = Ipv4Addr::new(151, 101, 0, 223);
         let deb = Ipv4Addr::new(199, 232, 0, 1);

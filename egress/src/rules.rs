@@ -147,6 +147,20 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// The policy of `(pattern, port)` pairs, each pattern parsed.
+    pub fn of(rules: &[(&str, u16)]) -> Result<Policy, EgressError> {
+        let rules = rules
+            .iter()
+            .map(|(p, port)| {
+                Ok(DomainRule {
+                    pattern: Pattern::parse(p)?,
+                    port: *port,
+                })
+            })
+            .collect::<Result<_, EgressError>>()?;
+        Ok(Policy { rules })
+    }
+
     /// Whether `name` may be reached on `port`.
     pub fn allows(&self, name: &str, port: u16) -> bool {
         self.rules
@@ -251,18 +265,7 @@ mod tests {
 
     #[test]
     fn policies_allow_names_on_their_ports() {
-        let p = Policy {
-            rules: vec![
-                DomainRule {
-                    pattern: Pattern::parse("pypi.org").unwrap(),
-                    port: 443,
-                },
-                DomainRule {
-                    pattern: Pattern::parse("*.debian.org").unwrap(),
-                    port: 80,
-                },
-            ],
-        };
+        let p = Policy::of(&[("pypi.org", 443), ("*.debian.org", 80)]).unwrap();
         assert!(p.allows("pypi.org", 443) && !p.allows("pypi.org", 80));
         assert!(p.allows("deb.debian.org", 80) && !p.allows("debian.org", 80));
         assert!(p.allows_name("deb.debian.org") && !p.allows_name("example.com"));

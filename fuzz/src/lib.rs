@@ -171,12 +171,9 @@ pub fn grpc_create(data: &[u8]) {
 /// A DNS packet a sandbox sends its egress proxy, answered for a policy allowing
 /// `*.example.org`: an answer is a DNS message again, and names only admitted addresses.
 pub fn egress_dns(data: &[u8]) {
-    use strata_egress::{dns, AnswerFilter, DomainRule, Pattern, Policy};
-    let Ok(pattern) = Pattern::parse("*.example.org") else {
+    use strata_egress::{dns, AnswerFilter, Policy};
+    let Ok(policy) = Policy::of(&[("*.example.org", 443)]) else {
         return;
-    };
-    let policy = Policy {
-        rules: vec![DomainRule { pattern, port: 443 }],
     };
     let filter = AnswerFilter::default();
     let (reply, outcome) = dns::answer(data, &policy, &filter, &mut |_| {
