@@ -101,4 +101,9 @@ def from_rpc(e: grpc.RpcError) -> StrataError:
             retry = 1.0
         return QuotaExceeded(details, retry_after=retry, code=code, reason=reason, field=field)
     cls = _BY_CODE.get(code, StrataError)
+    # The call's own deadline, noticed by the service first: it answers CANCELLED
+    # "Timeout expired" (tonic's timeout) when that reaches the client before the
+    # client's own DEADLINE_EXCEEDED does, which happens on a loaded node.
+    if code == grpc.StatusCode.CANCELLED and details == "Timeout expired":
+        cls = Timeout
     return cls(details, code=code, reason=reason, field=field)
