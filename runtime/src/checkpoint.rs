@@ -300,7 +300,31 @@ impl Criu {
             let ino = std::fs::metadata(ns).map_err(RuntimeError::io(ns))?.ino();
             cmd.arg("--external").arg(format!("net[{ino}]:{NETNS_KEY}"));
         }
-        self.run(cmd, "checkpoint", &log, d.sandbox_dir)?;
+        // A process in uninterruptible sleep (state D: a read from lazyfs or the disk,
+        // slow on a loaded host) cannot be seized within CRIU's timeout. A failed dump
+        // leaves the tree running as it was, so it is tried again, into emptied images.
+        let args: Vec<std::ffi::OsString> = cmd.get_args().map(|a| a.to_os_string()).collect();
+        let mut tries = 1;
+        loop {
+            let mut cmd = Command::new(&self.binary);
+            cmd.args(&args);
+            match self.run(cmd, "checkpoint", &log, d.sandbox_dir) {
+                Err(RuntimeError::Checkpoint(m))
+                    if tries < 3
+                        && m.contains("Unseizable non-zombie")
+                        && m.contains("state D") =>
+                {
+                    tracing::info!(sandbox = %d.sandbox_dir.display(), tries, "a process was in state D; checkpointing again");
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_secs(1));
+                    std::fs::remove_dir_all(&images).map_err(RuntimeError::io(&images))?;
+                    std::fs::create_dir_all(&images).map_err(RuntimeError::io(&images))?;
+                    std::fs::set_permissions(&images, std::fs::Permissions::from_mode(0o700))
+                        .map_err(RuntimeError::io(&images))?;
+                }
+                result => break result?,
+            }
+        }
         let plan_path = d.to.join(PLAN);
         std::fs::write(
             &plan_path,
