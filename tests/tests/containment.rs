@@ -532,6 +532,7 @@ impl Drop for SmallDisk {
         while std::process::Command::new("umount")
             .arg("-R")
             .arg(&mnt)
+            .stderr(std::process::Stdio::null())
             .status()
             .is_ok_and(|s| !s.success())
             && std::time::Instant::now() < deadline
