@@ -130,8 +130,8 @@ pub fn connect(args: &[String]) -> Result<(), String> {
         // The server is done: so is this connection, whatever the guest still holds open.
         std::process::exit(0);
     });
-    let first = first_bytes(Duration::from_secs(5))?;
-    if let Some(name) = strata_egress::sniff::sniff(&first).name() {
+    let (first, sniffed) = strata_egress::sniff::first_bytes(Duration::from_secs(5), read_stdin);
+    if let Some(name) = sniffed.name() {
         if !name.eq_ignore_ascii_case(host) {
             let _ = stream.shutdown(std::net::Shutdown::Both);
             return Err(format!(
@@ -154,37 +154,18 @@ pub fn connect(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
-/// The guest's first bytes on a forwarded connection: until they say which host they
-/// want, [`strata_egress::sniff::SNIFF_MAX`] of them, or `within` passes with nothing
-/// more (a protocol whose server speaks first). Read unbuffered, so what follows stays
-/// on stdin for the pump.
-fn first_bytes(within: Duration) -> Result<Vec<u8>, String> {
+/// Up to `buf.len()` bytes of stdin within `left`, unbuffered (what follows stays on stdin
+/// for the pump); a timeout is an error.
+fn read_stdin(buf: &mut [u8], left: Duration) -> std::io::Result<usize> {
     use std::os::fd::AsFd;
-    use strata_egress::sniff::{sniff, Sniffed, SNIFF_MAX};
     let stdin = std::io::stdin();
-    let deadline = Instant::now() + within;
-    let mut first = Vec::new();
-    let mut buf = [0u8; 4096];
-    while sniff(&first) == Sniffed::Incomplete && first.len() < SNIFF_MAX {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
-        let mut fds = [nix::poll::PollFd::new(
-            stdin.as_fd(),
-            nix::poll::PollFlags::POLLIN,
-        )];
-        match nix::poll::poll(&mut fds, ms) {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(format!("stdin: {e}")),
-        }
-        let want = buf.len().min(SNIFF_MAX - first.len());
-        match nix::unistd::read(stdin.as_fd(), &mut buf[..want]) {
-            Ok(0) => break,
-            Ok(n) => first.extend_from_slice(&buf[..n]),
-            Err(nix::errno::Errno::EINTR) => continue,
-            Err(e) => return Err(format!("stdin: {e}")),
-        }
+    let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
+    let mut fds = [nix::poll::PollFd::new(
+        stdin.as_fd(),
+        nix::poll::PollFlags::POLLIN,
+    )];
+    if nix::poll::poll(&mut fds, ms)? == 0 {
+        return Err(std::io::ErrorKind::TimedOut.into());
     }
-    Ok(first)
+    Ok(nix::unistd::read(stdin.as_fd(), buf)?)
 }

@@ -17,13 +17,13 @@ use std::net::{Ipv4Addr, Shutdown, SocketAddrV4, TcpListener, TcpStream, UdpSock
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
 use crate::dns::{self, Outcome};
 use crate::rules::{AnswerFilter, Policy};
-use crate::sniff::{sniff, Sniffed, SNIFF_MAX};
+use crate::sniff::{first_bytes, Sniffed};
 use crate::EgressError;
 
 /// The port the forwarder listens on, on the host side of each sandbox's veth.
@@ -395,7 +395,10 @@ fn forward_one(mut conn: TcpStream, shared: &Shared) {
         let _ = std::io::copy(&mut up_r, &mut down_w);
         let _ = down_w.shutdown(Shutdown::Write);
     });
-    let (first, sniffed) = first_bytes(&mut conn);
+    let (first, sniffed) = first_bytes(SNIFF_TIMEOUT, |buf, left| {
+        conn.set_read_timeout(Some(left))?;
+        conn.read(buf)
+    });
     match pinned(&sniffed) {
         Ok(name) => {
             shared.record("connect", Some(&name), Some(dst.to_string()), None);
@@ -413,28 +416,6 @@ fn forward_one(mut conn: TcpStream, shared: &Shared) {
         }
     }
     let _ = answering.join();
-}
-
-/// The client's first bytes: until they say what they ask for, [`SNIFF_MAX`] of them,
-/// or [`SNIFF_TIMEOUT`] passes (a client waiting for the server names nothing).
-fn first_bytes(conn: &mut TcpStream) -> (Vec<u8>, Sniffed) {
-    let _ = conn.set_read_timeout(Some(SNIFF_TIMEOUT));
-    let deadline = Instant::now() + SNIFF_TIMEOUT;
-    let mut first = Vec::with_capacity(4096);
-    let mut buf = [0u8; 4096];
-    loop {
-        let s = sniff(&first);
-        if s != Sniffed::Incomplete {
-            return (first, s);
-        }
-        if first.len() >= SNIFF_MAX || Instant::now() >= deadline {
-            return (first, Sniffed::Other);
-        }
-        match conn.read(&mut buf) {
-            Ok(0) | Err(_) => return (first, Sniffed::Other),
-            Ok(n) => first.extend_from_slice(&buf[..n.min(SNIFF_MAX - first.len())]),
-        }
-    }
 }
 
 #[cfg(test)]

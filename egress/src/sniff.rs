@@ -2,6 +2,8 @@
 //! TLS ClientHello (parsed by rustls) or the Host header of an HTTP/1 request (parsed by
 //! httparse). Bytes from the sandbox: bounded, never trusted beyond the name they give.
 
+use std::time::{Duration, Instant};
+
 /// What the first bytes of a connection say.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Sniffed {
@@ -28,6 +30,34 @@ impl Sniffed {
 /// The most of a connection read before deciding (a ClientHello with many extensions, or
 /// request headers, fit; a client sending more without naming a host is refused).
 pub const SNIFF_MAX: usize = 16 << 10;
+
+/// Reads a connection's first bytes with `read` (given the time left; an error, a timeout
+/// included, or 0 ends it) until they say what they ask for, [`SNIFF_MAX`] of them, or
+/// `within` passes (a client waiting for a server that speaks first names nothing): the
+/// bytes, to be sent on, and what they said.
+pub fn first_bytes(
+    within: Duration,
+    mut read: impl FnMut(&mut [u8], Duration) -> std::io::Result<usize>,
+) -> (Vec<u8>, Sniffed) {
+    let deadline = Instant::now() + within;
+    let mut first = Vec::with_capacity(4096);
+    let mut buf = [0u8; 4096];
+    loop {
+        let s = sniff(&first);
+        if s != Sniffed::Incomplete {
+            return (first, s);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if first.len() >= SNIFF_MAX || left.is_zero() {
+            return (first, Sniffed::Other);
+        }
+        let want = buf.len().min(SNIFF_MAX - first.len());
+        match read(&mut buf[..want], left) {
+            Ok(0) | Err(_) => return (first, Sniffed::Other),
+            Ok(n) => first.extend_from_slice(&buf[..n]),
+        }
+    }
+}
 
 /// Reads what `first` (the connection's first bytes so far) asks for.
 pub fn sniff(first: &[u8]) -> Sniffed {
@@ -139,6 +169,32 @@ mod tests {
         let mut broken = hello.clone();
         broken[5] = 2; // not a ClientHello
         assert_eq!(sniff(&broken), Sniffed::Other);
+    }
+
+    #[test]
+    fn first_bytes_stop_at_a_name_the_bound_or_the_end() {
+        let req = b"GET / HTTP/1.1\r\nHost: a.org\r\n\r\nbody";
+        let mut parts = req.chunks(7);
+        let (got, said) = first_bytes(Duration::from_secs(5), |buf, _| {
+            let part = parts.next().unwrap_or_default();
+            buf[..part.len()].copy_from_slice(part);
+            Ok(part.len())
+        });
+        assert_eq!(said, Sniffed::Http(Some("a.org".into())));
+        assert!(
+            got.len() >= req.len() - 4 && req.starts_with(&got),
+            "{got:?}"
+        );
+        // A request line that never ends is read up to the bound, no further.
+        let (got, said) = first_bytes(Duration::from_secs(5), |buf, _| {
+            buf.fill(b'G');
+            Ok(buf.len())
+        });
+        assert_eq!((got.len(), said), (SNIFF_MAX, Sniffed::Other));
+        let (got, said) = first_bytes(Duration::from_secs(5), |_, _| {
+            Err(std::io::ErrorKind::TimedOut.into())
+        });
+        assert_eq!((got.len(), said), (0, Sniffed::Other));
     }
 
     #[test]

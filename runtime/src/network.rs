@@ -142,7 +142,7 @@ pub fn resolve(rules: &[NetRule]) -> Result<(Vec<Destination>, Policy), RuntimeE
 /// The IPv4 addresses the host's resolver gives `host` now (a VM's forwarders join only
 /// these).
 pub(crate) fn resolve_name(host: &str) -> Result<Vec<Ipv4Addr>, RuntimeError> {
-    let addrs: Vec<Ipv4Addr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, 0))
+    let mut addrs: Vec<Ipv4Addr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, 0))
         .map_err(|e| {
             RuntimeError::Invalid(format!("network destination `{host}`: cannot resolve: {e}"))
         })?
@@ -156,7 +156,6 @@ pub(crate) fn resolve_name(host: &str) -> Result<Vec<Ipv4Addr>, RuntimeError> {
             "network destination `{host}` has no IPv4 address (IPv6 is not routed to sandboxes)"
         )));
     }
-    let mut addrs = addrs;
     addrs.sort();
     addrs.dedup();
     Ok(addrs)
@@ -249,19 +248,17 @@ pub fn update(
 ) -> Result<Network, RuntimeError> {
     let (dests, policy) = resolve(rules)?;
     if nets.netns_path(id).exists() {
-        let slot = claimed_slot(nets, id).ok_or_else(|| {
-            RuntimeError::Setup(format!("sandbox {id} has a network but no address slot"))
-        })?;
+        let slot = claimed_slots(nets, id)
+            .iter()
+            .find_map(|p| p.file_name()?.to_str()?.parse().ok())
+            .ok_or_else(|| {
+                RuntimeError::Setup(format!("sandbox {id} has a network but no address slot"))
+            })?;
         let (host_ip, _) = slot_addrs(slot);
         stop_proxy(nets, id);
         // A network wired by an older build has neither the nat map nor its chain.
         ensure_table()?;
-        let v = veth(id);
-        let mut script = format!(
-            "add chain {TABLE} nat_{id}\n\
-             add element {TABLE} sandboxes_nat {{ \"{v}\" : jump nat_{id} }}\n\
-             flush set {TABLE} allow_{id}\n"
-        );
+        let mut script = format!("flush set {TABLE} allow_{id}\n");
         script.push_str(&add_elements(id, &dests));
         script.push_str(&chain_rules(id, host_ip, &policy));
         run("nft", &["-f", "-"], Some(&script))?;
@@ -322,16 +319,10 @@ fn wire(
     )?;
     let mut script = format!(
         "add set {TABLE} allow_{id} {{ type ipv4_addr . inet_service; flags interval; }}\n\
-         add set {TABLE} tried_{id} {{ type ipv4_addr . inet_service; flags dynamic; size 4096; }}\n\
-         add chain {TABLE} sb_{id}\n\
-         add chain {TABLE} nat_{id}\n"
+         add set {TABLE} tried_{id} {{ type ipv4_addr . inet_service; flags dynamic; size 4096; }}\n"
     );
     script.push_str(&add_elements(id, dests));
     script.push_str(&chain_rules(id, host_ip, policy));
-    script.push_str(&format!(
-        "add element {TABLE} sandboxes {{ \"{v}\" : jump sb_{id} }}\n\
-         add element {TABLE} sandboxes_nat {{ \"{v}\" : jump nat_{id} }}\n"
-    ));
     run("nft", &["-f", "-"], Some(&script))?;
     Ok(Network {
         netns: nets.netns_path(id),
@@ -339,14 +330,20 @@ fn wire(
     })
 }
 
-/// The rules of sandbox `id`'s chains, replacing what they held. The filter chain
-/// (forward and input) lets through the allow set and, with rules by name, the proxy's
-/// two ports on the host side of the veth; everything else is remembered and dropped.
-/// The nat chain (prerouting) sends every DNS packet and every TCP connection to a port
-/// a name rule opens (not an allowed address) to the proxy.
+/// Sandbox `id`'s chains, made if missing (a network wired by an older build has no nat
+/// chain) and joined to the base chains' maps, their rules replacing what they held. The
+/// filter chain (forward and input) lets through the allow set and, with rules by name,
+/// the proxy's two ports on the host side of the veth; everything else is remembered and
+/// dropped. The nat chain (prerouting) sends every DNS packet and every TCP connection to
+/// a port a name rule opens (not an allowed address) to the proxy.
 fn chain_rules(id: &str, host_ip: Ipv4Addr, policy: &Policy) -> String {
+    let v = veth(id);
     let mut script = format!(
-        "flush chain {TABLE} sb_{id}\n\
+        "add chain {TABLE} sb_{id}\n\
+         add chain {TABLE} nat_{id}\n\
+         add element {TABLE} sandboxes {{ \"{v}\" : jump sb_{id} }}\n\
+         add element {TABLE} sandboxes_nat {{ \"{v}\" : jump nat_{id} }}\n\
+         flush chain {TABLE} sb_{id}\n\
          flush chain {TABLE} nat_{id}\n\
          add rule {TABLE} sb_{id} ip daddr . tcp dport @allow_{id} accept\n\
          add rule {TABLE} sb_{id} ip daddr . udp dport @allow_{id} accept\n"
@@ -374,18 +371,16 @@ fn chain_rules(id: &str, host_ip: Ipv4Addr, policy: &Policy) -> String {
     script
 }
 
-/// The slot sandbox `id` of this home holds.
-fn claimed_slot(nets: &Networks, id: &str) -> Option<u32> {
+/// The slot files sandbox `id` of this home holds (one, unless a crash left more).
+fn claimed_slots(nets: &Networks, id: &str) -> Vec<PathBuf> {
     let owner = nets.owner(id);
-    std::fs::read_dir(&nets.slots)
-        .ok()?
-        .flatten()
-        .find_map(|e| {
-            let slot = e.file_name().to_str()?.parse().ok()?;
-            std::fs::read_to_string(e.path())
-                .is_ok_and(|o| o == owner)
-                .then_some(slot)
-        })
+    let Ok(rd) = std::fs::read_dir(&nets.slots) else {
+        return Vec::new();
+    };
+    rd.flatten()
+        .map(|e| e.path())
+        .filter(|p| std::fs::read_to_string(p).is_ok_and(|o| o == owner))
+        .collect()
 }
 
 /// Starts the egress proxy of sandbox `id` on `host_ip` when `policy` names hosts; the
@@ -628,13 +623,8 @@ pub fn teardown(nets: &Networks, id: &str) {
             let _ = run("ip", &["netns", "delete", &ns], None);
         }
     }
-    let owner = nets.owner(id);
-    if let Ok(rd) = std::fs::read_dir(&nets.slots) {
-        for e in rd.flatten() {
-            if std::fs::read_to_string(e.path()).is_ok_and(|o| o == owner) {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
+    for slot in claimed_slots(nets, id) {
+        let _ = std::fs::remove_file(slot);
     }
     if let Ok(rd) = std::fs::read_dir(nets.state.join("net")) {
         for e in rd.flatten() {

@@ -285,7 +285,7 @@ impl VmBackend {
         }
         let mut opts = String::from("restrict=on,net=10.0.2.0/24,dhcpstart=10.0.2.15");
         let mut hosts: Vec<HostName> = Vec::new();
-        let mut pinned: Vec<(String, Vec<String>)> = Vec::new();
+        let mut pinned: Vec<String> = Vec::new();
         for rule in rules {
             if rule.host.starts_with("*.") {
                 return Err(RuntimeError::Invalid(format!(
@@ -320,35 +320,30 @@ impl VmBackend {
                     self.machine.as_str()
                 )));
             }
-            let ip = match hosts.iter().find(|h| h.name == rule.host) {
-                Some(h) => h.address.clone(),
+            // Each name once: its guest address, and its addresses now (`pinned[i]` is
+            // those of `hosts[i]`).
+            let i = match hosts.iter().position(|h| h.name == rule.host) {
+                Some(i) => i,
                 None => {
-                    let ip = format!("10.0.2.{}", 100 + hosts.len());
+                    pinned.push(
+                        resolve(&rule.host)?
+                            .iter()
+                            .map(|a| a.to_string())
+                            .collect::<Vec<_>>()
+                            .join(" "),
+                    );
                     hosts.push(HostName {
-                        address: ip.clone(),
+                        address: format!("10.0.2.{}", 100 + hosts.len()),
                         name: rule.host.clone(),
                     });
-                    ip
+                    hosts.len() - 1
                 }
             };
-            let addrs = match pinned.iter().find(|(h, _)| *h == rule.host) {
-                Some((_, a)) => a.clone(),
-                None => {
-                    let a: Vec<String> =
-                        resolve(&rule.host)?.iter().map(|a| a.to_string()).collect();
-                    pinned.push((rule.host.clone(), a.clone()));
-                    a
-                }
-            };
+            let (ip, addrs) = (&hosts[i].address, &pinned[i]);
             // QEMU runs the command for each connection; commas are doubled in options.
             let agent = self.agent.display().to_string().replace('\'', "'\\''");
-            let cmd = format!(
-                "'{agent}' connect {} {} {}",
-                rule.host,
-                rule.port,
-                addrs.join(" ")
-            )
-            .replace(',', ",,");
+            let cmd =
+                format!("'{agent}' connect {} {} {addrs}", rule.host, rule.port).replace(',', ",,");
             opts.push_str(&format!(",guestfwd=tcp:{ip}:{}-cmd:{cmd}", rule.port));
         }
         if hosts.len() > 100 {
