@@ -77,6 +77,10 @@ pub struct Reseed {
     /// a new machine ID. `None`: the same sandbox woken, its identity kept.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hostname: Option<String>,
+    /// A restored copy's own network link (its address, route and resolver), which
+    /// replaces the one it was saved with. `None`: unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network: Option<GuestNetwork>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -186,10 +190,17 @@ pub struct GuestRootImage {
 /// A guest's one interface and the names of its allowed destinations.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GuestNetwork {
-    /// The address of the guest's interface (`10.0.2.15`) and its prefix length.
+    /// The address of the guest's interface and its prefix length.
     pub address: String,
     pub prefix: u8,
+    /// The host's side of the guest's link, its default route.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    /// The resolver for /etc/resolv.conf (the sandbox's egress proxy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nameserver: Option<String>,
     /// Lines for /etc/hosts.
+    #[serde(default)]
     pub hosts: Vec<HostName>,
 }
 

@@ -591,20 +591,37 @@ fn enter_root(root: &str, privileged: bool) -> Result<(), String> {
     Ok(())
 }
 
-/// The allowlisted network: the one virtio NIC gets its address (its only neighbours are
-/// the host's forwarders for the allowed destinations), their names go into /etc/hosts.
-fn network(net: &strata_agent_proto::GuestNetwork) -> Result<(), String> {
+/// The allowlisted network: the one virtio NIC gets its address and its default route
+/// (the host's side of the link, where the host's rules and the sandbox's egress proxy
+/// are), /etc/resolv.conf names the proxy, and any names given go into /etc/hosts. Run
+/// again by a restored copy with its own link: the address is replaced, and so is the
+/// route.
+pub fn network(net: &strata_agent_proto::GuestNetwork) -> Result<(), String> {
     let nic = std::fs::read_dir("/sys/class/net")
         .map_err(|e| format!("/sys/class/net: {e}"))?
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .find(|n| n != "lo")
         .ok_or("the sandbox allows network destinations but the guest has no interface")?;
-    let addr: std::net::Ipv4Addr = net
-        .address
-        .parse()
-        .map_err(|_| format!("bad guest address {}", net.address))?;
-    crate::sys::interface_up(&nic, Some((addr, net.prefix)))?;
+    let parse = |a: &str| {
+        a.parse::<std::net::Ipv4Addr>()
+            .map_err(|_| format!("bad guest network address {a}"))
+    };
+    crate::sys::interface_up(&nic, Some((parse(&net.address)?, net.prefix)))?;
+    if let Some(gw) = &net.gateway {
+        crate::sys::default_route(parse(gw)?)?;
+    }
+    if let Some(ns) = &net.nameserver {
+        parse(ns)?;
+        std::fs::write(
+            "/etc/resolv.conf",
+            format!("nameserver {ns}\noptions attempts:2 timeout:2\n"),
+        )
+        .map_err(|e| format!("/etc/resolv.conf: {e}"))?;
+    }
+    if net.hosts.is_empty() {
+        return Ok(());
+    }
     let mut hosts = std::fs::read_to_string("/etc/hosts").unwrap_or_default();
     if !hosts.is_empty() && !hosts.ends_with('\n') {
         hosts.push('\n');

@@ -17,8 +17,7 @@
 //!
 //! `strata-agent init --listen-fd N --key-fd M` is the init of a container (see
 //! [`container_init`]); as `/init` of a VM guest's initramfs it is the guest's pid 1 (see
-//! `guest`); `strata-agent relay` and `connect` are the host-side helpers of a VM (see
-//! `relay`).
+//! `guest`); `strata-agent relay` is the host-side helper of a VM (see `relay`).
 //!
 //! In every role the agent is not dumpable (see `sys::not_dumpable`) and holds its
 //! sandbox's key only in memory.
@@ -38,7 +37,7 @@ use nix::sched::CloneFlags;
 use nix::unistd::ForkResult;
 use strata_agent_proto::{AgentError, AgentMsg, ErrorKind, HostMsg, SandboxBoot, SandboxKey};
 
-const USAGE: &str = "usage: strata-agent sandbox (settings as JSON on stdin) | strata-agent init --listen-fd N --key-fd M | strata-agent relay ... | strata-agent connect ... | strata-agent egress CONFIG";
+const USAGE: &str = "usage: strata-agent sandbox (settings as JSON on stdin) | strata-agent init --listen-fd N --key-fd M | strata-agent relay ... | strata-agent egress CONFIG";
 
 fn read_boot() -> Result<SandboxBoot, String> {
     let mut text = String::new();
@@ -107,7 +106,6 @@ fn main() {
     let role = std::env::args().nth(1).unwrap_or_default();
     // A VM's host-side helpers.
     let helper: Option<(&str, Helper)> = match role.as_str() {
-        "connect" => Some(("connect", relay::connect)),
         "relay" => Some(("relay", relay::main)),
         "egress" => Some(("egress", egress)),
         _ => None,

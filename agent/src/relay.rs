@@ -5,10 +5,6 @@
 //! with a function-call sandbox's agent. The relay holds the port's one connection and
 //! accepts conversations on `--listen`, multiplexing them over the port. It exits when
 //! QEMU closes the port (the VM is gone).
-//!
-//! `strata-agent connect HOST PORT` is the other host-side helper of a VM: QEMU runs it
-//! for each connection the guest opens to an allowlisted destination, and it joins the
-//! connection (its stdin and stdout) to that destination.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -91,81 +87,4 @@ pub fn main(args: &[String]) -> Result<(), String> {
             Err(e) => return Err(format!("port: {e}")),
         }
     }
-}
-
-/// `connect HOST PORT ADDR...`, the forwarder QEMU runs per guest connection to an
-/// allowed name: reads what the guest's first bytes ask for (TLS server name or HTTP
-/// Host; a guest that names another host is cut off), then joins stdin/stdout to a TCP
-/// connection to one of ADDR (the name's addresses when the sandbox was made, so a name
-/// rebound since reaches nothing new) on PORT, until either side ends.
-pub fn connect(args: &[String]) -> Result<(), String> {
-    use std::io::{Read, Write};
-    let [host, port, addrs @ ..] = args else {
-        return Err("usage: strata-agent connect HOST PORT ADDR...".into());
-    };
-    let port: u16 = port.parse().map_err(|_| format!("bad port {port}"))?;
-    let addrs: Vec<std::net::SocketAddr> = addrs
-        .iter()
-        .map(|a| {
-            a.parse::<std::net::Ipv4Addr>()
-                .map(|ip| std::net::SocketAddr::from((ip, port)))
-                .map_err(|_| format!("bad address {a}"))
-        })
-        .collect::<Result<_, _>>()?;
-    // Joined at once, so a server that speaks first is heard without delay; the guest's
-    // bytes are held until they say which host they want.
-    let stream = addrs
-        .iter()
-        .find_map(|a| std::net::TcpStream::connect_timeout(a, Duration::from_secs(10)).ok())
-        .ok_or_else(|| format!("cannot reach {host}:{port}"))?;
-    let mut downstream = stream.try_clone().map_err(|e| e.to_string())?;
-    let answering = std::thread::spawn(move || {
-        let mut out = std::io::stdout().lock();
-        let mut buf = vec![0u8; 64 << 10];
-        while let Ok(n) = downstream.read(&mut buf) {
-            if n == 0 || out.write_all(&buf[..n]).and_then(|()| out.flush()).is_err() {
-                break;
-            }
-        }
-        // The server is done: so is this connection, whatever the guest still holds open.
-        std::process::exit(0);
-    });
-    let (first, sniffed) = strata_egress::sniff::first_bytes(Duration::from_secs(5), read_stdin);
-    if let Some(name) = sniffed.name() {
-        if !name.eq_ignore_ascii_case(host) {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-            return Err(format!(
-                "the guest asked for {name} on the forwarder of {host}:{port}: cut off"
-            ));
-        }
-    }
-    let mut upstream = stream;
-    if upstream.write_all(&first).is_ok() {
-        let mut stdin = std::io::stdin().lock();
-        let mut buf = vec![0u8; 64 << 10];
-        while let Ok(n) = stdin.read(&mut buf) {
-            if n == 0 || upstream.write_all(&buf[..n]).is_err() {
-                break;
-            }
-        }
-    }
-    let _ = upstream.shutdown(std::net::Shutdown::Write);
-    let _ = answering.join();
-    Ok(())
-}
-
-/// Up to `buf.len()` bytes of stdin within `left`, unbuffered (what follows stays on stdin
-/// for the pump); a timeout is an error.
-fn read_stdin(buf: &mut [u8], left: Duration) -> std::io::Result<usize> {
-    use std::os::fd::AsFd;
-    let stdin = std::io::stdin();
-    let ms = u16::try_from(left.as_millis()).unwrap_or(u16::MAX);
-    let mut fds = [nix::poll::PollFd::new(
-        stdin.as_fd(),
-        nix::poll::PollFlags::POLLIN,
-    )];
-    if nix::poll::poll(&mut fds, ms)? == 0 {
-        return Err(std::io::ErrorKind::TimedOut.into());
-    }
-    Ok(nix::unistd::read(stdin.as_fd(), buf)?)
 }

@@ -314,6 +314,12 @@ pub(crate) fn handle(conn: UnixStream, shared: Shared) -> std::io::Result<()> {
         HostMsg::Park => reply(result(park())),
         HostMsg::Reseed(r) => reply(result(
             crate::guest::reseed(r.time_ns, &r.seed, r.hostname.as_deref())
+                .and_then(|()| match &r.network {
+                    Some(net) => {
+                        crate::guest::network(net).map_err(|e| AgentError::new(ErrorKind::Other, e))
+                    }
+                    None => Ok(()),
+                })
                 .and_then(|()| SandboxKey::from_hex(&r.key).map_err(bad_key))
                 .map(|k| {
                     set_key(k);

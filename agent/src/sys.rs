@@ -331,6 +331,44 @@ pub fn set_ids(uid: u32, gid: u32) -> std::io::Result<()> {
     }
 }
 
+/// Makes `gateway` the only default route (an earlier one, a restored copy's old link,
+/// is removed first).
+pub fn default_route(gateway: std::net::Ipv4Addr) -> Result<(), String> {
+    let err = |what: &str| format!("{what} via {gateway}: {}", std::io::Error::last_os_error());
+    // SAFETY: a datagram socket and SIOCDELRT/SIOCADDRT on zeroed rtentry structs we own,
+    // whose sockaddrs are written as sockaddr_in (the layout the kernel reads for AF_INET).
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(err("socket for the route"));
+        }
+        let sockaddr = |ip: std::net::Ipv4Addr| {
+            let mut sa: libc::sockaddr_in = std::mem::zeroed();
+            sa.sin_family = libc::AF_INET as libc::sa_family_t;
+            sa.sin_addr.s_addr = u32::from_ne_bytes(ip.octets());
+            std::mem::transmute::<libc::sockaddr_in, libc::sockaddr>(sa)
+        };
+        let any = std::net::Ipv4Addr::UNSPECIFIED;
+        let mut old: libc::rtentry = std::mem::zeroed();
+        old.rt_dst = sockaddr(any);
+        old.rt_genmask = sockaddr(any);
+        // Until none is left (ESRCH).
+        while libc::ioctl(fd, libc::SIOCDELRT, &old) == 0 {}
+        let mut rt: libc::rtentry = std::mem::zeroed();
+        rt.rt_dst = sockaddr(any);
+        rt.rt_genmask = sockaddr(any);
+        rt.rt_gateway = sockaddr(gateway);
+        rt.rt_flags = libc::RTF_UP | libc::RTF_GATEWAY;
+        let result = if libc::ioctl(fd, libc::SIOCADDRT, &rt) != 0 {
+            Err(err("adding the default route"))
+        } else {
+            Ok(())
+        };
+        libc::close(fd);
+        result
+    }
+}
+
 /// Brings an interface up, with an IPv4 address when given (`lo` needs none: programs
 /// expect localhost even without a network).
 pub fn interface_up(name: &str, addr: Option<(std::net::Ipv4Addr, u8)>) -> Result<(), String> {

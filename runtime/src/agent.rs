@@ -255,6 +255,7 @@ impl AgentClient {
             seed: Vec::new(),
             key: key.to_hex(),
             hostname: None,
+            network: None,
         });
         match self.request(&msg, None, REQUEST_TIMEOUT)?.0 {
             AgentMsg::Done => Ok(()),

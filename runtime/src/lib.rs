@@ -903,12 +903,22 @@ impl Runtime {
         // A namespace of ours, or a record that says there is one (a network changed
         // while the sandbox ran may have one with an empty allowlist, or be half-wired).
         let networked = record.is_some_and(|r| !r.spec.network.is_empty());
-        if networked || self.inner.networks.netns_path(id).exists() {
+        if networked || network::maybe_wired(&self.inner.networks, id) {
             let refused = network::refused(id);
             if !refused.is_empty() {
-                let _ = self
-                    .audit(id)
-                    .record("network-refused", json!({"destinations": refused}));
+                let destinations: Vec<&str> = refused
+                    .attempts
+                    .iter()
+                    .map(|a| a.destination.as_str())
+                    .collect();
+                let _ = self.audit(id).record(
+                    "network-refused",
+                    json!({
+                        "destinations": destinations,
+                        "attempts": refused.attempts,
+                        "untracked_packets": refused.untracked_packets,
+                    }),
+                );
             }
             let egress = network::egress_log(&self.inner.networks, id);
             if !egress.entries.is_empty() || egress.dropped > 0 {

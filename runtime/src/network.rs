@@ -139,28 +139,6 @@ pub fn resolve(rules: &[NetRule]) -> Result<(Vec<Destination>, Policy), RuntimeE
     Ok((out, policy))
 }
 
-/// The IPv4 addresses the host's resolver gives `host` now (a VM's forwarders join only
-/// these).
-pub(crate) fn resolve_name(host: &str) -> Result<Vec<Ipv4Addr>, RuntimeError> {
-    let mut addrs: Vec<Ipv4Addr> = std::net::ToSocketAddrs::to_socket_addrs(&(host, 0))
-        .map_err(|e| {
-            RuntimeError::Invalid(format!("network destination `{host}`: cannot resolve: {e}"))
-        })?
-        .filter_map(|sa| match sa.ip() {
-            std::net::IpAddr::V4(a) => Some(a),
-            std::net::IpAddr::V6(_) => None,
-        })
-        .collect();
-    if addrs.is_empty() {
-        return Err(RuntimeError::Invalid(format!(
-            "network destination `{host}` has no IPv4 address (IPv6 is not routed to sandboxes)"
-        )));
-    }
-    addrs.sort();
-    addrs.dedup();
-    Ok(addrs)
-}
-
 fn run(program: &str, args: &[&str], stdin: Option<&str>) -> Result<String, RuntimeError> {
     crate::run_tool(Command::new(program).args(args), stdin)
 }
@@ -235,6 +213,47 @@ pub fn setup(nets: &Networks, id: &str, rules: &[NetRule]) -> Result<Network, Ru
     wire(nets, id, slot, &dests, &policy)
 }
 
+/// A VM's network link: the host's side of its tap device and the guest's address on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TapNetwork {
+    /// The tap device QEMU opens (`sv<id>`, like a container's veth: the same base
+    /// rules and the same per-sandbox chains apply).
+    pub device: String,
+    pub host: Ipv4Addr,
+    pub guest: Ipv4Addr,
+    pub prefix: u8,
+    /// The resolver the guest asks (its egress proxy), when rules name hosts.
+    pub nameserver: Option<Ipv4Addr>,
+}
+
+/// The tap device, the rules and the egress proxy of VM sandbox `id`: the guest's NIC is
+/// the tap's other end, so its packets meet the host's rules as a container's do at its
+/// veth. The device is persistent (a hibernated machine's QEMU opens it again on wake)
+/// until [`teardown`].
+pub fn setup_tap(nets: &Networks, id: &str, rules: &[NetRule]) -> Result<TapNetwork, RuntimeError> {
+    let (dests, policy) = resolve(rules)?;
+    ensure_table()?;
+    let slot = allocate_slot(nets, id)?;
+    let (host_ip, guest_ip) = slot_addrs(slot);
+    let v = veth(id);
+    run(
+        "ip",
+        &["-b", "-"],
+        Some(&format!(
+            "tuntap add dev {v} mode tap vnet_hdr\n\
+             addr add {host_ip}/30 dev {v}\n\
+             link set {v} up\n"
+        )),
+    )?;
+    Ok(TapNetwork {
+        device: v,
+        host: host_ip,
+        guest: guest_ip,
+        prefix: 30,
+        nameserver: filter_and_proxy(nets, id, slot, &dests, &policy)?,
+    })
+}
+
 /// Replaces the allowlist of running sandbox `id` with `rules`, at once (one nft
 /// transaction; the egress proxy restarted with the new names). A sandbox without a
 /// network yet gets one: the namespace of its init (`init_pid`) is named and wired as
@@ -247,13 +266,7 @@ pub fn update(
     rules: &[NetRule],
 ) -> Result<Network, RuntimeError> {
     let (dests, policy) = resolve(rules)?;
-    if nets.netns_path(id).exists() {
-        let slot = claimed_slots(nets, id)
-            .iter()
-            .find_map(|p| p.file_name()?.to_str()?.parse().ok())
-            .ok_or_else(|| {
-                RuntimeError::Setup(format!("sandbox {id} has a network but no address slot"))
-            })?;
+    if let Some(slot) = wired_slot(nets, id)? {
         let (host_ip, _) = slot_addrs(slot);
         stop_proxy(nets, id);
         // A network wired by an older build has neither the nat map nor its chain.
@@ -287,6 +300,91 @@ pub fn update(
     wired
 }
 
+/// The address slot of sandbox `id` when it is wired (a veth into its named namespace, or
+/// a VM's tap device), so an update replaces only its rules.
+fn wired_slot(nets: &Networks, id: &str) -> Result<Option<u32>, RuntimeError> {
+    let slot = claimed_slots(nets, id)
+        .iter()
+        .find_map(|p| p.file_name()?.to_str()?.parse().ok());
+    if nets.netns_path(id).exists() && slot.is_none() {
+        return Err(RuntimeError::Setup(format!(
+            "sandbox {id} has a network but no address slot"
+        )));
+    }
+    Ok(slot.filter(|_| nets.netns_path(id).exists() || link_exists(&veth(id))))
+}
+
+/// Whether the host has a network device of this name.
+fn link_exists(name: &str) -> bool {
+    Path::new("/sys/class/net").join(name).exists()
+}
+
+/// Whether VM sandbox `id` has its tap device (it was created with an allowlist).
+pub fn has_tap(id: &str) -> bool {
+    link_exists(&veth(id))
+}
+
+/// A tap device that leads nowhere (no address, no route; the base rules drop whatever
+/// comes in on `sv*`), for the maker of a VM template with a network card: QEMU's user
+/// network saves state of its own, so a machine saved over one restores only over
+/// another; one saved over a tap restores over a sandbox's tap. Removed when dropped;
+/// one whose maker died is removed by [`reap_maker_taps`].
+pub struct MakerTap {
+    pub device: String,
+}
+
+impl MakerTap {
+    pub fn create() -> Result<MakerTap, RuntimeError> {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        // `svt`, the maker's PID and a counter, in hex: at most 15 bytes, and never a
+        // sandbox's `sv<12 hex digits>`.
+        let device = format!(
+            "svt{:x}x{:x}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed) & 0xfffff
+        );
+        run(
+            "ip",
+            &["tuntap", "add", "dev", &device, "mode", "tap", "vnet_hdr"],
+            None,
+        )?;
+        Ok(MakerTap { device })
+    }
+}
+
+impl Drop for MakerTap {
+    fn drop(&mut self) {
+        let _ = run("ip", &["link", "delete", &self.device], None);
+    }
+}
+
+/// Removes the tap devices of template makers that died.
+pub fn reap_maker_taps() {
+    let Ok(rd) = std::fs::read_dir("/sys/class/net") else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let maker = name
+            .strip_prefix("svt")
+            .and_then(|rest| rest.split_once('x'))
+            .and_then(|(pid, _)| u32::from_str_radix(pid, 16).ok());
+        if let Some(pid) = maker {
+            if !Path::new(&format!("/proc/{pid}")).exists() {
+                let _ = run("ip", &["link", "delete", &name], None);
+            }
+        }
+    }
+}
+
+/// Whether anything of a network of sandbox `id` may be on this host (its named
+/// namespace, its veth or tap, an address slot): what its end must tear down, whatever
+/// its record says now (an allowlist emptied while it ran keeps its link).
+pub fn maybe_wired(nets: &Networks, id: &str) -> bool {
+    nets.netns_path(id).exists() || link_exists(&veth(id)) || !claimed_slots(nets, id).is_empty()
+}
+
 /// The veth pair into the named namespace of `id`, its addresses and route, its rules
 /// allowing `dests`, and the egress proxy of `policy`.
 fn wire(
@@ -317,17 +415,31 @@ fn wire(
              route add default via {host_ip}\n"
         )),
     )?;
+    Ok(Network {
+        netns: nets.netns_path(id),
+        nameserver: filter_and_proxy(nets, id, slot, dests, policy)?,
+    })
+}
+
+/// Sandbox `id`'s sets and chains for the link of `slot` (its veth or tap), and its
+/// egress proxy; the resolver it is to use.
+fn filter_and_proxy(
+    nets: &Networks,
+    id: &str,
+    slot: u32,
+    dests: &[Destination],
+    policy: &Policy,
+) -> Result<Option<Ipv4Addr>, RuntimeError> {
+    let (host_ip, _) = slot_addrs(slot);
     let mut script = format!(
         "add set {TABLE} allow_{id} {{ type ipv4_addr . inet_service; flags interval; }}\n\
-         add set {TABLE} tried_{id} {{ type ipv4_addr . inet_service; flags dynamic; size 4096; }}\n"
+         add set {TABLE} tried_{id} {{ type ipv4_addr . inet_service; flags dynamic,timeout; \
+         timeout {TRIED_TIMEOUT_S}s; size {TRIED_SIZE}; counter; }}\n"
     );
     script.push_str(&add_elements(id, dests));
     script.push_str(&chain_rules(id, host_ip, policy));
     run("nft", &["-f", "-"], Some(&script))?;
-    Ok(Network {
-        netns: nets.netns_path(id),
-        nameserver: start_proxy(nets, id, host_ip, policy)?,
-    })
+    start_proxy(nets, id, host_ip, policy)
 }
 
 /// Sandbox `id`'s chains, made if missing (a network wired by an older build has no nat
@@ -338,13 +450,18 @@ fn wire(
 /// a port a name rule opens (not an allowed address) to the proxy.
 fn chain_rules(id: &str, host_ip: Ipv4Addr, policy: &Policy) -> String {
     let v = veth(id);
+    // Only the sandbox's own address: a VM guest's kernel, or root in a container, could
+    // write packets from another (another sandbox's, whose replies it would then steer).
+    let sandbox_ip = Ipv4Addr::from(u32::from(host_ip) + 1);
     let mut script = format!(
         "add chain {TABLE} sb_{id}\n\
          add chain {TABLE} nat_{id}\n\
+         add counter {TABLE} untracked_{id}\n\
          add element {TABLE} sandboxes {{ \"{v}\" : jump sb_{id} }}\n\
          add element {TABLE} sandboxes_nat {{ \"{v}\" : jump nat_{id} }}\n\
          flush chain {TABLE} sb_{id}\n\
          flush chain {TABLE} nat_{id}\n\
+         add rule {TABLE} sb_{id} ip saddr != {sandbox_ip} drop\n\
          add rule {TABLE} sb_{id} ip daddr . tcp dport @allow_{id} accept\n\
          add rule {TABLE} sb_{id} ip daddr . udp dport @allow_{id} accept\n"
     );
@@ -366,7 +483,7 @@ fn chain_rules(id: &str, host_ip: Ipv4Addr, policy: &Policy) -> String {
     }
     script.push_str(&format!(
         "add rule {TABLE} sb_{id} meta l4proto {{ tcp, udp }} add @tried_{id} {{ ip daddr . th dport }} drop\n\
-         add rule {TABLE} sb_{id} drop\n"
+         add rule {TABLE} sb_{id} counter name untracked_{id} drop\n"
     ));
     script
 }
@@ -560,42 +677,118 @@ pub fn public_ranges(except: &[String]) -> Result<Vec<String>, RuntimeError> {
         .collect())
 }
 
-/// Destinations the sandbox tried and was refused (`address:port`).
-pub fn refused(id: &str) -> Vec<String> {
-    let Ok(text) = run(
-        "nft",
-        &[
-            "-j",
-            "list",
-            "set",
-            "inet",
-            "strata",
-            &format!("tried_{id}"),
-        ],
-        None,
-    ) else {
-        return Vec::new();
+/// How long a refused destination stays in a sandbox's record of attempts: its first
+/// attempt's time is read back from what is left of this (so entries never refresh).
+const TRIED_TIMEOUT_S: u64 = 90 * 24 * 3600;
+/// The most distinct refused destinations recorded; packets beyond them are counted in
+/// the `untracked_` counter.
+const TRIED_SIZE: u32 = 4096;
+
+/// One destination a sandbox tried and was refused.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Attempt {
+    /// `address:port`.
+    pub destination: String,
+    /// Packets sent to it (a connection's retries count each).
+    pub packets: u64,
+    /// When the first was refused, milliseconds since the epoch (to the second); absent
+    /// for a network wired by an older build.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_ms: Option<u64>,
+}
+
+/// What a sandbox tried and was refused: each destination (TCP and UDP) with its count
+/// and first time, and the packets not recorded by destination (other protocols, or
+/// beyond the record's size).
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct Refused {
+    pub attempts: Vec<Attempt>,
+    pub untracked_packets: u64,
+}
+
+impl Refused {
+    pub fn is_empty(&self) -> bool {
+        self.attempts.is_empty() && self.untracked_packets == 0
+    }
+}
+
+/// What sandbox `id` tried and was refused, from its nftables set and counter.
+pub fn refused(id: &str) -> Refused {
+    let nft_json = |args: &[&str]| {
+        run("nft", args, None)
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
     };
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) else {
-        return Vec::new();
-    };
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let mut out = Refused::default();
+    let set = nft_json(&[
+        "-j",
+        "list",
+        "set",
+        "inet",
+        "strata",
+        &format!("tried_{id}"),
+    ]);
+    out.attempts = parse_tried(set.as_ref(), now_ms);
+    let counter = nft_json(&[
+        "-j",
+        "list",
+        "counter",
+        "inet",
+        "strata",
+        &format!("untracked_{id}"),
+    ]);
+    out.untracked_packets = counter
+        .as_ref()
+        .and_then(|v| v["nftables"].as_array())
+        .into_iter()
+        .flatten()
+        .find_map(|item| item["counter"]["packets"].as_u64())
+        .unwrap_or(0);
+    out
+}
+
+/// The attempts in `nft -j list set` output of a `tried_` set, at `now_ms`.
+fn parse_tried(v: Option<&serde_json::Value>, now_ms: u64) -> Vec<Attempt> {
     let mut out = Vec::new();
-    for item in v["nftables"].as_array().into_iter().flatten() {
-        for e in item["set"]["elem"].as_array().into_iter().flatten() {
-            let concat = e["concat"]
-                .as_array()
-                .or_else(|| e["elem"]["val"]["concat"].as_array());
-            if let Some(c) = concat {
-                if let (Some(a), Some(p)) = (
-                    c.first().and_then(|a| a.as_str()),
-                    c.get(1).and_then(|p| p.as_u64()),
-                ) {
-                    out.push(format!("{a}:{p}"));
-                }
-            }
+    let items = v
+        .and_then(|v| v["nftables"].as_array())
+        .into_iter()
+        .flatten();
+    for item in items {
+        let set = &item["set"];
+        let timeout = set["timeout"].as_u64();
+        for e in set["elem"].as_array().into_iter().flatten() {
+            // An element with stateful parts is `{"elem": {"val": ..., "expires": ...}}`.
+            let (val, facts) = match e["elem"].as_object() {
+                Some(_) => (&e["elem"]["val"], &e["elem"]),
+                None => (e, e),
+            };
+            let Some(c) = val["concat"].as_array() else {
+                continue;
+            };
+            let (Some(a), Some(p)) = (
+                c.first().and_then(|a| a.as_str()),
+                c.get(1).and_then(|p| p.as_u64()),
+            ) else {
+                continue;
+            };
+            // Added once and never refreshed: its age is the timeout less what is left.
+            let first_ms = match (timeout, facts["expires"].as_u64()) {
+                (Some(t), Some(left)) => Some(now_ms.saturating_sub(t.saturating_sub(left) * 1000)),
+                _ => None,
+            };
+            out.push(Attempt {
+                destination: format!("{a}:{p}"),
+                packets: facts["counter"]["packets"].as_u64().unwrap_or(1),
+                first_ms,
+            });
         }
     }
-    out.sort();
+    out.sort_by(|a, b| a.destination.cmp(&b.destination));
     out
 }
 
@@ -613,6 +806,7 @@ pub fn teardown(nets: &Networks, id: &str) {
         format!("chain {TABLE} nat_{id}"),
         format!("set {TABLE} allow_{id}"),
         format!("set {TABLE} tried_{id}"),
+        format!("counter {TABLE} untracked_{id}"),
     ] {
         let _ = run("nft", &["-f", "-"], Some(&format!("delete {obj}\n")));
     }
@@ -669,6 +863,44 @@ pub fn existing(nets: &Networks) -> Vec<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn refused_attempts_read_back_with_their_count_and_first_time() {
+        // What `nft -j list set` printed on Debian 12's nftables 1.0.6 after three SYNs to
+        // one destination and one to another, 7 and 4 s after they were first refused; and
+        // an element of a set an older build made (no counter, no timeout).
+        let now = 1_800_000_000_000;
+        let v: serde_json::Value = serde_json::from_str(
+            r#"{"nftables": [{"metainfo": {"version": "1.0.6"}}, {"set": {"family": "inet",
+            "name": "tried", "table": "strata", "type": ["ipv4_addr", "inet_service"],
+            "flags": ["timeout"], "timeout": 604800, "elem": [
+            {"elem": {"val": {"concat": ["192.0.2.8", 82]}, "expires": 604796, "counter": {"packets": 1, "bytes": 60}}},
+            {"elem": {"val": {"concat": ["192.0.2.7", 81]}, "expires": 604793, "counter": {"packets": 3, "bytes": 180}}}]}},
+            {"set": {"name": "old", "elem": [{"concat": ["10.0.0.1", 80]}]}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            parse_tried(Some(&v), now),
+            vec![
+                Attempt {
+                    destination: "10.0.0.1:80".into(),
+                    packets: 1,
+                    first_ms: None
+                },
+                Attempt {
+                    destination: "192.0.2.7:81".into(),
+                    packets: 3,
+                    first_ms: Some(now - 7_000)
+                },
+                Attempt {
+                    destination: "192.0.2.8:82".into(),
+                    packets: 1,
+                    first_ms: Some(now - 4_000)
+                },
+            ]
+        );
+        assert!(parse_tried(None, now).is_empty());
+    }
+
     use super::*;
 
     #[test]
@@ -733,11 +965,19 @@ mod tests {
             !without.contains("redirect") && !without.contains("dport 53"),
             "{without}"
         );
-        // Whatever the sandbox sends that is not allowed is remembered and dropped, last.
+        // Only the sandbox's own address is let out, first; whatever it sends that is not
+        // allowed is remembered and dropped, last.
         for script in [with, without] {
+            let spoof = script
+                .find("sb_x ip saddr != 10.231.0.2 drop")
+                .expect("the address check");
+            assert!(
+                spoof < script.find("accept").expect("an accept"),
+                "{script}"
+            );
             assert!(script
                 .trim_end()
-                .ends_with("add rule inet strata sb_x drop"));
+                .ends_with("add rule inet strata sb_x counter name untracked_x drop"));
         }
     }
 

@@ -667,8 +667,7 @@ impl Sandbox {
     }
 
     /// Replaces the sandbox's egress allowlist while it runs (empty: nothing but its own
-    /// loopback). Host names are resolved now. A VM's network is fixed when its machine
-    /// starts: Unsupported.
+    /// loopback). A VM created without an allowlist has no network card: Unsupported.
     pub fn set_network(&mut self, rules: Vec<crate::NetRule>) -> Result<(), RuntimeError> {
         self.awake()?;
         let before = self.record.spec.network.clone();

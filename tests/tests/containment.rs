@@ -321,6 +321,77 @@ fn nothing_of_the_host_or_the_private_network_is_reachable() {
     }
 }
 
+/// SECURITY.md, "the network" (every refused attempt is in the audit): a networked
+/// sandbox (one allowed address) scanning the host's address, private ranges, the cloud
+/// metadata address and public resolvers, over TCP and UDP, reaches none of them, and its
+/// audit records each destination with how many packets were refused and when the first
+/// was, within the scan's window. On every backend (a VM's tap meets the same rules).
+#[test]
+fn a_port_scan_is_refused_and_recorded_with_counts_and_times() {
+    let Some(env) = env("containment_scan") else {
+        return;
+    };
+    let host_addr = host_address();
+    let tcp = [
+        format!("{host_addr}:22"),
+        format!("{host_addr}:7600"),
+        "10.0.0.1:22".to_string(),
+        "172.16.0.1:80".to_string(),
+        "192.168.0.1:443".to_string(),
+        "169.254.169.254:80".to_string(),
+        "1.1.1.1:443".to_string(),
+    ];
+    let udp = ["8.8.8.8:53", "169.254.169.254:53"];
+    let script = format!(
+        "python3 -c \"\nimport socket, concurrent.futures as cf\ndef tcp(t):\n    h, p = t.rsplit(':', 1)\n    try:\n        socket.create_connection((h, int(p)), timeout=3).close(); return 'REACHED ' + t\n    except OSError:\n        return 'closed ' + t\nwith cf.ThreadPoolExecutor(8) as ex:\n    print(chr(10).join(ex.map(tcp, '{tcp}'.split())))\nfor t in '{udp}'.split():\n    h, p = t.rsplit(':', 1)\n    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(1)\n    for _ in range(3):\n        s.sendto(b'exfil.example.com', (h, int(p)))\n    try:\n        s.recv(1); print('ANSWERED', t)\n    except OSError:\n        print('unanswered', t)\n\"",
+        tcp = tcp.join(" "),
+        udp = udp.join(" "),
+    );
+    for backend in BACKENDS {
+        let start_ms = now_ms();
+        let id = env.create(&["--backend", backend, "--net", "198.51.100.1:9"]);
+        let out = env.sh_ok(&id, &script);
+        assert!(
+            !out.contains("REACHED") && !out.contains("ANSWERED"),
+            "{backend}: {out}"
+        );
+        assert_eq!(out.matches("closed").count(), tcp.len(), "{backend}: {out}");
+        env.ok(&["sandbox", "rm", &id]);
+        let end_ms = now_ms();
+        let audit = env.ok(&["sandbox", "audit", &id]);
+        let refused: serde_json::Value = audit
+            .lines()
+            .find(|l| l.contains("\"network-refused\""))
+            .and_then(|l| serde_json::from_str(l).ok())
+            .unwrap_or_else(|| panic!("{backend}: no network-refused in {audit}"));
+        let attempts = refused["attempts"].as_array().expect("attempts");
+        for dest in tcp.iter().map(String::as_str).chain(udp) {
+            let a = attempts
+                .iter()
+                .find(|a| a["destination"] == dest)
+                .unwrap_or_else(|| panic!("{backend}: {dest} not recorded: {refused}"));
+            let packets = a["packets"].as_u64().unwrap_or(0);
+            let first = a["first_ms"].as_u64().unwrap_or(0);
+            assert!(packets >= 1, "{backend}: {dest}: {a}");
+            if udp.contains(&dest) {
+                assert!(packets >= 3, "{backend}: three datagrams to {dest}: {a}");
+            }
+            // The set keeps times to the second.
+            assert!(
+                first + 1000 >= start_ms && first <= end_ms,
+                "{backend}: {dest} first refused at {first}, not within {start_ms}..{end_ms}"
+            );
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
 /// SECURITY.md, "the network": rules by name hold outside the sandbox. With `debian`-like
 /// names (`*.debian.org:80`), the `pypi` rule set and the host's own name allowed, a
 /// sandbox resolves and reaches exactly the allowed names; a name no rule allows gets
@@ -329,7 +400,8 @@ fn nothing_of_the_host_or_the_private_network_is_reachable() {
 /// allowed name that resolves to the host itself (as a rebinding attacker's name would)
 /// is answered with no address, and the host's listener sees nothing. The audit lists the
 /// allowed and denied names and destinations; nothing of the proxy outlives the sandbox.
-/// VMs reach exact names by forwarders of their own: `*.` patterns are refused by name.
+/// The same on every backend: a VM's network card is the other end of a tap device on the
+/// host, where the same rules and the same proxy stand.
 #[test]
 fn names_reach_only_their_hosts_through_the_egress_proxy() {
     let Some(env) = env("containment_egress") else {
@@ -345,7 +417,7 @@ fn names_reach_only_their_hosts_through_the_egress_proxy() {
     )
     .expect("the egress probe");
     let own_rule = format!("{host_name}:{port}");
-    for backend in ["fncall", "container"] {
+    for backend in BACKENDS {
         let id = env.create(&[
             "--backend",
             backend,
@@ -449,32 +521,6 @@ fn names_reach_only_their_hosts_through_the_egress_proxy() {
                 .iter()
                 .any(|e| e["destination"] == "1.1.1.1:80" && e["allowed"] == false),
             "{backend}: {egress}"
-        );
-    }
-    // A VM reaches a name through a forwarder of its own, which joins only the name's
-    // addresses at create and cuts off a guest that asks it for another name.
-    let tls = "import socket, ssl, sys\n\
-        ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE\n\
-        for name in ['pypi.org', 'example.com']:\n\
-        \x20   try:\n\
-        \x20       s = socket.create_connection(('pypi.org', 443), timeout=20)\n\
-        \x20       print(name, 'ok', ctx.wrap_socket(s, server_hostname=name).version())\n\
-        \x20   except Exception as e:\n\
-        \x20       print(name, 'refused', type(e).__name__)\n";
-    let (code, out, err) = run(
-        env,
-        "microvm",
-        &["--memory", "256M", "--net", "pypi"],
-        &format!("python3 -c \"{tls}\""),
-    );
-    assert_eq!(code, Some(0), "microvm: {out}{err}");
-    assert!(out.contains("pypi.org ok TLS"), "microvm: {out}");
-    assert!(out.contains("example.com refused"), "microvm: {out}");
-    for backend in ["microvm", "vm"] {
-        env.refused_run(
-            &["--backend", backend, "--net", "*.debian.org:80"],
-            &env.reference,
-            "exact host names only",
         );
     }
 }
@@ -670,13 +716,80 @@ fn host_address() -> String {
         .unwrap_or_else(|| "127.0.0.1".into())
 }
 
+/// A small deterministic generator (xorshift64*) for the soak's random points; its seed is
+/// printed, so a failing run can be run again (`STRATA_SOAK_SEED`).
+struct Dice(u64);
+
+impl Dice {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// The PIDs (host view) of `init` and every process descended from it.
+fn process_tree(init: i32) -> Vec<i32> {
+    let mut parents: Vec<(i32, i32)> = Vec::new();
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(p.path().join("stat")) else {
+            continue;
+        };
+        // The command name may hold spaces and parentheses: the fields follow the last ')'.
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse().ok());
+        if let Some(ppid) = ppid {
+            parents.push((pid, ppid));
+        }
+    }
+    let mut tree = vec![init];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(
+            parents
+                .iter()
+                .filter(|(_, pp)| *pp == parent)
+                .map(|(p, _)| *p),
+        );
+        i += 1;
+    }
+    tree
+}
+
+/// What the soak did, counted.
+#[derive(Default, Debug)]
+struct SoakCounts {
+    cycles: usize,
+    runs: usize,
+    clis_killed: usize,
+    processes_killed: usize,
+    inits_killed: usize,
+    lazyfs_killed: usize,
+    services_killed: usize,
+    networked: usize,
+}
+
 /// The README's "nothing leaks" under SIGKILL: create → exec → destroy cycles on fncall and
-/// container (`STRATA_SOAK_CYCLES`, 60 by default; the issue's 1,000 by hand), with kills
-/// at points that vary by cycle: the CLI mid-run (its sandbox orphaned), the sandbox's init
-/// from the host (a crash), the home's lazyfs daemon between cycles (restarted by the next
-/// command). After a reap: nothing of any sandbox left (directory, upper image, mount,
-/// cgroup, network namespace, process, OCI state), every audit ends with `ended` and a
-/// reason, and `store verify` finds the store intact.
+/// container (`STRATA_SOAK_CYCLES`, 60 by default; the issue's 1,000 by hand), half of them
+/// through a node service, with kills at random points (`STRATA_SOAK_SEED`): the CLI
+/// mid-run (its sandbox orphaned), a random process of a sandbox from the host (its init, a
+/// command or a command's child: a crash, or a sandbox that must live on and answer), the
+/// home's lazyfs daemon (started again by the next command), and the node service itself
+/// during a create or a run (started again: what it had is taken back or ended). Some
+/// sandboxes are networked (namespace, veth, nftables). After a reap: nothing of any
+/// sandbox left (directory, upper image, mount, cgroup, network namespace, veth, nftables
+/// chain, loop device, process, OCI state, service record), every audit ends with `ended`
+/// and a reason, and `store verify` finds the store intact.
 #[test]
 fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
     let Some(env) = env("containment_soak") else {
@@ -686,88 +799,238 @@ fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(60);
-    // A home of its own (its lazyfs is killed), on the shared store.
-    let home = env.cli.sharing_store("containment-soak-");
-    let ok = |args: &[&str]| home.ok(args);
-    let (mut kills, mut crashes, mut lazyfs_kills) = (0, 0, 0);
+    let seed: u64 = std::env::var("STRATA_SOAK_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1)
+                | 1
+        });
+    eprintln!("soak: {cycles} cycles, STRATA_SOAK_SEED={seed}");
+    let mut dice = Dice(seed);
+    // Homes of their own (their lazyfs daemons are killed), on the shared store: one the
+    // CLI uses embedded, one a node service owns.
+    let local = env.cli.sharing_store("containment-soak-");
+    let node = env.cli.sharing_store("containment-soak-node-");
+    let project = format!("soak{}", std::process::id());
+    node.ok(&["project", "create", &project]);
+    let token = node
+        .ok(&["token", "create", "--project", &project])
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let mut svc = strata_tests::service::Service::start(&node, "");
+    let client_home =
+        strata_tests::scratch_root().join(format!("soak-client-{}", std::process::id()));
+    let client = |url: &str, args: &[&str]| {
+        let mut c = std::process::Command::new(strata_tests::strata_bin());
+        c.args(args)
+            .env("STRATA_HOME", &client_home)
+            .env("STRATA_STORE", client_home.join("no-store"))
+            .env("STRATA_SERVER", url)
+            .env("STRATA_TOKEN", &token);
+        c
+    };
+    let client_ok = |url: &str, args: &[&str]| {
+        let o = client(url, args).output().expect("strata --server");
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "strata --server {args:?}: {out}{err}");
+        out
+    };
+    // The node's local ID of a service's sandbox (`<node>-<id>`).
+    let local_id = |id: &str| id.trim_start_matches("test-").to_string();
+    let init_of = |home: &strata_tests::home::CliHome, id: &str| -> i32 {
+        let record: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(
+                home.runtime_dir()
+                    .join("sandboxes")
+                    .join(id)
+                    .join("sandbox.json"),
+            )
+            .unwrap_or_else(|e| panic!("the record of {id}: {e}")),
+        )
+        .expect("a sandbox record");
+        record["init_pid"].as_i64().expect("its init") as i32
+    };
+    let mut n = SoakCounts::default();
     for i in 0..cycles {
-        let backend = if i % 2 == 0 { "fncall" } else { "container" };
-        match i % 5 {
-            // A whole run.
-            0 | 3 => {
-                let out = ok(&[
-                    "run",
-                    "--backend",
-                    backend,
-                    &env.reference,
-                    "--",
-                    "echo",
-                    "ok",
-                ]);
-                assert_eq!(out, "ok\n", "cycle {i}");
+        let backend = if dice.below(2) == 0 {
+            "fncall"
+        } else {
+            "container"
+        };
+        let mut create = vec!["--backend", backend];
+        if dice.below(4) == 0 {
+            // TEST-NET-1: wired (namespace, veth, chains), reaching nothing.
+            create.extend(["--net", "198.51.100.1:9"]);
+            n.networked += 1;
+        }
+        let through_service = dice.below(2) == 0;
+        let url = svc.url();
+        // `strata ARGS` on the embedded home or through the service.
+        let cmd = |args: &[&str]| {
+            if through_service {
+                client(&url, args)
+            } else {
+                local.cmd(args)
             }
-            // The CLI killed mid-run, at a point that varies (before or after its sandbox
-            // exists).
+        };
+        let ok = |args: &[&str]| {
+            if through_service {
+                client_ok(&url, args)
+            } else {
+                local.ok(args)
+            }
+        };
+        let home = if through_service { &node } else { &local };
+        let mut run_args = vec!["run"];
+        run_args.extend_from_slice(&create);
+        run_args.push(&env.reference);
+        match dice.below(5) {
+            // A whole run.
+            0 => {
+                run_args.extend(["--", "echo", "ok"]);
+                assert_eq!(ok(&run_args), "ok\n", "cycle {i}");
+                n.runs += 1;
+            }
+            // The CLI killed mid-run, at a random point (before or after its sandbox exists).
             1 => {
-                let mut child = home
-                    .cmd(&[
-                        "run",
-                        "--backend",
-                        backend,
-                        &env.reference,
-                        "--",
-                        "sleep",
-                        "30",
-                    ])
+                run_args.extend(["--", "sleep", "30"]);
+                let mut child = cmd(&run_args)
                     .stdout(std::process::Stdio::null())
                     .stderr(std::process::Stdio::null())
                     .spawn()
                     .expect("strata run");
-                std::thread::sleep(Duration::from_millis(40 + (i as u64 * 37) % 400));
+                std::thread::sleep(Duration::from_millis(20 + dice.below(600)));
                 let _ = child.kill();
                 let _ = child.wait();
-                kills += 1;
+                n.clis_killed += 1;
             }
-            // A sandbox whose init is killed from the host, then removed.
+            // A random process of a running sandbox killed from the host: its init (a
+            // crash), or a command or its child (the sandbox lives on and answers).
             2 => {
-                let id = ok(&["sandbox", "create", "--backend", backend, &env.reference]);
-                let id = id.lines().last().unwrap_or_default().trim().to_string();
-                let list: Vec<serde_json::Value> =
-                    serde_json::from_str(&ok(&["sandbox", "ls", "--json"])).expect("ls --json");
-                let init = list
-                    .iter()
-                    .find(|s| s["id"] == id.as_str())
-                    .and_then(|s| s["init_pid"].as_i64())
-                    .expect("its init") as i32;
-                // SAFETY: kill(2) of the sandbox's init, a process of this test's making.
-                unsafe { libc::kill(init, libc::SIGKILL) };
-                let _ = home.cli(&["sandbox", "rm", &id]);
-                crashes += 1;
+                let mut args = vec!["sandbox", "create"];
+                args.extend_from_slice(&create);
+                args.push(&env.reference);
+                let id = ok(&args)
+                    .lines()
+                    .last()
+                    .unwrap_or_default()
+                    .trim()
+                    .to_string();
+                ok(&[
+                    "sandbox",
+                    "exec",
+                    &id,
+                    "--",
+                    "sh",
+                    "-c",
+                    "sleep 600 >/dev/null 2>&1 & sleep 600 >/dev/null 2>&1 &",
+                ]);
+                let init = init_of(home, &local_id(&id));
+                let tree = process_tree(init);
+                let victim = tree[dice.below(tree.len() as u64) as usize];
+                // SAFETY: kill(2) of a process of a sandbox this test made.
+                unsafe { libc::kill(victim, libc::SIGKILL) };
+                if victim == init {
+                    n.inits_killed += 1;
+                } else {
+                    let out = ok(&["sandbox", "exec", &id, "--", "echo", "alive"]);
+                    assert_eq!(
+                        out, "alive\n",
+                        "cycle {i}: after a kill of {victim} (init {init})"
+                    );
+                    n.processes_killed += 1;
+                }
+                let _ = cmd(&["sandbox", "rm", &id]).output();
             }
-            // The home's lazyfs daemon killed; the next command starts another.
-            _ => {
+            // The home's lazyfs daemon killed while no sandbox uses it; the next command
+            // starts another.
+            3 => {
                 if let Some(pid) = lazyfs_pid(&home.home) {
                     // SAFETY: kill(2) of this home's lazyfs daemon.
                     unsafe { libc::kill(pid, libc::SIGKILL) };
-                    lazyfs_kills += 1;
+                    n.lazyfs_killed += 1;
                 }
-                let out = ok(&[
-                    "run",
-                    "--backend",
-                    backend,
-                    &env.reference,
-                    "--",
-                    "echo",
-                    "ok",
-                ]);
-                assert_eq!(out, "ok\n", "cycle {i} after lazyfs was killed");
+                run_args.extend(["--", "echo", "ok"]);
+                assert_eq!(ok(&run_args), "ok\n", "cycle {i} after lazyfs was killed");
+            }
+            // The node service killed during a create or a run, at a random point, and
+            // started again; whatever it had is then destroyed through it.
+            _ => {
+                let mut args: Vec<&str> = if dice.below(2) == 0 {
+                    vec!["sandbox", "create"]
+                } else {
+                    vec!["run"]
+                };
+                args.extend_from_slice(&create);
+                args.push(&env.reference);
+                if args[0] == "run" {
+                    args.extend(["--", "sleep", "30"]);
+                }
+                let mut child = client(&url, &args)
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .spawn()
+                    .expect("strata --server");
+                std::thread::sleep(Duration::from_millis(20 + dice.below(800)));
+                svc.kill();
+                let _ = child.kill();
+                let _ = child.wait();
+                svc.restart();
+                n.services_killed += 1;
+                destroy_all_through(&client_ok, &svc.url());
             }
         }
+        n.cycles += 1;
     }
+    destroy_all_through(&client_ok, &svc.url());
+    drop(svc);
     // A sandbox whose maker was killed before its record is reaped once a moment has
     // passed (the runtime's grace for a directory being made).
     std::thread::sleep(Duration::from_secs(6));
-    ok(&["sandbox", "reap"]);
+    let mut sandboxes = 0;
+    for home in [&local, &node] {
+        home.ok(&["sandbox", "reap"]);
+        sandboxes += assert_nothing_left(home);
+        let records = home.runtime_dir().join("service").join("sandboxes");
+        let left: Vec<_> = std::fs::read_dir(&records)
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "service records left: {left:?}");
+        let verify = home.cli(&["store", "verify", "--json"]);
+        assert!(verify.status.success(), "{:?}", text(&verify));
+    }
+    assert!(
+        sandboxes >= cycles / 2,
+        "{sandboxes} sandboxes in {cycles} cycles"
+    );
+    eprintln!(
+        "soak: {} cycles (seed {seed}), {sandboxes} sandboxes ({} networked), {} whole runs, {} CLIs killed mid-run, \
+         {} sandbox processes and {} inits killed, {} lazyfs daemons and {} node services killed: nothing left, store intact",
+        n.cycles, n.networked, n.runs, n.clis_killed, n.processes_killed, n.inits_killed, n.lazyfs_killed, n.services_killed
+    );
+}
+
+/// Destroys every sandbox the soak's project has on the service at `url`.
+fn destroy_all_through(client_ok: &dyn Fn(&str, &[&str]) -> String, url: &str) {
+    let list: Vec<serde_json::Value> =
+        serde_json::from_str(&client_ok(url, &["sandbox", "ls", "--json"])).expect("ls --json");
+    for s in list {
+        if let Some(id) = s["id"].as_str() {
+            client_ok(url, &["sandbox", "rm", id]);
+        }
+    }
+}
+
+/// Checks that nothing of any sandbox `home` ever had is left on the host, and that each
+/// one's audit ends with `ended` and a reason; returns how many there were.
+fn assert_nothing_left(home: &strata_tests::home::CliHome) -> usize {
     let audits: Vec<String> = std::fs::read_dir(home.runtime_dir().join("audit"))
         .expect("the audit directory")
         .flatten()
@@ -778,15 +1041,25 @@ fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
                 .map(str::to_string)
         })
         .collect();
-    assert!(audits.len() >= cycles * 3 / 5, "{} audits", audits.len());
-    let namespaces = String::from_utf8_lossy(
-        &std::process::Command::new("ip")
-            .args(["netns", "list"])
-            .output()
-            .expect("ip netns list")
-            .stdout,
-    )
-    .into_owned();
+    let output = |prog: &str, args: &[&str]| {
+        String::from_utf8_lossy(
+            &std::process::Command::new(prog)
+                .args(args)
+                .output()
+                .unwrap_or_else(|e| panic!("{prog}: {e}"))
+                .stdout,
+        )
+        .into_owned()
+    };
+    let namespaces = output("ip", &["netns", "list"]);
+    let links = output("ip", &["-o", "link", "show"]);
+    let rules = output("nft", &["list", "table", "inet", "strata"]);
+    let loops = output("losetup", &["-a"]);
+    let home_path = home.home.display().to_string();
+    assert!(
+        !loops.contains(&home_path),
+        "loop devices of {home_path} left: {loops}"
+    );
     for id in &audits {
         let dir = home.runtime_dir().join("sandboxes").join(id);
         if dir.exists() {
@@ -805,6 +1078,11 @@ fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
         }
         home.assert_sandbox_gone(id, &[]);
         assert!(!namespaces.contains(id.as_str()), "netns of {id} left");
+        assert!(!links.contains(&format!("sv{id}")), "veth of {id} left");
+        assert!(
+            !rules.contains(&format!("sb_{id}")),
+            "nftables chain of {id} left"
+        );
         let audit = home.ok(&["sandbox", "audit", id]);
         let last: serde_json::Value = audit
             .lines()
@@ -816,12 +1094,7 @@ fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
     }
     let left = strata_tests::home::sandboxes_in(&home.home);
     assert!(left.is_empty(), "{left:?}");
-    let verify = home.cli(&["store", "verify", "--json"]);
-    assert!(verify.status.success(), "{:?}", text(&verify));
-    eprintln!(
-        "soak: {cycles} cycles, {} sandboxes, {kills} CLIs killed mid-run, {crashes} inits killed, {lazyfs_kills} lazyfs daemons killed: nothing left, store intact",
-        audits.len()
-    );
+    audits.len()
 }
 
 /// The lazyfs daemon of `home`: the process holding its lock file open.

@@ -575,53 +575,105 @@ fn a_bad_accelerator_setting_is_refused_by_name() {
     );
 }
 
+/// A microVM's network card is the other end of a tap device on the host, behind the same
+/// rules as a container's veth: an allowed address is reachable, nothing else (the host's
+/// other ports, the internet, QEMU's old user-network gateway); the allowlist can be
+/// replaced while it runs; a fork's child gets a link of its own (another address) and
+/// reaches what its parent may; refused attempts are in the audit; nothing of the link is
+/// left after.
 #[test]
 fn an_allowlist_opens_exactly_its_destinations_in_a_microvm() {
     let _machines = machines_shared();
     let Some(env) = env("vm_allowlist") else {
         return;
     };
-    // The guest reaches destinations by name: this host's own name, resolved on the host.
-    let host = strata_tests::sh("hostname").trim().to_string();
+    let host_ip = strata_tests::sh(
+        "ip -4 -o addr show scope global | awk '{print $4}' | cut -d/ -f1 | head -1",
+    )
+    .trim()
+    .to_string();
     let (allowed, other) = (
         strata_tests::HostServer::start(),
         strata_tests::HostServer::start(),
     );
     let probe = format!(
         "import socket\n\
-         for host, port in [('{host}', {a}), ('{host}', {b}), ('1.1.1.1', 80), ('10.0.2.2', {a})]:\n\
+         for host, port in [('{host_ip}', {a}), ('{host_ip}', {b}), ('1.1.1.1', 80), ('10.0.2.2', {a})]:\n\
          \x20   try:\n\
          \x20       s = socket.create_connection((host, port), timeout=3)\n\
-         \x20       print(host, port, 'open', s.recv(64).decode().strip())\n\
+         \x20       print(host, port, 'open', s.recv(64).decode().strip(), 'from', s.getsockname()[0])\n\
          \x20   except OSError as e:\n\
          \x20       print(host, port, 'blocked')\n",
         a = allowed.port,
         b = other.port
     );
-    let net = format!("{host}:{}", allowed.port);
+    let open =
+        |out: &str, port: u16| out.contains(&format!("{host_ip} {port} open hello from the host"));
+    let blocked =
+        |out: &str, host: &str, port: u16| out.contains(&format!("{host} {port} blocked"));
+    let source = |out: &str| {
+        out.lines()
+            .find_map(|l| l.split_once(" from ").map(|(_, a)| a.trim().to_string()))
+            .unwrap_or_default()
+    };
+    let net = format!("{host_ip}:{}", allowed.port);
     let id = env.create(&["--backend", "microvm", "--memory", "256M", "--net", &net]);
+    let tap = format!("sv{id}");
+    assert!(
+        strata_tests::sh("ip -br link").contains(&tap),
+        "no tap {tap}"
+    );
     let out = env.ok(&["sandbox", "exec", &id, "--", "python3", "-c", &probe]);
-    assert!(
-        out.contains(&format!("{host} {} open hello from the host", allowed.port)),
-        "{out}"
+    assert!(open(&out, allowed.port), "{out}");
+    assert!(blocked(&out, &host_ip, other.port), "{out}");
+    assert!(blocked(&out, "1.1.1.1", 80), "{out}");
+    assert!(blocked(&out, "10.0.2.2", allowed.port), "{out}");
+    let parent_addr = source(&out);
+    // A child of a fork has its own link, and the same allowlist.
+    let child = env.ok(&["sandbox", "fork", &id, "--count", "1"]);
+    let child = child.lines().last().unwrap_or_default().trim().to_string();
+    let out = env.ok(&["sandbox", "exec", &child, "--", "python3", "-c", &probe]);
+    assert!(open(&out, allowed.port), "child: {out}");
+    assert!(blocked(&out, &host_ip, other.port), "child: {out}");
+    assert_ne!(
+        source(&out),
+        parent_addr,
+        "the child kept its parent's address: {out}"
     );
+    env.ok(&["sandbox", "rm", &child]);
+    // The allowlist replaced while the machine runs.
+    let net = format!("{host_ip}:{}", other.port);
+    env.ok(&["sandbox", "network", &id, "--net", &net]);
+    let out = env.ok(&["sandbox", "exec", &id, "--", "python3", "-c", &probe]);
+    assert!(open(&out, other.port), "after the update: {out}");
     assert!(
-        out.contains(&format!("{host} {} blocked", other.port)),
-        "{out}"
-    );
-    assert!(out.contains("1.1.1.1 80 blocked"), "{out}");
-    assert!(
-        out.contains(&format!("10.0.2.2 {} blocked", allowed.port)),
-        "{out}"
+        blocked(&out, &host_ip, allowed.port),
+        "after the update: {out}"
     );
     env.ok(&["sandbox", "rm", &id]);
     env.assert_gone(&id, &[]);
-    // Addresses are refused by name for VMs (they cannot be forwarded by name).
-    env.refused_run(
-        &["--backend", "microvm", "--net", "1.1.1.1:80"],
-        &env.reference,
-        "by host name",
+    for gone in [&id, &child] {
+        assert!(
+            !strata_tests::sh("ip -br link").contains(&format!("sv{gone}")),
+            "the tap of {gone} was left"
+        );
+        assert!(
+            !strata_tests::sh("nft list table inet strata").contains(gone.as_str()),
+            "rules of {gone} left"
+        );
+    }
+    let audit = env.ok(&["sandbox", "audit", &id]);
+    assert!(audit.contains("network-refused"), "{audit}");
+    assert!(audit.contains("1.1.1.1:80"), "{audit}");
+    // Created without an allowlist, a machine has no network card to update.
+    let bare = env.create(&["--backend", "microvm", "--memory", "256M"]);
+    let o = env.cli(&["sandbox", "network", &bare, "--net", &net]);
+    let (_, err) = text(&o);
+    assert!(
+        !o.status.success() && err.contains("no network card"),
+        "{err}"
     );
+    env.ok(&["sandbox", "rm", &bare]);
 }
 
 #[test]

@@ -22,9 +22,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
-use strata_agent_proto::{
-    AgentMsg, GuestLayer, GuestRootImage, GuestSetup, HostMsg, HostName, Reseed,
-};
+use strata_agent_proto::{AgentMsg, GuestLayer, GuestRootImage, GuestSetup, HostMsg, Reseed};
 use strata_lazyfs::Attached;
 
 use crate::agent::{read_key, socket_path, write_key, AgentClient};
@@ -268,95 +266,31 @@ impl VmBackend {
         Ok(accel)
     }
 
-    /// The user-mode network of a sandbox with an allowlist: nothing is reachable
-    /// (`restrict=on`) but one forwarder per allowed destination, an address in the
-    /// guest's network that the host's `strata-agent connect` joins to the destination,
-    /// named in the guest's /etc/hosts. Each name is resolved now (`resolve`) and the
-    /// forwarder joins only those addresses, so a name rebound later reaches nothing new;
-    /// it also cuts off a connection whose TLS server name or HTTP Host is another name.
-    /// `None` without an allowlist (no NIC at all).
+    /// The network of a sandbox with an allowlist: the guest's NIC is the other end of a
+    /// tap device on the host (`network::setup_tap`), so its packets meet the same host
+    /// rules and the same egress proxy (names, `*.` patterns, rule sets, pinned answers,
+    /// server-name checks, refused attempts recorded) as a container's at its veth. The
+    /// guest's resolver is always the host's side of the link: a later update that adds
+    /// names needs nothing of the guest. QEMU's `-netdev` options and what the guest is
+    /// told; `None` without an allowlist (no NIC at all).
     fn network(
         &self,
+        nets: &crate::network::Networks,
+        id: &str,
         rules: &[crate::NetRule],
-        resolve: &mut dyn FnMut(&str) -> Result<Vec<std::net::Ipv4Addr>, RuntimeError>,
     ) -> Result<Option<(String, strata_agent_proto::GuestNetwork)>, RuntimeError> {
         if rules.is_empty() {
             return Ok(None);
         }
-        let mut opts = String::from("restrict=on,net=10.0.2.0/24,dhcpstart=10.0.2.15");
-        let mut hosts: Vec<HostName> = Vec::new();
-        let mut pinned: Vec<String> = Vec::new();
-        for rule in rules {
-            if rule.host.starts_with("*.") {
-                return Err(RuntimeError::Invalid(format!(
-                    "network destination {}:{}: a {} sandbox reaches exact host names only \
-                     (`*.` patterns, and rule sets with them, are for fncall and container sandboxes)",
-                    rule.host,
-                    rule.port,
-                    self.machine.as_str()
-                )));
-            }
-            // QEMU runs the forwarder through a shell: a name is letters, digits, dots
-            // and hyphens, or it is refused.
-            let name_ok = !rule.host.starts_with('-')
-                && rule
-                    .host
-                    .chars()
-                    .all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-');
-            if !name_ok
-                && rule.host.parse::<std::net::IpAddr>().is_err()
-                && !rule.host.contains('/')
-            {
-                return Err(RuntimeError::Invalid(format!(
-                    "network destination {:?}: not a host name (letters, digits, dots, hyphens)",
-                    rule.host
-                )));
-            }
-            if rule.host.parse::<std::net::IpAddr>().is_ok() || rule.host.contains('/') {
-                return Err(RuntimeError::Invalid(format!(
-                    "network destination {}:{}: a {} sandbox reaches destinations by host name                      (addresses and ranges are for fncall and container sandboxes)",
-                    rule.host,
-                    rule.port,
-                    self.machine.as_str()
-                )));
-            }
-            // Each name once: its guest address, and its addresses now (`pinned[i]` is
-            // those of `hosts[i]`).
-            let i = match hosts.iter().position(|h| h.name == rule.host) {
-                Some(i) => i,
-                None => {
-                    pinned.push(
-                        resolve(&rule.host)?
-                            .iter()
-                            .map(|a| a.to_string())
-                            .collect::<Vec<_>>()
-                            .join(" "),
-                    );
-                    hosts.push(HostName {
-                        address: format!("10.0.2.{}", 100 + hosts.len()),
-                        name: rule.host.clone(),
-                    });
-                    hosts.len() - 1
-                }
-            };
-            let (ip, addrs) = (&hosts[i].address, &pinned[i]);
-            // QEMU runs the command for each connection; commas are doubled in options.
-            let agent = self.agent.display().to_string().replace('\'', "'\\''");
-            let cmd =
-                format!("'{agent}' connect {} {} {addrs}", rule.host, rule.port).replace(',', ",,");
-            opts.push_str(&format!(",guestfwd=tcp:{ip}:{}-cmd:{cmd}", rule.port));
-        }
-        if hosts.len() > 100 {
-            return Err(RuntimeError::Invalid(
-                "a VM sandbox allows at most 100 destination hosts".into(),
-            ));
-        }
+        let tap = crate::network::setup_tap(nets, id, rules)?;
         Ok(Some((
-            opts,
+            qemu::tap_netdev(&tap.device),
             strata_agent_proto::GuestNetwork {
-                address: "10.0.2.15".into(),
-                prefix: 24,
-                hosts,
+                address: tap.guest.to_string(),
+                prefix: tap.prefix,
+                gateway: Some(tap.host.to_string()),
+                nameserver: Some(tap.host.to_string()),
+                hosts: Vec::new(),
             },
         )))
     }
@@ -522,11 +456,14 @@ impl VmBackend {
         let key = {
             // Everything a restore must match: the machine's whole command line (devices,
             // kernel command line; per-sandbox paths left out) and the kernel.
-            let files = Self::files(
+            let mut files = Self::files(
                 Path::new("/template"),
                 vec![PathBuf::from("/template/disk"); shape.disk_slots()],
                 None,
             );
+            if shape.network {
+                files.netdev = Some(qemu::tap_netdev("svtemplate"));
+            }
             let mut h = blake3::Hasher::new();
             h.update(&serde_json::to_vec(shape).unwrap_or_default());
             let cmd = qemu::command(&self.cfg.qemu, shape, &files);
@@ -557,7 +494,9 @@ impl VmBackend {
         if state.exists() {
             return Ok(state);
         }
-        // Work directories of makers that died (their QEMU died with them).
+        // Work directories and tap devices of makers that died (their QEMU died with
+        // them).
+        crate::network::reap_maker_taps();
         if let Ok(rd) = std::fs::read_dir(&root) {
             for e in rd.flatten() {
                 let name = e.file_name().to_string_lossy().into_owned();
@@ -604,7 +543,13 @@ impl VmBackend {
             disks.push(path);
         }
         disks.resize(shape.disk_slots(), disks[1].clone());
-        let files = Self::files(work, disks, None);
+        let mut files = Self::files(work, disks, None);
+        // A machine saved over a tap restores over a sandbox's (see `MakerTap`).
+        let tap = match shape.network {
+            true => Some(crate::network::MakerTap::create()?),
+            false => None,
+        };
+        files.netdev = tap.as_ref().map(|t| qemu::tap_netdev(&t.device));
         let mut child =
             Self::spawn_qemu(&self.cfg.qemu, shape, &files, &work.join("qemu.log"), None)?;
         let outcome = (|| {
@@ -619,6 +564,7 @@ impl VmBackend {
         })();
         let _ = child.kill();
         let _ = child.wait();
+        drop(tap);
         outcome.map_err(|e| {
             RuntimeError::VmStart(format!(
                 "making the VM template: {e}; console: {}",
@@ -801,11 +747,16 @@ impl VmBackend {
         AgentClient::of(sb.dir)
     }
 
-    fn start(&self, new: &NewSandbox, disks: &GuestDisks) -> Result<u32, RuntimeError> {
+    fn start(
+        &self,
+        nets: &crate::network::Networks,
+        new: &NewSandbox,
+        disks: &GuestDisks,
+    ) -> Result<u32, RuntimeError> {
         let ctx = new;
         let l = &ctx.spec.limits;
         let mut shape = self.shape(l, disks.layers.len(), ctx.spec.display)?;
-        let network = self.network(&ctx.spec.network, &mut crate::network::resolve_name)?;
+        let network = self.network(nets, ctx.id, &ctx.spec.network)?;
         shape.network = network.is_some();
         let slots = self.slots(&shape, disks)?;
         let mut memory_image = None;
@@ -893,6 +844,8 @@ impl VmBackend {
                     seed: fresh_seed(),
                     key: key.to_hex(),
                     hostname: Some(ctx.hostname.clone()),
+                    // Its own link: the snapshot's guest still has its parent's address.
+                    network: network.map(|(_, guest)| guest),
                 }),
                 "reseed",
                 Some(read_key(snapshot)?),
@@ -966,7 +919,7 @@ impl SandboxBackend for VmBackend {
         let t = Instant::now();
         let disks = self.prepare(host, new)?;
         let t_disks = t.elapsed();
-        let pid = self.start(new, &disks)?;
+        let pid = self.start(host.networks, new, &disks)?;
         // Which machine, accelerator and start path this sandbox got.
         if let Ok(machine) = std::fs::read(new.dir.join("machine.json")) {
             if let Ok(mut m) = serde_json::from_slice::<serde_json::Value>(&machine) {
@@ -1038,18 +991,22 @@ impl SandboxBackend for VmBackend {
         self.agent(sb)?.connect_port(port).map(PortStream::Relayed)
     }
 
-    /// QEMU's user network takes its forwarders when the machine starts, and a guest
-    /// created without an allowlist has no network card at all.
+    /// A guest created with an allowlist has its tap device: its host rules and egress
+    /// proxy are replaced as a container's are (the guest already asks the proxy for
+    /// names). One created without has no network card to send through.
     fn set_network(
         &self,
-        _sb: &SandboxRef,
-        _networks: &crate::network::Networks,
-        _rules: &[crate::NetRule],
+        sb: &SandboxRef,
+        networks: &crate::network::Networks,
+        rules: &[crate::NetRule],
     ) -> Result<(), RuntimeError> {
-        Err(RuntimeError::Unsupported(format!(
-            "a {} sandbox's network is fixed when its machine starts (QEMU's user network takes no new forwarders): create a new sandbox with the allowlist it needs",
-            self.machine.as_str()
-        )))
+        if !crate::network::has_tap(&sb.record.id) {
+            return Err(RuntimeError::Unsupported(format!(
+                "a {} sandbox created without network destinations has no network card: create a new sandbox with the allowlist it needs",
+                self.machine.as_str()
+            )));
+        }
+        crate::network::update(networks, &sb.record.id, sb.record.init_pid, rules).map(|_| ())
     }
 
     /// The guest's processes, by the agent (their host PID is 0: they are the guest's).
@@ -1208,6 +1165,7 @@ impl SandboxBackend for VmBackend {
             seed: fresh_seed(),
             key: key.to_hex(),
             hostname: None,
+            network: None,
         });
         AgentClient::at(socket_path(dir), Some(key))
             .request(&reseed, None, BOOT_TIMEOUT)
@@ -1382,29 +1340,6 @@ fn allocated(p: &Path) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::NetRule;
-
-    fn backend() -> VmBackend {
-        VmBackend {
-            machine: Machine::Microvm,
-            cfg: VmConfig {
-                guest_dir: PathBuf::from("/nonexistent"),
-                accel: "tcg".into(),
-                templates: false,
-                qemu: PathBuf::from("qemu-system-x86_64"),
-            },
-            agent: PathBuf::from("/opt/it's strata/strata-agent"),
-            guest_agent: None,
-            dir: PathBuf::from("/nonexistent"),
-        }
-    }
-
-    fn rule(host: &str, port: u16) -> NetRule {
-        NetRule {
-            host: host.into(),
-            port,
-        }
-    }
 
     #[test]
     fn cache_files_unused_for_a_week_are_pruned_and_used_ones_kept() {
@@ -1425,74 +1360,5 @@ mod tests {
             .collect();
         left.sort();
         assert_eq!(left, ["fresh.state", "other.img", "used.state"]);
-    }
-
-    #[test]
-    fn an_allowlist_becomes_one_forwarder_per_destination_and_names_in_hosts() {
-        let b = backend();
-        let mut asked = Vec::new();
-        let mut resolve = |h: &str| {
-            asked.push(h.to_string());
-            Ok(vec![
-                std::net::Ipv4Addr::new(151, 101, 0, 223),
-                std::net::Ipv4Addr::new(151, 101, 64, 223),
-            ])
-        };
-        assert!(b.network(&[], &mut resolve).unwrap().is_none());
-        let (opts, guest) = b
-            .network(
-                &[
-                    rule("pypi.org", 443),
-                    rule("pypi.org", 80),
-                    rule("files.example", 443),
-                ],
-                &mut resolve,
-            )
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            asked,
-            ["pypi.org", "files.example"],
-            "each name resolved once"
-        );
-        assert!(opts.starts_with("restrict=on,"), "{opts}");
-        assert!(
-            opts.contains(
-                "guestfwd=tcp:10.0.2.100:443-cmd:'/opt/it'\\''s strata/strata-agent' connect pypi.org 443 151.101.0.223 151.101.64.223"
-            ),
-            "{opts}"
-        );
-        assert!(opts.contains("guestfwd=tcp:10.0.2.100:80-cmd:"), "{opts}");
-        assert!(opts.contains("guestfwd=tcp:10.0.2.101:443-cmd:"), "{opts}");
-        let hosts: Vec<(&str, &str)> = guest
-            .hosts
-            .iter()
-            .map(|h| (h.address.as_str(), h.name.as_str()))
-            .collect();
-        assert_eq!(
-            hosts,
-            [("10.0.2.100", "pypi.org"), ("10.0.2.101", "files.example")]
-        );
-        assert_eq!(guest.address, "10.0.2.15");
-    }
-
-    #[test]
-    fn a_destination_a_shell_would_interpret_or_an_address_is_refused() {
-        let b = backend();
-        for bad in [
-            "x;rm -rf /",
-            "$(id)",
-            "a b",
-            "-o",
-            "h`id`",
-            "1.1.1.1",
-            "10.0.0.0/8",
-        ] {
-            let e = b
-                .network(&[rule(bad, 80)], &mut |_| Ok(Vec::new()))
-                .unwrap_err()
-                .to_string();
-            assert!(e.contains(bad), "{bad}: {e}");
-        }
     }
 }

@@ -311,8 +311,14 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
         ]);
     }
     if shape.network {
-        let opts = files.netdev.as_deref().unwrap_or("restrict=on");
-        cmd.args(["-netdev", &format!("user,id=net,{opts}")]);
+        // A sandbox's tap device; a template's machine (which reaches nothing) a user
+        // network; an older build's saved options are a user network's.
+        let netdev = match files.netdev.as_deref() {
+            Some(o) if o.starts_with("tap,") => o.to_string(),
+            Some(o) => format!("user,id=net,{o}"),
+            None => "user,id=net,restrict=on".to_string(),
+        };
+        cmd.args(["-netdev", &netdev]);
         cmd.args(["-device", &format!("{},netdev=net", m.device("virtio-net"))]);
     } else {
         cmd.arg("-nic").arg("none");
@@ -331,6 +337,12 @@ pub fn command(qemu: &Path, shape: &MachineShape, files: &MachineFiles) -> Comma
         (None, _) => {}
     }
     cmd
+}
+
+/// `-netdev` options for a machine whose network card is the other end of host tap
+/// `device`.
+pub fn tap_netdev(device: &str) -> String {
+    format!("tap,id=net,ifname={device},script=no,downscript=no,vhost=off")
 }
 
 /// QEMU option values escape ',' by doubling it.
