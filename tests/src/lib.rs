@@ -398,6 +398,61 @@ impl Drop for HostServer {
     }
 }
 
+/// What a command printed to its stdout, counted as it arrives (never held), with its
+/// exit status, its stderr and its peak resident memory (VmHWM, KiB) while it ran.
+pub struct Streamed {
+    pub status: std::process::ExitStatus,
+    pub bytes: u64,
+    pub stderr: String,
+    pub peak_kib: u64,
+}
+
+/// Runs `cmd`, reading its stdout as fast as it comes, watching its peak memory.
+pub fn stream_and_watch(cmd: &mut Command) -> Streamed {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting the command");
+    let status_file = format!("/proc/{}/status", child.id());
+    let peak = std::sync::Arc::new(AtomicU64::new(0));
+    let watcher = {
+        let peak = peak.clone();
+        std::thread::spawn(move || {
+            // VmHWM is the peak so far: the last reading before the exit is the peak.
+            while let Ok(status) = std::fs::read_to_string(&status_file) {
+                let hwm = status
+                    .lines()
+                    .find_map(|l| l.strip_prefix("VmHWM:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok());
+                match hwm {
+                    Some(kib) => peak.fetch_max(kib, Ordering::Relaxed),
+                    None => break,
+                };
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        })
+    };
+    let mut stdout = child.stdout.take().expect("stdout");
+    let mut bytes = 0u64;
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match std::io::Read::read(&mut stdout, &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => bytes += n as u64,
+        }
+    }
+    let out = child.wait_with_output().expect("waiting for the command");
+    let _ = watcher.join();
+    Streamed {
+        status: out.status,
+        bytes,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        peak_kib: peak.load(Ordering::Relaxed),
+    }
+}
+
 /// Host memory held and not reclaimable: anonymous pages (a guest's RAM, QEMU's own),
 /// shared memory and the kernel's unreclaimable parts. Page cache is left out: it is
 /// given back on demand, and MemAvailable's estimate of it moves by ~100 MiB with

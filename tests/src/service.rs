@@ -185,6 +185,21 @@ impl Drop for Service {
     }
 }
 
+/// A command of an unmodified E2B client, pointed at `url` (both URLs) with `token`.
+pub fn e2b_client(program: impl AsRef<std::ffi::OsStr>, url: &str, token: &str) -> Command {
+    let mut c = Command::new(program);
+    c.env("E2B_API_URL", url)
+        .env("E2B_SANDBOX_URL", url)
+        .env("E2B_API_KEY", token)
+        .env("PYTHONUNBUFFERED", "1");
+    c
+}
+
+/// The E2B suite's script (`tests/e2b/suite.py`).
+pub fn e2b_suite() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("e2b/suite.py")
+}
+
 /// The Python of a virtual environment holding this checkout's SDK (`sdk/python`, with
 /// its dependencies from PyPI), made once per test process.
 pub fn python_sdk() -> PathBuf {

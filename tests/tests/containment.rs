@@ -185,6 +185,153 @@ fn a_recursive_grep_of_everything_completes_and_finds_nothing_of_the_host() {
     );
 }
 
+/// SECURITY.md, "the node service" (what a sandbox sends back crosses in bounded pieces
+/// with back-pressure): `yes` into an exec's output (`STRATA_FLOOD_SECONDS`, 10 s by default;
+/// the issue's minute by hand), on every backend, through the embedded CLI (streamed to its
+/// reader: the CLI peaks under 96 MiB), the gRPC API's unary exec (4 MiB kept, `truncated`)
+/// and the E2B API (streamed in pieces to the `e2b` SDK). Meanwhile the service's memory
+/// grows by less than 128 MiB and its log by less than 64 KiB; afterwards the host's memory
+/// is back within 64 MiB and the home's disk use within 64 MiB of before (layer data read
+/// into its cache meanwhile is the home's; gigabytes of output are not).
+#[test]
+fn endless_output_is_bounded_through_every_way_in_on_every_backend() {
+    let Some(env) = env("containment_flood") else {
+        return;
+    };
+    let seconds: u64 = std::env::var("STRATA_FLOOD_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10);
+    let home = env.cli.sharing_store("containment-flood-");
+    let project = format!("flood{}", std::process::id());
+    home.ok(&["project", "create", &project]);
+    let token = home
+        .ok(&["token", "create", "--project", &project])
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let svc = strata_tests::service::Service::start_e2b(&home, "exec_output_cap = \"4M\"\n");
+    let disk_used = |p: &std::path::Path| -> u64 {
+        strata_tests::sh(&format!(
+            "du -sk --exclude=serve.log {} | cut -f1",
+            p.display()
+        ))
+        .trim()
+        .parse::<u64>()
+        .unwrap_or(0)
+            << 10
+    };
+    // Warm: the pools and caches the first sandboxes make are not the flood's.
+    for backend in BACKENDS {
+        home.ok(&["run", "--backend", backend, &env.reference, "--", "true"]);
+    }
+    let (rss, log) = (svc.peak_rss(), svc.log_text().len());
+    let (memory, disk) = (strata_tests::host_used_bytes(), disk_used(&home.home));
+    let mut report = Vec::new();
+    for backend in BACKENDS {
+        // The CLI, embedded: the command exits by its timeout (124), every byte read.
+        let script = format!("timeout {seconds} yes");
+        let cli = strata_tests::stream_and_watch(&mut home.cmd(&[
+            "run",
+            "--backend",
+            backend,
+            &env.reference,
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ]));
+        assert_eq!(cli.status.code(), Some(124), "{backend}: {}", cli.stderr);
+        assert!(
+            cli.bytes > 1 << 20,
+            "{backend}: {} bytes through the CLI",
+            cli.bytes
+        );
+        assert!(
+            cli.peak_kib > 0 && cli.peak_kib < 96 << 10,
+            "{backend}: the CLI peaked at {} KiB",
+            cli.peak_kib
+        );
+        // gRPC, a unary exec: capped and marked.
+        let grpc = strata_tests::service::python_ok(
+            &svc,
+            &token,
+            &format!(
+                r#"
+import asyncio, strata
+async def main():
+    async with strata.AsyncClient() as c:
+        async with await c.create("{sample}", backend="{backend}") as sb:
+            r = await sb.exec("timeout {seconds} yes", timeout="5m")
+            assert r.truncated and len(r.stdout_raw) == 4 << 20, (r.truncated, len(r.stdout_raw))
+            assert r.stdout_bytes > 4 << 20, r.stdout_bytes
+            print(r.stdout_bytes)
+asyncio.run(main())
+"#,
+                sample = env.reference
+            ),
+        );
+        // The E2B API, streamed to the SDK.
+        let o = strata_tests::service::e2b_client(
+            strata_tests::service::e2b_python(strata_tests::service::E2B_PYTHON[0]),
+            &svc.e2b_url(),
+            &token,
+        )
+        .env("FLOOD_SECONDS", seconds.to_string())
+        .arg(strata_tests::service::e2b_suite())
+        .args(["flood", backend, &env.reference])
+        .output()
+        .expect("the e2b suite");
+        let (out, err) = text(&o);
+        assert!(o.status.success(), "{backend}: e2b flood: {out}{err}");
+        let e2b = out
+            .lines()
+            .find_map(|l| l.strip_prefix("FLOODED "))
+            .unwrap_or_else(|| panic!("{backend}: {out}"))
+            .to_string();
+        report.push(format!(
+            "{backend}: CLI {} MiB (peak {} MiB), gRPC {} MiB printed (4 MiB kept), E2B {} (bytes pieces)",
+            cli.bytes >> 20,
+            cli.peak_kib >> 10,
+            grpc.trim().parse::<u64>().unwrap_or(0) >> 20,
+            e2b
+        ));
+    }
+    let grown = svc.peak_rss().saturating_sub(rss);
+    let logged = svc.log_text().len().saturating_sub(log);
+    drop(svc);
+    assert!(grown < 128 << 20, "the service grew by {} MiB", grown >> 20);
+    assert!(logged < 64 << 10, "the service logged {logged} bytes");
+    home.ok(&["sandbox", "pool", "--drain"]);
+    let left = strata_tests::home::sandboxes_in(&home.home);
+    assert!(left.is_empty(), "sandboxes left: {left:?}");
+    let after_disk = disk_used(&home.home);
+    assert!(
+        after_disk < disk + (64 << 20),
+        "the home's disk use went from {} to {} MiB",
+        disk >> 20,
+        after_disk >> 20
+    );
+    let after = strata_tests::host_used_bytes();
+    assert!(
+        after < memory + (64 << 20),
+        "the host's memory in use went from {} to {} MiB",
+        memory >> 20,
+        after >> 20
+    );
+    eprintln!(
+        "flood ({seconds} s of yes each): service grew {} MiB, logged {logged} bytes; host memory {} -> {} MiB, home disk {} -> {} MiB\n{}",
+        grown >> 20,
+        memory >> 20,
+        after >> 20,
+        disk >> 20,
+        after_disk >> 20,
+        report.join("\n")
+    );
+}
+
 /// SECURITY.md, "confinement every sandbox gets" (budgets in cgroups, a disk budget as a
 /// filesystem of its own): the usual escapes from a budget are held and attributed. A
 /// tmpfs filled inside counts against memory (VM guests; see below); a disk's inodes run
@@ -1051,6 +1198,8 @@ fn assert_nothing_left(home: &strata_tests::home::CliHome) -> usize {
         )
         .into_owned()
     };
+    // Pooled uppers are the home's, not a sandbox's: given back first.
+    home.ok(&["sandbox", "pool", "--drain"]);
     let namespaces = output("ip", &["netns", "list"]);
     let links = output("ip", &["-o", "link", "show"]);
     let rules = output("nft", &["list", "table", "inet", "strata"]);

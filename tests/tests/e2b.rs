@@ -4,7 +4,6 @@
 //! token), as a user switching from E2B would. The Python scenarios are in
 //! `tests/e2b/suite.py`; each asserts what the real sandbox did.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -12,7 +11,7 @@ use std::time::Instant;
 use strata_tests::home::{
     can_hibernate_containers, can_run_sandboxes, can_run_vms, CliHome, SampleEnv,
 };
-use strata_tests::service::{e2b_node, e2b_python, Service, E2B_PYTHON};
+use strata_tests::service::{e2b_client, e2b_node, e2b_python, e2b_suite, Service, E2B_PYTHON};
 use strata_tests::{have_tool, mounts_under, HostServer};
 
 static ENV: OnceLock<Option<SampleEnv>> = OnceLock::new();
@@ -43,16 +42,6 @@ fn service(
     (home, svc, token)
 }
 
-/// A command of an unmodified E2B client, pointed at `url` (both URLs) with `token`.
-fn e2b_client(program: impl AsRef<std::ffi::OsStr>, url: &str, token: &str) -> Command {
-    let mut c = Command::new(program);
-    c.env("E2B_API_URL", url)
-        .env("E2B_SANDBOX_URL", url)
-        .env("E2B_API_KEY", token)
-        .env("PYTHONUNBUFFERED", "1");
-    c
-}
-
 /// Asserts a client run succeeded, showing its output and the service's log if not.
 fn assert_client_ok(o: &std::process::Output, what: &str, svc: &Service) {
     assert!(
@@ -80,10 +69,6 @@ fn host_probe() -> &'static str {
         .1
 }
 
-fn suite() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("e2b/suite.py")
-}
-
 /// Runs a scenario of the suite with one SDK release; panics with its output and the
 /// service's log when it fails.
 fn run_suite(
@@ -97,7 +82,7 @@ fn run_suite(
     let t = Instant::now();
     let o = e2b_client(e2b_python(version), &svc.e2b_url(), token)
         .env("HOST_PROBE", host_probe())
-        .arg(suite())
+        .arg(e2b_suite())
         .args([scenario, backend, template])
         .output()
         .expect("running the e2b suite");
@@ -251,7 +236,7 @@ fn e2b_python_sdk_drives_microvm_and_vm_sandboxes() {
             continue;
         }
         let o = e2b_client(e2b_python(E2B_PYTHON[0]), &svc.e2b_url(), &token)
-            .arg(suite())
+            .arg(e2b_suite())
             .args(["hibernate", backend, &env.reference])
             .output()
             .expect("running the e2b suite");

@@ -136,58 +136,19 @@ fn streamed_output_is_never_held_in_memory() {
     const BOUND_KIB: u64 = 96 << 10;
     for backend in BACKENDS {
         let script = format!("yes | head -c {BYTES}");
-        let mut child = env
-            .cmd(&[
-                "run",
-                "--backend",
-                backend,
-                &env.reference,
-                "--",
-                "sh",
-                "-c",
-                &script,
-            ])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .expect("strata run");
-        let status_file = format!("/proc/{}/status", child.id());
-        let peak = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let watcher = {
-            let peak = peak.clone();
-            std::thread::spawn(move || {
-                // VmHWM is the peak so far: the last reading before the exit is the peak.
-                while let Ok(status) = std::fs::read_to_string(&status_file) {
-                    let hwm = status
-                        .lines()
-                        .find_map(|l| l.strip_prefix("VmHWM:"))
-                        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok());
-                    match hwm {
-                        Some(kib) => peak.fetch_max(kib, std::sync::atomic::Ordering::Relaxed),
-                        None => break,
-                    };
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            })
-        };
-        let mut stdout = child.stdout.take().unwrap();
-        let mut counted = 0u64;
-        let mut buf = vec![0u8; 1 << 16];
-        loop {
-            match std::io::Read::read(&mut stdout, &mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => counted += n as u64,
-            }
-        }
-        let out = child.wait_with_output().expect("strata run");
-        watcher.join().unwrap();
-        assert!(
-            out.status.success(),
-            "{backend}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert_eq!(counted, BYTES, "{backend}: every byte is delivered");
-        let peak = peak.load(std::sync::atomic::Ordering::Relaxed);
+        let out = strata_tests::stream_and_watch(&mut env.cmd(&[
+            "run",
+            "--backend",
+            backend,
+            &env.reference,
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ]));
+        assert!(out.status.success(), "{backend}: {}", out.stderr);
+        assert_eq!(out.bytes, BYTES, "{backend}: every byte is delivered");
+        let peak = out.peak_kib;
         assert!(peak > 0, "{backend}: the CLI's memory was never read");
         assert!(
             peak < BOUND_KIB,
