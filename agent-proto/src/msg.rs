@@ -177,6 +177,23 @@ pub struct GuestSetup {
     /// but close-on-exec descriptors.
     #[serde(default)]
     pub privileged: bool,
+    /// Layers only read-only views use (disks beside the stack's).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub view_layers: Vec<GuestLayer>,
+    /// Read-only views mounted over the root before any command runs (an evaluation's
+    /// grader files and protected paths), in this order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub views: Vec<GuestView>,
+}
+
+/// A read-only view over the guest's root: `from` of its tree mounted at `at`. The tree
+/// is one layer, or several stacked without an upper (top-most first), each named by
+/// index: below `layers.len()` one of the stack's, else `view_layers[i - layers.len()]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GuestView {
+    pub layers: Vec<usize>,
+    pub from: String,
+    pub at: String,
 }
 
 /// The disk holding a guest's root image, and which of its partitions is the root.

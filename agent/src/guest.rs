@@ -236,7 +236,7 @@ fn set_up(s: &GuestSetup) -> Result<(), String> {
     }
     mark("driver");
     let mut wanted: Vec<&str> = vec![s.upper.as_str()];
-    for layer in &s.layers {
+    for layer in s.layers.iter().chain(&s.view_layers) {
         wanted.push(&layer.meta);
         wanted.extend(layer.blob.as_deref());
     }
@@ -252,7 +252,7 @@ fn set_up(s: &GuestSetup) -> Result<(), String> {
     mark("disks");
 
     let mut lower = Vec::new();
-    for (i, layer) in s.layers.iter().enumerate() {
+    for (i, layer) in s.layers.iter().chain(&s.view_layers).enumerate() {
         let meta = &layer.meta;
         let dir = format!("{RUN}/layers/{i}");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{dir}: {e}"))?;
@@ -267,6 +267,9 @@ fn set_up(s: &GuestSetup) -> Result<(), String> {
         .map_err(|e| format!("mounting layer {i} ({meta}) at {dir}: {e}"))?;
         lower.push(dir);
     }
+    // The views' own layers are mounted beside the stack's, not in it.
+    let mounted_layers = lower.clone();
+    lower.truncate(s.layers.len());
     if let Some(image) = &s.root_image {
         let dir = format!("{RUN}/image");
         std::fs::create_dir_all(&dir).map_err(|e| format!("{dir}: {e}"))?;
@@ -314,6 +317,7 @@ fn set_up(s: &GuestSetup) -> Result<(), String> {
     )
     .map_err(|e| format!("mounting the overlay: {e}"))?;
     mark("overlay");
+    mount_views(&root, &mounted_layers, &s.views)?;
     enter_root(&root, s.privileged)?;
     nix::unistd::sethostname(&s.hostname).map_err(|e| format!("sethostname: {e}"))?;
     if let Some(net) = &s.network {
@@ -324,6 +328,70 @@ fn set_up(s: &GuestSetup) -> Result<(), String> {
     console(&format!("strata-agent: set up: {}", marks.join(", ")));
     *done = true;
     Ok(())
+}
+
+/// Mounts the read-only views over the root at `root` (before the agent enters it, so
+/// before any command runs), each tree one of `layers` (the mounted layers: the stack's,
+/// then the views' own) or several stacked without an upper, by the rules the host's
+/// views follow (`strata_host::views`).
+fn mount_views(
+    root: &str,
+    layers: &[String],
+    views: &[strata_agent_proto::GuestView],
+) -> Result<(), String> {
+    if views.is_empty() {
+        return Ok(());
+    }
+    let open_dir = |p: &str| {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+            .open(p)
+            .map_err(|e| format!("{p}: {e}"))
+    };
+    let mut trees = Vec::new();
+    for (i, v) in views.iter().enumerate() {
+        let dirs = v
+            .layers
+            .iter()
+            .map(|&j| {
+                layers.get(j).cloned().ok_or_else(|| {
+                    format!("the view at {} names layer {j}, which is not mounted", v.at)
+                })
+            })
+            .collect::<Result<Vec<String>, String>>()?;
+        let tree = match dirs.as_slice() {
+            [] => return Err(format!("the read-only view at {} has no layers", v.at)),
+            [one] => one.clone(),
+            many => {
+                let dir = format!("{RUN}/views/{i}");
+                std::fs::create_dir_all(&dir).map_err(|e| format!("{dir}: {e}"))?;
+                // Without an upper, overlayfs mounts read-only.
+                mount(
+                    Some("overlay"),
+                    dir.as_str(),
+                    Some("overlay"),
+                    MsFlags::MS_RDONLY,
+                    Some(format!("lowerdir={}", many.join(":")).as_str()),
+                )
+                .map_err(|e| format!("stacking the layers of the view at {}: {e}", v.at))?;
+                dir
+            }
+        };
+        trees.push(open_dir(&tree)?);
+    }
+    let root = open_dir(root)?;
+    let views: Vec<strata_host::views::View<'_>> = views
+        .iter()
+        .zip(&trees)
+        .map(|(v, tree)| strata_host::views::View {
+            tree,
+            from: &v.from,
+            at: &v.at,
+        })
+        .collect();
+    strata_host::views::mount_views(&root, &views).map_err(|e| e.to_string())
 }
 
 /// Drops the pages the kernel cached from a disk: in a guest restored from a template

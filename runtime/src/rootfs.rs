@@ -44,7 +44,7 @@ pub fn assemble(
     facts: &Path,
 ) -> Result<(), RuntimeError> {
     let t = std::time::Instant::now();
-    bind_layers(lazyfs, layer_ids, paths)?;
+    bind_layers(lazyfs, layer_ids, &paths.layers)?;
     let t_binds = t.elapsed();
     for d in [&paths.upper, &paths.work, &paths.merged] {
         std::fs::create_dir_all(d).map_err(RuntimeError::io(d))?;
@@ -89,16 +89,19 @@ pub fn assemble(
 pub fn bind_layers(
     lazyfs: &LazyfsAccess,
     layer_ids: &[String],
-    paths: &RootfsPaths,
+    dirs: &[PathBuf],
 ) -> Result<Vec<Attached>, RuntimeError> {
+    if layer_ids.is_empty() {
+        return Ok(Vec::new());
+    }
     let mut client = lazyfs.client()?;
-    for dir in &paths.layers {
+    for dir in dirs {
         std::fs::create_dir_all(dir).map_err(RuntimeError::io(dir))?;
     }
     let binds = layer_ids
         .iter()
         .cloned()
-        .zip(paths.layers.iter().cloned())
+        .zip(dirs.iter().cloned())
         .collect();
     match client.call(&Request::MountMany { binds })? {
         Response::AttachedMany { layers } => Ok(layers),
@@ -263,33 +266,7 @@ pub fn mount_views(
             )))
         }
     }
-    let root = open_dir(merged)?;
-    // Every directory on the way to a view is made a mount point (bound onto itself, still
-    // writable) before the views are mounted: a mount point cannot be renamed, so a
-    // process in the sandbox cannot move `/work` aside and put a `/work/tests` of its own
-    // where the grader's absolute paths lead.
-    let mut ancestors: Vec<String> = views
-        .iter()
-        .flat_map(|v| {
-            let parts: Vec<&str> = v.at.split('/').filter(|p| !p.is_empty()).collect();
-            (1..parts.len())
-                .map(|n| format!("/{}", parts[..n].join("/")))
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    ancestors.sort_by_key(|a| (a.matches('/').count(), a.clone()));
-    ancestors.dedup();
-    for at in &ancestors {
-        let dir = mount_target(&root, at, true)?;
-        nix::mount::mount(
-            Some(fd_path(&dir).as_str()),
-            fd_path(&dir).as_str(),
-            None::<&str>,
-            nix::mount::MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .map_err(|e| RuntimeError::Setup(format!("pinning {at} in place: {e}")))?;
-    }
+    let mut trees = Vec::new();
     for (i, view) in views.iter().enumerate() {
         let tree = if view.layers.len() == 1 {
             dir(i).join("0")
@@ -307,108 +284,28 @@ pub fn mount_views(
             mount_overlay(&target, &data)?;
             target
         };
-        let tree = open_dir(&tree)?;
-        let from = view.from.trim_start_matches('/');
-        let source = if from.is_empty() {
-            tree.try_clone().map(std::os::fd::OwnedFd::from)
-        } else {
-            strata_host::fs::open_beneath(&tree, from, libc::O_PATH, 0)
-        }
-        .map_err(|e| {
-            RuntimeError::Invalid(format!(
-                "{} is not in the layers of the view at {} without a symlink: {e}",
-                view.from, view.at
-            ))
-        })?;
-        let is_dir = nix::sys::stat::fstat(&source)
-            .map(|st| st.st_mode & libc::S_IFMT == libc::S_IFDIR)
-            .map_err(|e| RuntimeError::Setup(format!("the view at {}: {e}", view.at)))?;
-        let target = mount_target(&root, &view.at, is_dir)?;
-        nix::mount::mount(
-            Some(fd_path(&source).as_str()),
-            fd_path(&target).as_str(),
-            None::<&str>,
-            nix::mount::MsFlags::MS_BIND,
-            None::<&str>,
-        )
-        .map_err(|e| RuntimeError::Setup(format!("binding the view at {}: {e}", view.at)))?;
-        // The path now crosses into the bind: its root is what is made read-only.
-        let mounted =
-            strata_host::fs::open_beneath(&root, view.at.trim_start_matches('/'), libc::O_PATH, 0)
-                .map_err(RuntimeError::io(Path::new(&view.at)))?;
-        use nix::mount::MsFlags;
-        nix::mount::mount(
-            None::<&str>,
-            fd_path(&mounted).as_str(),
-            None::<&str>,
-            MsFlags::MS_REMOUNT
-                | MsFlags::MS_BIND
-                | MsFlags::MS_RDONLY
-                | MsFlags::MS_NOSUID
-                | MsFlags::MS_NODEV,
-            None::<&str>,
-        )
-        .map_err(|e| {
-            RuntimeError::Setup(format!("making the view at {} read-only: {e}", view.at))
-        })?;
+        trees.push(open_dir(&tree)?);
     }
-    Ok(())
-}
-
-/// Opens (making what is missing) the path `at` under `root` as a mount target: a
-/// directory, or an empty file when the source is one. No symlink is followed on the way.
-fn mount_target(
-    root: &std::fs::File,
-    at: &str,
-    is_dir: bool,
-) -> Result<std::os::fd::OwnedFd, RuntimeError> {
-    use std::os::fd::OwnedFd;
-    let refused = |e: std::io::Error, part: &str| {
-        if e.raw_os_error() == Some(libc::ELOOP) {
-            RuntimeError::Invalid(format!(
-                "cannot mount at {at}: the sandbox's root has a symlink at {part} on the way"
-            ))
-        } else {
-            RuntimeError::Invalid(format!("cannot mount at {at} ({part}): {e}"))
-        }
-    };
-    let parts: Vec<&str> = at.split('/').filter(|p| !p.is_empty()).collect();
-    let mut cur: OwnedFd = root
-        .try_clone()
-        .map(OwnedFd::from)
-        .map_err(RuntimeError::io(Path::new(at)))?;
-    for (n, part) in parts.iter().enumerate() {
-        let last = n + 1 == parts.len();
-        let so_far = format!("/{}", parts[..=n].join("/"));
-        if last && !is_dir {
-            return strata_host::fs::open_beneath(&cur, part, libc::O_PATH, 0)
-                .or_else(|e| {
-                    if e.kind() != std::io::ErrorKind::NotFound {
-                        return Err(e);
-                    }
-                    strata_host::fs::open_beneath(&cur, part, libc::O_CREAT | libc::O_WRONLY, 0o644)
-                })
-                .map_err(|e| refused(e, &so_far));
-        }
-        let open = |cur: &OwnedFd| {
-            strata_host::fs::open_beneath(cur, part, libc::O_PATH | libc::O_DIRECTORY, 0)
-        };
-        cur = match open(&cur) {
-            Ok(fd) => fd,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                strata_host::fs::mkdir_at(&cur, part).map_err(|e| refused(e, &so_far))?;
-                open(&cur).map_err(|e| refused(e, &so_far))?
-            }
-            Err(e) => return Err(refused(e, &so_far)),
-        };
-    }
-    Ok(cur)
+    let root = open_dir(merged)?;
+    let views: Vec<strata_host::views::View<'_>> = views
+        .iter()
+        .zip(&trees)
+        .map(|(v, tree)| strata_host::views::View {
+            tree,
+            from: &v.from,
+            at: &v.at,
+        })
+        .collect();
+    strata_host::views::mount_views(&root, &views).map_err(|e| match e {
+        strata_host::views::ViewError::Refused(m) => RuntimeError::Invalid(m),
+        strata_host::views::ViewError::Mount(m) => RuntimeError::Setup(m),
+    })
 }
 
 /// How a descriptor is named in mount options and calls: `/proc/self/fd/N`, so nothing
 /// of where it lives on the host shows in the sandbox's mountinfo.
 fn fd_path(fd: &impl AsRawFd) -> String {
-    format!("/proc/self/fd/{}", fd.as_raw_fd())
+    strata_host::views::fd_path(fd)
 }
 
 /// A directory as a path descriptor (to name as [`fd_path`], or to resolve beneath).
@@ -522,32 +419,4 @@ pub fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_mount_target_never_passes_a_symlink() {
-        let dir = tempfile::tempdir().unwrap();
-        let root = dir.path().join("root");
-        std::fs::create_dir_all(root.join("real")).unwrap();
-        std::os::unix::fs::symlink("/real", root.join("work")).unwrap();
-        std::os::unix::fs::symlink("/etc", root.join("etc")).unwrap();
-        let r = std::fs::File::open(&root).unwrap();
-        let err = mount_target(&r, "/work/tests", true)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("symlink at /work"), "{err}");
-        let err = mount_target(&r, "/etc/passwd", false)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("symlink at /etc"), "{err}");
-        // Missing directories are made, a file target is made empty.
-        mount_target(&r, "/real/a/b", true).unwrap();
-        assert!(root.join("real/a/b").is_dir());
-        mount_target(&r, "/real/f", false).unwrap();
-        assert_eq!(std::fs::read(root.join("real/f")).unwrap(), b"");
-    }
 }

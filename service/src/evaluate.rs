@@ -267,19 +267,9 @@ impl Grading {
         })
     }
 
-    /// The evaluation sandbox's backend: `requested`, else the agent's, but a container
-    /// for a microvm or vm agent whose entry has read-only views (the host mounts them).
+    /// The evaluation sandbox's backend: `requested`, else the agent's.
     pub fn backend(&self, agent: Backend, requested: Option<Backend>) -> Backend {
-        let views = self
-            .reg
-            .entry
-            .evaluator
-            .as_ref()
-            .is_some_and(|e| e.layer.is_some() || !e.protect.is_empty());
-        requested.unwrap_or(match agent {
-            Backend::Microvm | Backend::Vm if views => Backend::Container,
-            b => b,
-        })
+        requested.unwrap_or(agent)
     }
 }
 

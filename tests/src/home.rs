@@ -636,6 +636,193 @@ echo checked
         }
     }
 
+    /// SECURITY.md, "evaluation", on `backend`: an agent's sandbox can change neither what
+    /// grades it nor how (see the runtime and vm tests that call it).
+    pub fn assert_grader_untouchable(&self, backend: &str) {
+        let env = self;
+        let graded = env.graded().to_string();
+        let tamper = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("probes/tampering_wordfreq.py")
+            .display()
+            .to_string();
+        // The evaluation sandboxes made, by the `evaluated` records of the graded ones.
+        let mut graders: Vec<String> = Vec::new();
+        let evaluated = |id: &str| -> serde_json::Value {
+            let audit = env.ok(&["sandbox", "audit", id]);
+            audit
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                .find(|l| l["event"] == "evaluated")
+                .unwrap_or_else(|| panic!("no evaluated event: {audit}"))
+        };
+        let honest = env.ok(&["sandbox", "create", "--backend", backend, &graded]);
+        let honest = honest.lines().last().unwrap_or_default().trim().to_string();
+        let o = env.cli(&["sandbox", "evaluate", &honest, "--command", "grade"]);
+        let (out, err) = text(&o);
+        assert_eq!(
+            o.status.code(),
+            Some(0),
+            "{backend}: honest grade: {out}{err}"
+        );
+        assert!(out.contains("5 passed"), "{backend}: {out}");
+        assert!(
+            err.contains("the agent changed 0 paths"),
+            "{backend}: {err}"
+        );
+        graders.extend(evaluated(&honest)["sandbox"].as_str().map(str::to_string));
+
+        let agent = env.ok(&["sandbox", "create", "--backend", backend, &graded]);
+        let agent = agent.lines().last().unwrap_or_default().trim().to_string();
+        env.ok(&["sandbox", "cp", &tamper, &format!("{agent}:/tmp/tamper.py")]);
+        // (The commands of fncall sandboxes and VM guests cannot write in a new top-level
+        // directory: their Landlock rules keep the root's top level as it is.)
+        let top_level_kept = backend != "container";
+        env.sh_ok(
+            &agent,
+            &format!("set -e; cp /tmp/tamper.py /work/src/wordfreq/__init__.py; \
+             printf 'def test_passes():\\n    pass\\n' > /work/tests/test_wordfreq.py; \
+             (mkdir -p /evaluator && echo 'collect_ignore_glob = [\"*\"]' > /evaluator/conftest.py) 2>/dev/null \
+               || {top_level_kept}; \
+             echo tampered > /usr/lib/os-release; cp /bin/true /bin/bash"),
+        );
+        let o = env.cli(&[
+            "sandbox",
+            "evaluate",
+            &agent,
+            "--command",
+            "grade",
+            "--json",
+        ]);
+        let (out, err) = text(&o);
+        let done: serde_json::Value = serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("{backend}: evaluate --json: {e}: {out}{err}"));
+        assert_eq!(
+            o.status.code(),
+            done["exit_code"].as_i64().map(|c| c as i32)
+        );
+        graders.extend(done["sandbox"].as_str().map(str::to_string));
+        assert_eq!(
+            done["backend"], backend,
+            "graded on another backend: {done}"
+        );
+        assert_ne!(
+            done["exit_code"], 0,
+            "{backend}: the gamed grade passed: {done}"
+        );
+        let stdout = done["stdout"].as_str().unwrap_or_default();
+        // The workspace's own four tests and the grader's ran (only `test_empty` holds for
+        // an empty answer).
+        assert!(stdout.contains("4 failed, 1 passed"), "{backend}: {stdout}");
+        assert!(stdout.contains("test_hidden.py"), "{backend}: {stdout}");
+        // Writes meet a read-only file system; moves a mount point (or, on fncall, the
+        // Landlock rules of the root) refuses.
+        for (attempt, refusal) in [
+            (
+                "write /work/tests/test_wordfreq.py",
+                Some("Read-only file system"),
+            ),
+            (
+                "write /evaluator/test_hidden.py",
+                Some("Read-only file system"),
+            ),
+            ("add /evaluator/conftest.py", Some("Read-only file system")),
+            (
+                "remove /work/tests/test_wordfreq.py",
+                Some("Read-only file system"),
+            ),
+            ("move /work/tests away", None),
+            ("move /work away", None),
+        ] {
+            let line = stdout
+                .lines()
+                .find(|l| l.starts_with(&format!("{attempt}: ")))
+                .unwrap_or_else(|| panic!("{backend}: {attempt} not tried: {stdout}"));
+            assert!(!line.ends_with(": done"), "{backend}: {line}");
+            if let Some(refusal) = refusal {
+                assert!(line.ends_with(refusal), "{backend}: {line}");
+            }
+        }
+        let changed: Vec<(String, bool)> = done["changed"]
+            .as_array()
+            .expect("changed")
+            .iter()
+            .map(|c| {
+                (
+                    c["path"].as_str().unwrap_or_default().to_string(),
+                    c["protected"].as_bool().unwrap_or(false),
+                )
+            })
+            .collect();
+        let planted = (!top_level_kept).then_some(("/evaluator/conftest.py", true));
+        for (path, protected) in [
+            ("/work/tests/test_wordfreq.py", true),
+            ("/work/src/wordfreq/__init__.py", false),
+            ("/usr/lib/os-release", false),
+            ("/usr/bin/bash", false),
+        ]
+        .into_iter()
+        .chain(planted)
+        {
+            assert!(
+                changed.contains(&(path.to_string(), protected)),
+                "{backend}: {path} (protected {protected}) not in {changed:?}"
+            );
+        }
+        let evaluated = evaluated(&agent);
+        assert_eq!(evaluated["exit_code"], done["exit_code"], "{evaluated}");
+        let tampered = evaluated["protected_changes"].to_string();
+        assert!(
+            tampered.contains("/work/tests/test_wordfreq.py"),
+            "{tampered}"
+        );
+        // The agent's sandbox is as it left it; the next one of the entry is clean.
+        assert_eq!(
+            env.ok(&[
+                "sandbox",
+                "exec",
+                &agent,
+                "--",
+                "cat",
+                "/usr/lib/os-release"
+            ]),
+            "tampered\n"
+        );
+        let fresh = env.ok(&[
+            "run", "--backend", backend, &graded, "--", "bash", "-c",
+            "echo bash-works; grep -c PRETTY_NAME /usr/lib/os-release; grep -c test_lowercases tests/test_wordfreq.py",
+        ]);
+        assert_eq!(fresh, "bash-works\n1\n1\n", "{backend}");
+
+        // A symlink on the way to a protected path is refused, naming it. (The commands
+        // of fncall sandboxes and VM guests cannot move a top-level directory at all.)
+        if !top_level_kept {
+            env.sh_ok(&honest, "mv /work /work.real && ln -s /work.real /work");
+            let o = env.cli(&["sandbox", "evaluate", &honest, "--command", "grade"]);
+            let (_, err) = text(&o);
+            assert!(
+                !o.status.success(),
+                "{backend}: graded through a symlinked /work"
+            );
+            assert!(err.contains("symlink at /work"), "{backend}: {err}");
+        }
+
+        for id in [&agent, &honest] {
+            env.ok(&["sandbox", "rm", id]);
+        }
+        // Nothing of the evaluation sandboxes is left: no mount, no directory.
+        assert_eq!(graders.len(), 2, "{graders:?}");
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        for id in &graders {
+            let dir = env.cli.home.join("runtime/sandboxes").join(id);
+            let left: Vec<&str> = mounts
+                .lines()
+                .filter(|l| l.contains(&format!("/sandboxes/{id}/")))
+                .collect();
+            assert!(left.is_empty(), "{id}: left mounted: {left:#?}");
+            assert!(!dir.exists(), "{id}: {} is left", dir.display());
+        }
+    }
+
     pub fn assert_agent_integrity(&self, backend: &str) {
         let probe = Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/agent_integrity.py");
         let id = self.create(&["--backend", backend]);

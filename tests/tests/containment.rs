@@ -742,7 +742,9 @@ impl Drop for SmallDisk {
 /// there is room. A sandbox whose layers' chunks cannot be cached still reads them (from
 /// the store, verified) and the lazyfs daemon keeps serving; a sandbox is refused, naming
 /// its disk budget and the free space, when its upper's writes could not all be kept
-/// (sparse images on a full disk lose writes the sandbox was told succeeded).
+/// (sparse images on a full disk lose writes the sandbox was told succeeded); a node
+/// service on that disk keeps serving, refuses such a create as RESOURCE_EXHAUSTED, and
+/// creates once there is room.
 #[test]
 fn a_full_disk_under_the_home_gives_clear_errors_and_loses_nothing() {
     let Some(env) = env("containment_full_disk") else {
@@ -810,9 +812,53 @@ fn a_full_disk_under_the_home_gives_clear_errors_and_loses_nothing() {
             "{backend}: {err}"
         );
     }
+    // A node service on the full disk keeps serving: a create is refused with
+    // RESOURCE_EXHAUSTED naming the disk, its health and listings answer, and the same
+    // create succeeds once there is room, from the same service process.
+    let project = format!("fulldisk{}", std::process::id());
+    home.ok(&["project", "create", &project]);
+    let token = home
+        .ok(&["token", "create", "--project", &project])
+        .lines()
+        .last()
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let svc = strata_tests::service::Service::start(home, "");
+    let serve_pid = svc.pid();
+    let create = format!(
+        r#"
+import strata
+with strata.Client() as c:
+    print("health", c.health())
+    print("listed", len(c.list()))
+    try:
+        sb = c.create("{sample}", backend="container")
+    except strata.QuotaExceeded as e:
+        print("refused", e)
+    else:
+        print("created", sb.exec("echo served").stdout.strip())
+        sb.destroy()
+"#,
+        sample = env.reference
+    );
+    let out = strata_tests::service::python_ok(&svc, &token, &create);
+    assert!(out.contains("listed 0"), "{out}");
+    assert!(
+        out.contains("refused") && out.contains("less than the sandbox's disk budget"),
+        "{out}"
+    );
     // The lazyfs daemon lived through it, and everything works once there is room.
     let daemon = lazyfs_pid(&home.home).expect("the home's lazyfs daemon");
     disk.empty();
+    let out = strata_tests::service::python_ok(&svc, &token, &create);
+    assert!(out.contains("created served"), "{out}");
+    assert_eq!(svc.pid(), serve_pid);
+    assert!(
+        std::path::Path::new(&format!("/proc/{serve_pid}")).exists(),
+        "the service died"
+    );
+    drop(svc);
     let o = home.cli(&[
         "run",
         "--backend",

@@ -575,6 +575,20 @@ fn a_bad_accelerator_setting_is_refused_by_name() {
     );
 }
 
+/// SECURITY.md, "evaluation", on microvm and vm: the grading sandbox is a machine of the
+/// agent's backend whose guest agent mounts the grader's layer and the protected paths
+/// read-only over its root (by the host's rules) before any command runs.
+#[test]
+fn a_vm_agent_can_change_neither_its_grader_nor_the_tests_that_grade_it() {
+    let _machines = machines_shared();
+    let Some(env) = env("vm_evaluate") else {
+        return;
+    };
+    for backend in ["microvm", "vm"] {
+        env.assert_grader_untouchable(backend);
+    }
+}
+
 /// A microVM's network card is the other end of a tap device on the host, behind the same
 /// rules as a container's veth: an allowed address is reachable, nothing else (the host's
 /// other ports, the internet, QEMU's old user-network gateway); the allowlist can be

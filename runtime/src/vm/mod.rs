@@ -83,6 +83,10 @@ pub struct GuestDisks {
     pub merge_dirs: Vec<MergeDir>,
     /// The disk image that stands in for the base layer's tree (the last of `layers`).
     pub root_image: Option<RootImage>,
+    /// Layers only the read-only views use, on disks after the stack's.
+    pub view_layers: Vec<Attached>,
+    /// The sandbox's read-only views, their layers by index (see `GuestView`).
+    pub views: Vec<strata_agent_proto::GuestView>,
 }
 
 impl GuestDisks {
@@ -321,7 +325,7 @@ impl VmBackend {
         let empty = self.empty_disk()?;
         let mut slots = vec![empty.clone(); shape.disk_slots()];
         slots[0] = disks.upper_image.clone();
-        for (i, layer) in disks.layers.iter().enumerate() {
+        for (i, layer) in disks.layers.iter().chain(&disks.view_layers).enumerate() {
             slots[qemu::meta_slot(i)] = layer.meta_path.clone();
             if let Some(blob) = &layer.blob_path {
                 slots[qemu::meta_slot(i) + 1] = blob.clone();
@@ -729,17 +733,54 @@ impl VmBackend {
                 .create_image(new.id, spec.limits.disk_bytes, from.as_deref())?;
         let paths =
             crate::rootfs::RootfsPaths::new(new.dir, &host.uppers.dir(new.id), spec.layers.len());
-        let layers = crate::rootfs::bind_layers(host.lazyfs, &spec.layers, &paths)?;
+        let layers = crate::rootfs::bind_layers(host.lazyfs, &spec.layers, &paths.layers)?;
         let root_image = match (&spec.disk_image, paths.layers.last(), spec.layers.last()) {
             (Some(image), Some(bind), Some(base)) => Some(RootImage::in_layer(bind, base, image)?),
             _ => None,
         };
         let merge_dirs = crate::rootfs::merge_dirs(&spec.layers, &paths, &host.facts)?;
+        // A view's layer that is one of the stack's is the guest's mount of it; another
+        // gets a disk of its own (bound where teardown finds view binds).
+        let mut extra: Vec<String> = Vec::new();
+        let mut views = Vec::new();
+        for v in &spec.views {
+            if v.layers.is_empty() {
+                return Err(RuntimeError::Invalid(format!(
+                    "the read-only view at {} has no layers",
+                    v.at
+                )));
+            }
+            let layers = v
+                .layers
+                .iter()
+                .map(|id| match spec.layers.iter().position(|l| l == id) {
+                    Some(i) => i,
+                    None => {
+                        let j = extra.iter().position(|l| l == id).unwrap_or_else(|| {
+                            extra.push(id.clone());
+                            extra.len() - 1
+                        });
+                        spec.layers.len() + j
+                    }
+                })
+                .collect();
+            views.push(strata_agent_proto::GuestView {
+                layers,
+                from: v.from.clone(),
+                at: v.at.clone(),
+            });
+        }
+        let dirs: Vec<PathBuf> = (0..extra.len())
+            .map(|j| new.dir.join("views").join("0").join(j.to_string()))
+            .collect();
+        let view_layers = crate::rootfs::bind_layers(host.lazyfs, &extra, &dirs)?;
         Ok(GuestDisks {
             layers,
             upper_image,
             merge_dirs,
             root_image,
+            view_layers,
+            views,
         })
     }
 
@@ -755,7 +796,11 @@ impl VmBackend {
     ) -> Result<u32, RuntimeError> {
         let ctx = new;
         let l = &ctx.spec.limits;
-        let mut shape = self.shape(l, disks.layers.len(), ctx.spec.display)?;
+        let mut shape = self.shape(
+            l,
+            disks.layers.len() + disks.view_layers.len(),
+            ctx.spec.display,
+        )?;
         let network = self.network(nets, ctx.id, &ctx.spec.network)?;
         shape.network = network.is_some();
         let slots = self.slots(&shape, disks)?;
@@ -853,18 +898,25 @@ impl VmBackend {
             None => {
                 let mut layers = Vec::new();
                 let image_layer = disks.image_layer();
+                let guest_layer = |i: usize, layer: &Attached| GuestLayer {
+                    meta: format!("s{}", qemu::meta_slot(i)),
+                    blob: layer
+                        .blob_path
+                        .as_ref()
+                        .map(|_| format!("s{}", qemu::meta_slot(i) + 1)),
+                };
                 for (i, layer) in disks.layers.iter().enumerate() {
                     if image_layer.is_some_and(|(base, _)| base == i) {
                         continue;
                     }
-                    layers.push(GuestLayer {
-                        meta: format!("s{}", qemu::meta_slot(i)),
-                        blob: layer
-                            .blob_path
-                            .as_ref()
-                            .map(|_| format!("s{}", qemu::meta_slot(i) + 1)),
-                    });
+                    layers.push(guest_layer(i, layer));
                 }
+                let view_layers = disks
+                    .view_layers
+                    .iter()
+                    .enumerate()
+                    .map(|(j, layer)| guest_layer(disks.layers.len() + j, layer))
+                    .collect();
                 let setup = GuestSetup {
                     layers,
                     upper: "s0".into(),
@@ -891,6 +943,8 @@ impl VmBackend {
                     }),
                     key: key.to_hex(),
                     privileged: ctx.spec.privileged,
+                    view_layers,
+                    views: disks.views.clone(),
                 };
                 (HostMsg::GuestSetup(setup), "setup", None)
             }
