@@ -574,6 +574,7 @@ echo checked
                 "{backend}: /proc/kpagecgroup not checked: {out}"
             );
         }
+        crate::contained("host kernel files and settings", backend, 11);
     }
 
     /// SECURITY.md, "confinement every sandbox gets": the shared policy is an allowlist.
@@ -634,6 +635,8 @@ echo checked
         for (name, answer) in section(&got, "allowed") {
             assert_eq!(answer, "ok", "{backend}: allowed {name} was refused: {got}");
         }
+        let tried = denied.len() + section(&got, "unlisted").len() + section(&got, "ioctls").len();
+        crate::contained("dangerous syscalls and ioctls", backend, tried);
     }
 
     /// SECURITY.md, "evaluation", on `backend`: an agent's sandbox can change neither what
@@ -821,6 +824,9 @@ echo checked
             assert!(left.is_empty(), "{id}: left mounted: {left:#?}");
             assert!(!dir.exists(), "{id}: {} is left", dir.display());
         }
+        // Six tries under the grader, the protected files' changes, the next sandbox; on
+        // a container a symlinked /work too.
+        crate::contained("game the grader", backend, 8 + usize::from(!top_level_kept));
     }
 
     pub fn assert_agent_integrity(&self, backend: &str) {
@@ -900,5 +906,12 @@ echo checked
         assert!(attack.passes > 0, "{backend}: the attack never ran");
         check(&attack, "attack");
         self.ok(&["sandbox", "rm", &id]);
+        // The scan, each attack pass (ptrace, memory, signals, sockets of every process
+        // not its own) and the 20 execs it tried to falsify.
+        crate::contained(
+            "take over the agent",
+            backend,
+            1 + attack.passes as usize + 20,
+        );
     }
 }

@@ -398,6 +398,27 @@ impl Drop for HostServer {
     }
 }
 
+/// Records for the containment report (`scripts/containment-report.sh`) that `scenario`
+/// made `tried` attempts on `backend` and every one was contained: called once a
+/// scenario's assertions for that backend have passed. A line
+/// `CONTAINED<TAB>scenario<TAB>backend<TAB>tried` goes to stderr and, when
+/// `STRATA_CONTAINMENT_REPORT` names a file, is appended to it. Faults use the backend
+/// `faults` and count what was injected and survived.
+pub fn contained(scenario: &str, backend: &str, tried: usize) {
+    let line = format!("CONTAINED\t{scenario}\t{backend}\t{tried}\n");
+    eprint!("{line}");
+    if let Some(path) = std::env::var_os("STRATA_CONTAINMENT_REPORT") {
+        use std::io::Write;
+        if let Ok(mut f) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+        {
+            let _ = f.write_all(line.as_bytes());
+        }
+    }
+}
+
 /// What a command printed to its stdout, counted as it arrives (never held), with its
 /// exit status, its stderr and its peak resident memory (VmHWM, KiB) while it ran.
 pub struct Streamed {

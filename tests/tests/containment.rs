@@ -72,7 +72,7 @@ fn the_hosts_state_logs_and_sockets_are_out_of_sight() {
              for s in $(find / -xdev -type s 2>/dev/null); do echo \"SOCKET $s\"; done; \
              cat /proc/self/mountinfo /proc/self/cgroup /proc/1/cmdline /etc/hosts /etc/resolv.conf 2>/dev/null \
                | grep -c -F -e '{home}' -e '{store}' || true; echo probed",
-            paths.map(|p| format!("'{p}'")).join(" "),
+            paths.iter().map(|p| format!("'{p}'")).collect::<Vec<_>>().join(" "),
             home = home,
             store = store,
         );
@@ -92,6 +92,8 @@ fn the_hosts_state_logs_and_sockets_are_out_of_sight() {
             .unwrap_or(u32::MAX);
         assert_eq!(named, 0, "{backend}: the home is named inside: {out}");
         env.ok(&["sandbox", "rm", &id]);
+        // Each path, every socket inside, five files that could name the home.
+        strata_tests::contained("host state, logs, sockets", backend, paths.len() + 2);
     }
 }
 
@@ -123,6 +125,7 @@ fn overwritten_system_files_stay_in_their_sandbox() {
             "{backend}: the next sandbox is not clean: {err}"
         );
         env.ok(&["sandbox", "rm", &id]);
+        strata_tests::contained("overwrite /bin/bash, /usr/lib, the tests", backend, 3);
     }
 }
 
@@ -174,6 +177,7 @@ fn a_recursive_grep_of_everything_completes_and_finds_nothing_of_the_host() {
             "{backend}: grep found the host's marker, or not its own"
         );
         assert!(!err.contains("budget exceeded"), "{backend}: {err}");
+        strata_tests::contained("recursive grep of everything", backend, 1);
     }
     for f in &host_files {
         let _ = std::fs::remove_file(f);
@@ -291,6 +295,7 @@ asyncio.run(main())
             .find_map(|l| l.strip_prefix("FLOODED "))
             .unwrap_or_else(|| panic!("{backend}: {out}"))
             .to_string();
+        strata_tests::contained("endless output: CLI, gRPC, E2B", backend, 3);
         report.push(format!(
             "{backend}: CLI {} MiB (peak {} MiB), gRPC {} MiB printed (4 MiB kept), E2B {} (bytes pieces)",
             cli.bytes >> 20,
@@ -407,6 +412,7 @@ fn budget_escapes_are_held() {
             out.starts_with("stopped") && stopped <= 1 << 20,
             "{backend}: {out}"
         );
+        strata_tests::contained("budget escapes: tmpfs, inodes, open files", backend, 3);
     }
 }
 
@@ -432,6 +438,7 @@ fn a_cpu_budget_holds_against_a_spinning_sandbox() {
             "{backend}: {used:.2} s of CPU in 6 s on a 0.5-CPU budget"
         );
         env.ok(&["sandbox", "rm", &id]);
+        strata_tests::contained("CPU beyond its budget", backend, 1);
     }
 }
 
@@ -464,6 +471,7 @@ fn nothing_of_the_host_or_the_private_network_is_reachable() {
         if let Ok((_, from)) = listener.accept() {
             panic!("{backend}: a sandbox connected to the host's listener from {from}");
         }
+        strata_tests::contained("reach the host, private ranges, metadata, DNS", backend, 9);
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -529,6 +537,7 @@ fn a_port_scan_is_refused_and_recorded_with_counts_and_times() {
                 "{backend}: {dest} first refused at {first}, not within {start_ms}..{end_ms}"
             );
         }
+        strata_tests::contained("port scan, recorded", backend, tcp.len() + udp.len());
     }
 }
 
@@ -669,6 +678,10 @@ fn names_reach_only_their_hosts_through_the_egress_proxy() {
                 .any(|e| e["destination"] == "1.1.1.1:80" && e["allowed"] == false),
             "{backend}: {egress}"
         );
+        // The refused tries: a denied name, twice (to the proxy, to a public resolver),
+        // a forged Host, an address no answer gave, a forged server name, a rebound name,
+        // its address and loopback.
+        strata_tests::contained("names: forged SNI/Host, rebinding, raw DNS", backend, 8);
     }
 }
 
@@ -833,7 +846,7 @@ with strata.Client() as c:
     print("health", c.health())
     print("listed", len(c.list()))
     try:
-        sb = c.create("{sample}", backend="container")
+        sb = c.create("{sample}", backend="container", disk="16M")
     except strata.QuotaExceeded as e:
         print("refused", e)
     else:
@@ -845,7 +858,7 @@ with strata.Client() as c:
     let out = strata_tests::service::python_ok(&svc, &token, &create);
     assert!(out.contains("listed 0"), "{out}");
     assert!(
-        out.contains("refused") && out.contains("less than the sandbox's disk budget"),
+        out.contains("refused") && out.contains("less than the sandbox's disk budget of 16 MiB"),
         "{out}"
     );
     // The lazyfs daemon lived through it, and everything works once there is room.
@@ -891,6 +904,8 @@ with strata.Client() as c:
         !mounts.contains(&mnt),
         "the small disk stayed mounted: {mounts}"
     );
+    // A build, cache writes, a sandbox's writes and a service on the full disk.
+    strata_tests::contained("disk full under the home", "faults", 4);
 }
 
 /// The host's address on its default route.
@@ -1202,6 +1217,11 @@ fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
     assert!(
         sandboxes >= cycles / 2,
         "{sandboxes} sandboxes in {cycles} cycles"
+    );
+    strata_tests::contained(
+        "SIGKILLs in create/exec/destroy cycles",
+        "faults",
+        n.clis_killed + n.processes_killed + n.inits_killed + n.lazyfs_killed + n.services_killed,
     );
     eprintln!(
         "soak: {} cycles (seed {seed}), {sandboxes} sandboxes ({} networked), {} whole runs, {} CLIs killed mid-run, \

@@ -705,4 +705,11 @@ fn over_radosgw_with_added_latency_reads_exactly_survives_corruption_truncation_
     }
     drop(daemon);
     assert!(mounts_under(&home).is_empty(), "{:?}", mounts_under(&home));
+    // A corrupted body, a truncated one, a reset connection and an outage, each
+    // survived with exact bytes served.
+    strata_tests::contained(
+        "store faults: corrupt, truncated, reset, outage",
+        "faults",
+        4,
+    );
 }

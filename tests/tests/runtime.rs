@@ -339,6 +339,7 @@ fn budgets_hold_and_say_which_one_ended_the_command() {
             .filter(|n| !n.contains('|'))
             .collect();
         assert_eq!(ifaces, ["lo"], "{backend}: {out}");
+        strata_tests::contained("budgets: memory, pids, disk, wall clock", backend, 4);
     }
 }
 

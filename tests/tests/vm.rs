@@ -239,6 +239,7 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     assert!(text(&o).1.contains("/no/such/file"), "{}", text(&o).1);
     env.ok(&["sandbox", "rm", &id]);
     env.assert_gone(&id, &[]);
+    strata_tests::contained("budgets: memory, pids, disk, wall clock", "microvm", 3);
 }
 
 #[test]
