@@ -245,11 +245,17 @@ impl Daemon {
     /// Attaches a layer and binds it read-only at `dir`; the caller holds `attach_lock`
     /// and saves the state.
     async fn bind_locked(&self, id: &str, dir: PathBuf) -> Result<Attached, LazyError> {
+        std::fs::create_dir_all(&dir).map_err(LazyError::io(&dir))?;
+        self.bind_existing_locked(id, dir).await
+    }
+
+    /// [`Daemon::bind_locked`] at a directory that must exist already (a restored bind:
+    /// its client may have gone while no daemon ran, and its directory with it).
+    async fn bind_existing_locked(&self, id: &str, dir: PathBuf) -> Result<Attached, LazyError> {
+        let dir = std::fs::canonicalize(&dir).map_err(LazyError::io(&dir))?;
         let t = std::time::Instant::now();
         let a = self.attach_locked(id).await?;
         let t_attach = t.elapsed();
-        std::fs::create_dir_all(&dir).map_err(LazyError::io(&dir))?;
-        let dir = std::fs::canonicalize(&dir).map_err(LazyError::io(&dir))?;
         mounts::bind_readonly(&a.mount, &dir)
             .map_err(|e| LazyError::Mount(format!("bind mount at {}: {e}", dir.display())))?;
         tracing::debug!(
@@ -577,23 +583,24 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
         rt: tokio::runtime::Handle::current(),
     });
 
-    // Restore the binds a crashed daemon had made.
+    // Restore the binds a crashed daemon had made, where their directories still are: a
+    // client that ended while no daemon ran (a sandbox destroyed meanwhile, its binds
+    // detached by its teardown) took its directory with it, and must not get it back.
     for (id, dirs) in state.binds {
         for dir in dirs {
-            match daemon
-                .handle(Request::Mount {
-                    id: id.clone(),
-                    dir: dir.clone(),
-                })
-                .await
-            {
+            let restored = {
+                let _g = daemon.attach_lock.lock().await;
+                daemon.bind_existing_locked(&id, dir.clone()).await
+            };
+            match restored {
                 Ok(_) => tracing::info!(layer = %id, dir = %dir.display(), "restored mount"),
                 Err(e) => {
-                    tracing::warn!(layer = %id, dir = %dir.display(), error = %e, "could not restore mount")
+                    tracing::info!(layer = %id, dir = %dir.display(), error = %e, "not restoring a bind")
                 }
             }
         }
     }
+    daemon.save_state();
 
     let socket = paths.socket();
     let _ = std::fs::remove_file(&socket);

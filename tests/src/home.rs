@@ -199,6 +199,16 @@ impl CliHome {
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
+    /// Makes project `name` (names are unique in a store the tests share) and a token of
+    /// it; the token.
+    pub fn project_token(&self, name: &str) -> String {
+        self.ok(&["project", "create", name]);
+        let out = self.ok(&["token", "create", "--project", name]);
+        let token = out.lines().last().unwrap_or_default().trim().to_string();
+        assert!(token.starts_with("strata_"), "token create printed {out}");
+        token
+    }
+
     /// Runs `strata ARGS`, asserting it fails; returns its stderr.
     pub fn refused(&self, args: &[&str]) -> String {
         let o = self.cli(args);

@@ -207,15 +207,7 @@ fn endless_output_is_bounded_through_every_way_in_on_every_backend() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(10);
     let home = env.cli.sharing_store("containment-flood-");
-    let project = format!("flood{}", std::process::id());
-    home.ok(&["project", "create", &project]);
-    let token = home
-        .ok(&["token", "create", "--project", &project])
-        .lines()
-        .last()
-        .unwrap_or_default()
-        .trim()
-        .to_string();
+    let token = home.project_token(&format!("flood{}", std::process::id()));
     let svc = strata_tests::service::Service::start_e2b(&home, "exec_output_cap = \"4M\"\n");
     let disk_used = |p: &std::path::Path| -> u64 {
         strata_tests::sh(&format!(
@@ -828,15 +820,7 @@ fn a_full_disk_under_the_home_gives_clear_errors_and_loses_nothing() {
     // A node service on the full disk keeps serving: a create is refused with
     // RESOURCE_EXHAUSTED naming the disk, its health and listings answer, and the same
     // create succeeds once there is room, from the same service process.
-    let project = format!("fulldisk{}", std::process::id());
-    home.ok(&["project", "create", &project]);
-    let token = home
-        .ok(&["token", "create", "--project", &project])
-        .lines()
-        .last()
-        .unwrap_or_default()
-        .trim()
-        .to_string();
+    let token = home.project_token(&format!("fulldisk{}", std::process::id()));
     let svc = strata_tests::service::Service::start(home, "");
     let serve_pid = svc.pid();
     let create = format!(
@@ -1023,15 +1007,7 @@ fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
     // CLI uses embedded, one a node service owns.
     let local = env.cli.sharing_store("containment-soak-");
     let node = env.cli.sharing_store("containment-soak-node-");
-    let project = format!("soak{}", std::process::id());
-    node.ok(&["project", "create", &project]);
-    let token = node
-        .ok(&["token", "create", "--project", &project])
-        .lines()
-        .last()
-        .unwrap_or_default()
-        .trim()
-        .to_string();
+    let token = node.project_token(&format!("soak{}", std::process::id()));
     let mut svc = strata_tests::service::Service::start(&node, "");
     let client_home =
         strata_tests::scratch_root().join(format!("soak-client-{}", std::process::id()));
@@ -1047,7 +1023,14 @@ fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
     let client_ok = |url: &str, args: &[&str]| {
         let o = client(url, args).output().expect("strata --server");
         let (out, err) = text(&o);
-        assert!(o.status.success(), "strata --server {args:?}: {out}{err}");
+        if !o.status.success() {
+            let log = std::fs::read_to_string(node.home.join("serve.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            panic!(
+                "strata --server {args:?}: {out}{err}\nservice log (last lines):\n{}",
+                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+            );
+        }
         out
     };
     // The node's local ID of a service's sandbox (`<node>-<id>`).
@@ -1269,8 +1252,15 @@ fn assert_nothing_left(home: &strata_tests::home::CliHome) -> usize {
     let namespaces = output("ip", &["netns", "list"]);
     let links = output("ip", &["-o", "link", "show"]);
     let rules = output("nft", &["list", "table", "inet", "strata"]);
-    let loops = output("losetup", &["-a"]);
     let home_path = home.home.display().to_string();
+    // The kernel detaches an auto-clearing loop device a moment after its last unmount
+    // (asynchronously since Linux 5.19): give it that moment.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut loops = output("losetup", &["-a"]);
+    while loops.contains(&home_path) && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+        loops = output("losetup", &["-a"]);
+    }
     assert!(
         !loops.contains(&home_path),
         "loop devices of {home_path} left: {loops}"

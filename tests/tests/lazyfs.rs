@@ -284,7 +284,18 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
         "the read chunks reached the disk cache: {last}"
     );
 
+    // A second client whose bind ends while no daemon runs (a sandbox torn down then).
+    let gone = work.path().join("gone");
+    assert!(daemon
+        .cli(&["layer", "mount", &id, gone.to_str().unwrap()])
+        .status
+        .success());
     daemon.kill9();
+    sh(&format!(
+        "umount -l '{}' && rmdir '{}'",
+        gone.display(),
+        gone.display()
+    ));
     // Nothing hangs: listing works (metadata is local) and data reads fail fast.
     let t = Instant::now();
     let out = Command::new("timeout")
@@ -307,6 +318,12 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
     // serves what the dead one cached from its disk (re-verified), fetching nothing.
     daemon.spawn("3s");
     assert_served_exactly(&src, &mnt);
+    // The bind whose client went is not restored: its directory is not made again.
+    assert!(
+        !gone.exists(),
+        "a restarted daemon made {} again",
+        gone.display()
+    );
     let s = daemon.stats(&id);
     assert_eq!(
         s["fetched_bytes"].as_u64(),

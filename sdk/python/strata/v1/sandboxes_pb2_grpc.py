@@ -366,8 +366,8 @@ class SandboxesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetNetwork(self, request, context):
-        """Replaces a running container's or fncall sandbox's egress allowlist (microvm and vm:
-        INVALID_ARGUMENT, their network is fixed when the machine starts).
+        """Replaces a running sandbox's egress allowlist (a microvm or vm created without one has
+        no network card: INVALID_ARGUMENT).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
