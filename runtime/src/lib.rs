@@ -175,26 +175,51 @@ pub(crate) fn run_tool(
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-/// Claims the right to end the sandbox in `dir` (a marker created exclusively); a marker
-/// left by a runtime that died mid-teardown is taken over after a minute.
+/// Claims the right to end the sandbox in `dir`: a marker created exclusively, naming the
+/// ender (PID and start time). A marker whose ender is gone (it died mid-teardown: a CLI
+/// or a service killed) is taken over at once, one without a readable ender (an older
+/// build's) after a minute.
 fn claim_end(dir: &Path) -> bool {
     let marker = dir.join("ending");
+    let me = std::process::id();
     let create = || {
         std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
             .open(&marker)
+            .map(|mut f| {
+                let start = backend::process_start(me).unwrap_or(0);
+                let _ = std::io::Write::write_all(&mut f, format!("{me} {start}\n").as_bytes());
+            })
             .is_ok()
     };
     if create() {
         return true;
     }
-    if age(&marker) > Duration::from_secs(60) {
+    if !being_ended(dir) {
         let _ = std::fs::remove_file(&marker);
         return create();
     }
     // The directory is gone or unwritable: nothing left to claim.
     !dir.exists()
+}
+
+/// Whether someone is ending the sandbox in `dir` now: its `ending` marker names a live
+/// ender (a marker without a readable ender, being written this instant or an older
+/// build's, counts for a minute).
+fn being_ended(dir: &Path) -> bool {
+    let marker = dir.join("ending");
+    let Ok(text) = std::fs::read_to_string(&marker) else {
+        return false;
+    };
+    let mut words = text.split_whitespace();
+    match (
+        words.next().and_then(|w| w.parse::<u32>().ok()),
+        words.next().and_then(|w| w.parse::<u64>().ok()),
+    ) {
+        (Some(pid), Some(start)) => backend::process_start(pid) == Some(start),
+        _ => age(&marker) < Duration::from_secs(60),
+    }
 }
 
 /// `p` from `/`, for the tools that run in a directory of their own (QEMU in the
@@ -728,8 +753,8 @@ impl Runtime {
         for id in self.ids() {
             let dir = self.sandbox_dir(&id);
             // A sandbox being created or running a command holds its lock, and one being
-            // ended has its marker: leave them.
-            if dir.join("ending").exists() && age(&dir.join("ending")) < Duration::from_secs(60) {
+            // ended has its live ender's marker: leave them.
+            if being_ended(&dir) {
                 continue;
             }
             let lock = match DirLock::take(&dir, true, false) {
@@ -989,6 +1014,24 @@ pub(crate) fn reap_decision(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_end_claimed_by_a_dead_ender_is_taken_over_at_once_and_a_live_ones_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(claim_end(dir.path()), "the first claim");
+        // This process is a live ender: a second claim (of another process, or thread)
+        // waits for it.
+        assert!(being_ended(dir.path()));
+        assert!(!claim_end(dir.path()));
+        // An ender that died mid-teardown (no process has PID 0's start time of 1).
+        std::fs::write(dir.path().join("ending"), "4194303 1\n").unwrap();
+        assert!(!being_ended(dir.path()));
+        assert!(claim_end(dir.path()), "taken over from a dead ender");
+        // An older build's empty marker counts for a minute.
+        std::fs::write(dir.path().join("ending"), "").unwrap();
+        assert!(being_ended(dir.path()));
+        assert!(!claim_end(dir.path()));
+    }
 
     fn record(owner: Option<(u32, u64)>) -> SandboxRecord {
         SandboxRecord {

@@ -84,11 +84,28 @@ impl Uppers {
         let ready = || std::fs::read_dir(&sized).map(|rd| rd.count()).unwrap_or(0);
         while ready() < target {
             let slot = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
-            self.create(&format!("{POOLED}{slot}"), bytes)?;
-            let marker = sized.join(&slot);
-            std::fs::write(&marker, b"").map_err(RuntimeError::io(&marker))?;
+            // Who is making it, so a maker killed midway leaves an upper the next reap
+            // knows for abandoned at once.
+            let making = self.making(&slot);
+            let me = std::process::id();
+            let start = crate::backend::process_start(me).unwrap_or(0);
+            std::fs::write(&making, format!("{me} {start}\n"))
+                .map_err(RuntimeError::io(&making))?;
+            let made = self
+                .create(&format!("{POOLED}{slot}"), bytes)
+                .and_then(|_| {
+                    let marker = sized.join(&slot);
+                    std::fs::write(&marker, b"").map_err(RuntimeError::io(&marker))
+                });
+            let _ = std::fs::remove_file(&making);
+            made?;
         }
         Ok(())
+    }
+
+    /// The file naming the process making pool slot `slot`.
+    fn making(&self, slot: &str) -> PathBuf {
+        self.pool.join(format!("making-{slot}"))
     }
 
     /// Whether `name` is a pooled upper still waiting (or being handed out right now).
@@ -96,13 +113,29 @@ impl Uppers {
         let Some(slot) = name.strip_prefix(POOLED) else {
             return false;
         };
-        // Being formatted: no marker yet, but young.
-        let image = self.image(name);
-        if image.exists() && crate::age(&image) < std::time::Duration::from_secs(60) {
+        if std::fs::read_dir(&self.pool)
+            .is_ok_and(|rd| rd.flatten().any(|e| e.path().join(slot).exists()))
+        {
             return true;
         }
-        std::fs::read_dir(&self.pool)
-            .is_ok_and(|rd| rd.flatten().any(|e| e.path().join(slot).exists()))
+        // Being made: by a live maker (one killed midway left it to the reaper), or with
+        // no maker named (an older build's) while young.
+        match std::fs::read_to_string(self.making(slot)) {
+            Ok(text) => {
+                let mut w = text.split_whitespace();
+                match (
+                    w.next().and_then(|p| p.parse::<u32>().ok()),
+                    w.next().and_then(|s| s.parse::<u64>().ok()),
+                ) {
+                    (Some(pid), Some(start)) => crate::backend::process_start(pid) == Some(start),
+                    _ => true,
+                }
+            }
+            Err(_) => {
+                let image = self.image(name);
+                image.exists() && crate::age(&image) < std::time::Duration::from_secs(60)
+            }
+        }
     }
 
     /// Unmounts and deletes every pooled upper.
@@ -297,6 +330,9 @@ impl Uppers {
     pub fn remove(&self, id: &str) -> Result<(), RuntimeError> {
         let dir = self.dir(id);
         crate::rootfs::unmount_below(&dir)?;
+        if let Some(slot) = id.strip_prefix(POOLED) {
+            let _ = std::fs::remove_file(self.making(slot));
+        }
         for p in [self.image(id)] {
             match std::fs::remove_file(&p) {
                 Ok(()) => {}

@@ -103,7 +103,12 @@ impl Service {
         let wanted: Vec<String> = std::iter::once(self.addr.clone())
             .chain(self.e2b.clone())
             .collect();
-        while wanted.iter().any(|a| TcpStream::connect(a).is_err()) {
+        // Listening, and this process: a port that answers may still be the killed one's,
+        // held a moment by a child it forked that has not exec'd yet. The service logs
+        // `serving` once its listeners are bound.
+        let served = |s: &Service| s.log_text().matches("strata_service: serving").count();
+        let before = served(self);
+        while served(self) <= before || wanted.iter().any(|a| TcpStream::connect(a).is_err()) {
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(status)) = c.try_wait() {
                     panic!("strata serve exited ({status}): {}", self.log_text());
