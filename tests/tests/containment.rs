@@ -331,8 +331,9 @@ asyncio.run(main())
 
 /// SECURITY.md, "confinement every sandbox gets" (budgets in cgroups, a disk budget as a
 /// filesystem of its own): the usual escapes from a budget are held and attributed. A
-/// tmpfs filled inside counts against memory (VM guests; see below); a disk's inodes run
-/// out like its bytes do; open files stop at the descriptor limit.
+/// tmpfs filled inside counts against memory (VM guests; see below); page cache is
+/// reclaimed within the budget; a disk's inodes run out like its bytes do; open files stop
+/// at the descriptor limit.
 #[test]
 fn budget_escapes_are_held() {
     let Some(env) = env("containment_budgets") else {
@@ -371,6 +372,21 @@ fn budget_escapes_are_held() {
             assert!(out.contains("No space left on device"), "{backend}: {out}");
         }
 
+        // Page cache: a file four times the memory budget written and read back is
+        // reclaimed within the budget, not charged past it (no OOM kill, no budget named).
+        let (code, out, err) = run(
+            env,
+            backend,
+            &["--memory", "32M", "--disk", "256M", "--timeout", "5m"],
+            "dd if=/dev/zero of=/root/big bs=1M count=128 2>/dev/null && cat /root/big /root/big > /dev/null && echo survived",
+        );
+        assert_eq!(
+            (code, out.trim()),
+            (Some(0), "survived"),
+            "{backend}: page cache past the budget: {err}"
+        );
+        assert!(!err.contains("budget exceeded"), "{backend}: {err}");
+
         // Inodes: a 16M disk runs out of them (or of bytes) for a million empty files.
         let (code, out, err) = run(
             env,
@@ -404,7 +420,11 @@ fn budget_escapes_are_held() {
             out.starts_with("stopped") && stopped <= 1 << 20,
             "{backend}: {out}"
         );
-        strata_tests::contained("budget escapes: tmpfs, inodes, open files", backend, 3);
+        strata_tests::contained(
+            "budget escapes: tmpfs, page cache, inodes, open files",
+            backend,
+            4,
+        );
     }
 }
 
