@@ -19,6 +19,14 @@ pub const DATA: u8 = 2;
 pub const CLOSE: u8 = 3;
 /// Four bytes (little-endian): how many more bytes the sender of this envelope takes.
 pub const CREDIT: u8 = 4;
+/// A new host on the stream (conversation 0, no bytes): the first envelope every host
+/// end sends. It knows no conversation from before it, so the guest ends every one it
+/// had (a restored machine's, or those of a host that went away). The guest does not
+/// take the port's end-of-file for that: a guest kernel reports "no host" whenever its
+/// last word from QEMU says so, and that word travels apart from the data (Linux handles
+/// virtio-serial control messages in a work queue), so a loaded guest can read a host's
+/// request and then an end-of-file while the same host is waiting for the answer.
+pub const SYNC: u8 = 5;
 /// Largest piece of a conversation carried in one envelope.
 pub const MAX_PIECE: usize = 64 << 10;
 /// The most bytes of one conversation in flight in one direction: sent, and not yet
@@ -27,6 +35,11 @@ pub const WINDOW: usize = 1 << 20;
 
 /// One envelope: conversation, kind, bytes.
 pub type Envelope = (u32, u8, Vec<u8>);
+
+/// Starts a host's session on the stream (see [`SYNC`]).
+pub fn start_session(w: &mut impl Write) -> io::Result<()> {
+    write(w, 0, SYNC, b"")
+}
 
 pub fn write(w: &mut impl Write, conn: u32, kind: u8, data: &[u8]) -> io::Result<()> {
     let mut head = [0u8; 9];
@@ -228,7 +241,7 @@ pub fn read(r: &mut impl Read) -> io::Result<Option<Envelope>> {
     let conn = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
     let kind = head[4];
     let len = u32::from_le_bytes([head[5], head[6], head[7], head[8]]) as usize;
-    if !(OPEN..=CREDIT).contains(&kind) || len > MAX_PIECE {
+    if !(OPEN..=SYNC).contains(&kind) || len > MAX_PIECE {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("bad envelope (kind {kind}, {len} bytes): the stream is out of step"),

@@ -36,6 +36,9 @@ pub fn main(args: &[String]) -> Result<(), String> {
             Err(_) => std::thread::sleep(Duration::from_millis(5)),
         }
     };
+    // A new host: whatever the guest held from before (a restored machine's
+    // conversations) ends here, before the first of ours opens.
+    mux::start_session(&mut &stream).map_err(|e| format!("port: {e}"))?;
     let _ = std::fs::remove_file(&listen);
     let listener = strata_host::unix::bind(&listen)
         .map_err(|e| format!("listening on {}: {e}", listen.display()))?;

@@ -676,6 +676,7 @@ fn guest_ping(port: &Path, within: Duration) -> Result<(), RuntimeError> {
     let mut ping = Vec::new();
     write_control(&mut ping, &HostMsg::Hello(hello)).map_err(rt_io("ping"))?;
     write_control(&mut ping, &HostMsg::Ping).map_err(rt_io("ping"))?;
+    mux::start_session(&mut w).map_err(rt_io("port"))?;
     mux::write(&mut w, 1, mux::OPEN, b"").map_err(rt_io("port"))?;
     mux::write(&mut w, 1, mux::DATA, &ping).map_err(rt_io("port"))?;
     let mut got = Vec::new();
