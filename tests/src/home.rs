@@ -593,8 +593,9 @@ echo checked
     /// kexec; vsock) are refused with EPERM before the kernel looks at their arguments,
     /// calls outside the allowlist are answered ENOSYS, and the file system ioctls of the
     /// XFS incident (extent swaps, reflinks, dedupe, block maps, flags) EPERM on files of
-    /// the writable layer, while the calls a program needs still reach the kernel. The
-    /// same probe on the host, unconfined, is the control: there the calls answer on their
+    /// the writable layer (whose file system `e2fsck -fn` finds clean after), while the
+    /// calls a program needs still reach the kernel. The same probe on the host,
+    /// unconfined, is the control: there the calls answer on their
     /// arguments, so the sandbox's answers come from its policy.
     pub fn assert_dangerous_syscalls_refused(&self, backend: &str) {
         let probe = Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/syscalls.py");
@@ -607,7 +608,35 @@ echo checked
         let control: serde_json::Value =
             serde_json::from_slice(&host.stdout).expect("control JSON");
         let source = std::fs::read_to_string(&probe).expect("reading the syscall probe");
-        let out = self.run_once(backend, &["python3", "-c", &source, "all"]);
+        // In a sandbox of its own, so that afterwards the file system the ioctls were
+        // tried on (a host backend's writable layer, an ext4 image on the host) can be
+        // checked: a copy taken while it is paused and synced, `e2fsck -fn`.
+        let id = self.create(&["--backend", backend]);
+        let out = self.ok(&[
+            "sandbox", "exec", &id, "--", "python3", "-c", &source, "all",
+        ]);
+        if !backend.ends_with("vm") {
+            self.ok(&["sandbox", "pause", &id]);
+            let upper = self.cli.runtime_dir().join("uppers").join(&id);
+            let image = self
+                .cli
+                .runtime_dir()
+                .join("upper-images")
+                .join(format!("{id}.img"));
+            let copy = scratch_root().join(format!("fsck-{id}.img"));
+            let fsck = crate::sh(&format!(
+                "sync -f '{u}' && cp --sparse=always '{i}' '{c}' && e2fsck -fn '{c}' 2>&1; echo \"fsck exit $?\"; rm -f '{c}'",
+                u = upper.display(),
+                i = image.display(),
+                c = copy.display()
+            ));
+            assert!(
+                fsck.trim_end().ends_with("fsck exit 0"),
+                "{backend}: the writable layer's file system after the ioctls: {fsck}"
+            );
+            self.ok(&["sandbox", "resume", &id]);
+        }
+        self.ok(&["sandbox", "rm", &id]);
         let got: serde_json::Value =
             serde_json::from_str(out.lines().last().unwrap_or_default()).expect("syscall JSON");
         let section = |v: &serde_json::Value, name: &str| {
