@@ -48,10 +48,14 @@ impl Uppers {
         let sized = self.pool.join(bytes.to_string());
         for e in std::fs::read_dir(&sized).ok()?.flatten() {
             let slot = e.file_name().to_string_lossy().into_owned();
-            let claimed = self.pool.join(format!("claimed-{id}"));
+            let claimed = self.claiming(&slot);
             if std::fs::rename(e.path(), &claimed).is_err() {
                 continue; // another create took it
             }
+            // Who is taking it, so a claimant killed midway (its slot no longer marked
+            // ready, its upper not yet moved) leaves one the next reap knows for
+            // abandoned at once.
+            let _ = mark_owner(&claimed);
             let from = self.dir(&format!("{POOLED}{slot}"));
             let to = self.dir(id);
             let moved = std::fs::create_dir_all(&to).is_ok()
@@ -87,10 +91,7 @@ impl Uppers {
             // Who is making it, so a maker killed midway leaves an upper the next reap
             // knows for abandoned at once.
             let making = self.making(&slot);
-            let me = std::process::id();
-            let start = crate::backend::process_start(me).unwrap_or(0);
-            std::fs::write(&making, format!("{me} {start}\n"))
-                .map_err(RuntimeError::io(&making))?;
+            mark_owner(&making)?;
             let made = self
                 .create(&format!("{POOLED}{slot}"), bytes)
                 .and_then(|_| {
@@ -108,6 +109,12 @@ impl Uppers {
         self.pool.join(format!("making-{slot}"))
     }
 
+    /// The file naming the process handing pool slot `slot` to a sandbox (the slot's
+    /// ready marker, renamed: only one claimant can).
+    fn claiming(&self, slot: &str) -> PathBuf {
+        self.pool.join(format!("claiming-{slot}"))
+    }
+
     /// Whether `name` is a pooled upper still waiting (or being handed out right now).
     pub fn is_pooled(&self, name: &str) -> bool {
         let Some(slot) = name.strip_prefix(POOLED) else {
@@ -118,20 +125,11 @@ impl Uppers {
         {
             return true;
         }
-        // Being made: by a live maker (one killed midway left it to the reaper), or with
-        // no maker named (an older build's) while young.
-        match std::fs::read_to_string(self.making(slot)) {
-            Ok(text) => {
-                let mut w = text.split_whitespace();
-                match (
-                    w.next().and_then(|p| p.parse::<u32>().ok()),
-                    w.next().and_then(|s| s.parse::<u64>().ok()),
-                ) {
-                    (Some(pid), Some(start)) => crate::backend::process_start(pid) == Some(start),
-                    _ => true,
-                }
-            }
-            Err(_) => {
+        // Being made or handed out: by a live process (one killed midway left it to the
+        // reaper), or with none named yet (or an older build's) while young.
+        match owner_alive(&self.making(slot)).or_else(|| owner_alive(&self.claiming(slot))) {
+            Some(alive) => alive,
+            None => {
                 let image = self.image(name);
                 image.exists() && crate::age(&image) < std::time::Duration::from_secs(60)
             }
@@ -332,6 +330,7 @@ impl Uppers {
         crate::rootfs::unmount_below(&dir)?;
         if let Some(slot) = id.strip_prefix(POOLED) {
             let _ = std::fs::remove_file(self.making(slot));
+            let _ = std::fs::remove_file(self.claiming(slot));
         }
         for p in [self.image(id)] {
             match std::fs::remove_file(&p) {
@@ -365,6 +364,29 @@ impl Uppers {
     }
 }
 
+/// Names this process (PID and start time) in the file at `path`.
+fn mark_owner(path: &Path) -> Result<(), RuntimeError> {
+    let me = std::process::id();
+    let start = crate::backend::process_start(me).unwrap_or(0);
+    std::fs::write(path, format!("{me} {start}\n")).map_err(RuntimeError::io(path))
+}
+
+/// Whether the process [`mark_owner`] named in `path` still lives (`true` too while the
+/// file names none yet); `None` when there is no such file.
+fn owner_alive(path: &Path) -> Option<bool> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let mut w = text.split_whitespace();
+    Some(
+        match (
+            w.next().and_then(|p| p.parse::<u32>().ok()),
+            w.next().and_then(|s| s.parse::<u64>().ok()),
+        ) {
+            (Some(pid), Some(start)) => crate::backend::process_start(pid) == Some(start),
+            _ => true,
+        },
+    )
+}
+
 /// Copies the data extents of `from` into a new `to` of `size` bytes; holes stay holes.
 pub(crate) fn copy_sparse(from: &Path, to: &Path, size: u64) -> Result<(), RuntimeError> {
     let src = File::open(from).map_err(RuntimeError::io(from))?;
@@ -390,4 +412,46 @@ pub(crate) fn copy_sparse(from: &Path, to: &Path, size: u64) -> Result<(), Runti
         pos = hole;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool slot is the pool's while it is marked ready or a live process is making or
+    /// handing it out; one whose maker or claimant died is the reaper's at once (a node
+    /// service killed in a create left a mounted upper no drain found: the soak).
+    #[test]
+    fn a_slot_whose_claimant_died_is_no_longer_pooled() {
+        let root = tempfile::tempdir().unwrap();
+        let uppers = Uppers::open(
+            &root.path().join("images"),
+            &root.path().join("uppers"),
+            &root.path().join("pool"),
+        )
+        .unwrap();
+        std::fs::write(uppers.image("pool-abc"), b"").unwrap();
+        // Nothing names it and its image is young: still being set up.
+        assert!(uppers.is_pooled("pool-abc"));
+        // Claimed by a process that is gone (PID 0's start never matches).
+        std::fs::write(uppers.claiming("abc"), "4194305 1\n").unwrap();
+        assert!(!uppers.is_pooled("pool-abc"));
+        // Claimed by a live one: this test.
+        mark_owner(&uppers.claiming("abc")).unwrap();
+        assert!(uppers.is_pooled("pool-abc"));
+        // Made by a process that is gone.
+        std::fs::remove_file(uppers.claiming("abc")).unwrap();
+        std::fs::write(uppers.making("abc"), "4194305 1\n").unwrap();
+        assert!(!uppers.is_pooled("pool-abc"));
+        // Marked ready: the pool's, whoever made it.
+        std::fs::create_dir_all(root.path().join("pool/1024")).unwrap();
+        std::fs::write(root.path().join("pool/1024/abc"), b"").unwrap();
+        assert!(uppers.is_pooled("pool-abc"));
+        // Removing it takes its marks with it.
+        std::fs::remove_file(root.path().join("pool/1024/abc")).unwrap();
+        mark_owner(&uppers.claiming("abc")).unwrap();
+        uppers.remove("pool-abc").unwrap();
+        assert!(!uppers.making("abc").exists() && !uppers.claiming("abc").exists());
+        assert!(!uppers.image("pool-abc").exists());
+    }
 }

@@ -5,7 +5,7 @@
 //! streamed output); SECURITY.md's "Containment, tested" lists them all.
 
 use std::net::TcpListener;
-use std::sync::OnceLock;
+use std::sync::{OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use strata_tests::home::{can_run_vms, text, SampleEnv};
@@ -14,7 +14,24 @@ const BACKENDS: [&str; 4] = ["fncall", "container", "microvm", "vm"];
 
 static ENV: OnceLock<Option<SampleEnv>> = OnceLock::new();
 
-fn env(test: &str) -> Option<&'static SampleEnv> {
+/// Tests that measure the whole host (its memory in use, a neighbour's CPU throughput)
+/// run alone; the others share the host with each other.
+static HOST: RwLock<()> = RwLock::new(());
+
+/// The sample environment, for a test that shares the host with others.
+fn env(test: &str) -> Option<(&'static SampleEnv, RwLockReadGuard<'static, ()>)> {
+    let env = sample(test)?;
+    Some((env, HOST.read().unwrap_or_else(|p| p.into_inner())))
+}
+
+/// The sample environment, for a test that measures the whole host: no other test of
+/// this suite runs meanwhile.
+fn alone(test: &str) -> Option<(&'static SampleEnv, RwLockWriteGuard<'static, ()>)> {
+    let env = sample(test)?;
+    Some((env, HOST.write().unwrap_or_else(|p| p.into_inner())))
+}
+
+fn sample(test: &str) -> Option<&'static SampleEnv> {
     if !can_run_vms(test) {
         return None;
     }
@@ -45,7 +62,7 @@ fn run(
 /// sandbox can read names the home.
 #[test]
 fn the_hosts_state_logs_and_sockets_are_out_of_sight() {
-    let Some(env) = env("containment_host_state") else {
+    let Some((env, _shared)) = env("containment_host_state") else {
         return;
     };
     let home = env.cli.home.display().to_string();
@@ -102,7 +119,7 @@ fn the_hosts_state_logs_and_sockets_are_out_of_sight() {
 /// writable layer; the next sandbox of the same entry has the layers' files.
 #[test]
 fn overwritten_system_files_stay_in_their_sandbox() {
-    let Some(env) = env("containment_overwrite") else {
+    let Some((env, _shared)) = env("containment_overwrite") else {
         return;
     };
     for backend in BACKENDS {
@@ -137,7 +154,7 @@ fn overwritten_system_files_stay_in_their_sandbox() {
 /// /etc, /tmp, /root; their /usr is the same layer and costs minutes under emulation).
 #[test]
 fn a_recursive_grep_of_everything_completes_and_finds_nothing_of_the_host() {
-    let Some(env) = env("containment_grep") else {
+    let Some((env, _shared)) = env("containment_grep") else {
         return;
     };
     let marker = format!("strata-host-marker-{}", std::process::id());
@@ -199,7 +216,7 @@ fn a_recursive_grep_of_everything_completes_and_finds_nothing_of_the_host() {
 /// into its cache meanwhile is the home's; gigabytes of output are not).
 #[test]
 fn endless_output_is_bounded_through_every_way_in_on_every_backend() {
-    let Some(env) = env("containment_flood") else {
+    let Some((env, _alone)) = alone("containment_flood") else {
         return;
     };
     let seconds: u64 = std::env::var("STRATA_FLOOD_SECONDS")
@@ -336,7 +353,7 @@ asyncio.run(main())
 /// at the descriptor limit.
 #[test]
 fn budget_escapes_are_held() {
-    let Some(env) = env("containment_budgets") else {
+    let Some((env, _shared)) = env("containment_budgets") else {
         return;
     };
     for backend in BACKENDS {
@@ -436,7 +453,7 @@ fn budget_escapes_are_held() {
 /// about 0.4). Host backends; a VM's CPU is its vCPUs, the guest cannot schedule more.
 #[test]
 fn a_cpu_budget_holds_against_a_spinning_sandbox() {
-    let Some(env) = env("containment_cpu") else {
+    let Some((env, _alone)) = alone("containment_cpu") else {
         return;
     };
     const COUNT: &str = "python3 -c \"\nimport time\nstop = time.time() + 4\nn = 0\nwhile time.time() < stop: n += 1\nprint(n)\n\"";
@@ -495,7 +512,7 @@ fn a_cpu_budget_holds_against_a_spinning_sandbox() {
 /// cloud metadata address, and names do not resolve (no DNS to exfiltrate through).
 #[test]
 fn nothing_of_the_host_or_the_private_network_is_reachable() {
-    let Some(env) = env("containment_network") else {
+    let Some((env, _shared)) = env("containment_network") else {
         return;
     };
     let listener = TcpListener::bind("0.0.0.0:0").expect("a listener on the host");
@@ -530,7 +547,7 @@ fn nothing_of_the_host_or_the_private_network_is_reachable() {
 /// was, within the scan's window. On every backend (a VM's tap meets the same rules).
 #[test]
 fn a_port_scan_is_refused_and_recorded_with_counts_and_times() {
-    let Some(env) = env("containment_scan") else {
+    let Some((env, _shared)) = env("containment_scan") else {
         return;
     };
     let host_addr = host_address();
@@ -607,7 +624,7 @@ fn now_ms() -> u64 {
 /// host, where the same rules and the same proxy stand.
 #[test]
 fn names_reach_only_their_hosts_through_the_egress_proxy() {
-    let Some(env) = env("containment_egress") else {
+    let Some((env, _shared)) = env("containment_egress") else {
         return;
     };
     let listener = TcpListener::bind("0.0.0.0:0").expect("a listener on the host");
@@ -807,7 +824,7 @@ impl Drop for SmallDisk {
 /// creates once there is room.
 #[test]
 fn a_full_disk_under_the_home_gives_clear_errors_and_loses_nothing() {
-    let Some(env) = env("containment_full_disk") else {
+    let Some((env, _shared)) = env("containment_full_disk") else {
         return;
     };
     // A build into a store on the full disk.
@@ -1039,7 +1056,7 @@ struct SoakCounts {
 /// and a reason, and `store verify` finds the store intact.
 #[test]
 fn a_soak_of_killed_cycles_leaks_nothing_and_corrupts_nothing() {
-    let Some(env) = env("containment_soak") else {
+    let Some((env, _shared)) = env("containment_soak") else {
         return;
     };
     let cycles: usize = std::env::var("STRATA_SOAK_CYCLES")
