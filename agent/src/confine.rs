@@ -5,10 +5,10 @@
 //! The jail is what keeps a command away from the agent and from other commands: a
 //! Landlock domain of its own per exec (a process may only ptrace, read the memory of, or,
 //! where the kernel scopes signals, signal processes of its own domain or one nested in
-//! it, so not the agent and not another exec's processes), every inherited descriptor
-//! closed at exec, and, in a VM guest, where the agent itself stays privileged, the
-//! capabilities, `no_new_privs`, Landlock filesystem rules and seccomp filter a fncall
-//! agent applies to itself.
+//! it, so not the agent and not another exec's processes), holding the sandbox's
+//! filesystem rules in a fncall sandbox or VM guest, every inherited descriptor closed at
+//! exec, and, in a VM guest, where the agent itself stays privileged, the capabilities,
+//! `no_new_privs` and seccomp filter a fncall agent applies to itself.
 
 use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
@@ -37,11 +37,10 @@ pub fn enter(rootfs: &Path, hostname: &str, shm_bytes: Option<u64>) -> Result<()
     sys::loopback_up()?;
     limit_resources()?;
     drop_capabilities().map_err(|e| format!("dropping capabilities: {e}"))?;
-    if landlock_usable() {
-        filesystem_rules()?
-            .restrict_self()
-            .map_err(|e| format!("landlock: {e}"))?;
-    }
+    sys::no_new_privs().map_err(|e| format!("no_new_privs: {e}"))?;
+    // The filesystem rules are each command's (`Jail::fncall`), not the agent's own: a
+    // process checkpoint cannot save a Landlock domain, and a woken agent must still
+    // confine every command it starts.
     apply_seccomp()
 }
 
@@ -414,11 +413,21 @@ pub struct JailEntry {
 }
 
 impl Jail {
-    /// The jail of a fncall or container sandbox's commands: the agent is already
-    /// confined, so a new domain per command is what is added.
+    /// The jail of a container's commands: the OCI runtime confined the container, so a
+    /// new domain per command is what is added.
     pub fn scope() -> Jail {
         Jail {
             rules: usable_rules(scope_rules),
+            guest: None,
+        }
+    }
+
+    /// The jail of a fncall sandbox's commands: a domain of their own holding the
+    /// sandbox's filesystem rules (made for each command, so a top-level directory an
+    /// earlier one made is writable to the next).
+    pub fn fncall() -> Jail {
+        Jail {
+            rules: usable_rules(filesystem_rules),
             guest: None,
         }
     }

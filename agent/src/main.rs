@@ -3,8 +3,9 @@
 //! `strata-agent sandbox` (its boot settings, [`SandboxBoot`], as JSON on stdin) becomes
 //! pid 1 of a function-call sandbox: enters fresh mount, pid, network, IPC and UTS
 //! namespaces, pivots into the assembled root filesystem, locks itself down (capabilities,
-//! no_new_privs, landlock, seccomp, rlimits: all inherited by what it runs) and then serves
-//! the host over a Unix socket, forking each command from inside. Because the agent already
+//! no_new_privs, seccomp, rlimits: all inherited by what it runs) and then serves the
+//! host over a Unix socket, forking each command from inside, each in a Landlock domain
+//! of its own holding the sandbox's filesystem rules. Because the agent already
 //! sits in the sandbox's cgroups, a command joins them by inheritance, without paying a
 //! cgroup attach. The first process prints the agent's host PID on stdout once it serves,
 //! then exits. With no `rootfs` it is a pooled agent: the same init started ahead of time,
@@ -89,6 +90,10 @@ fn container_init() -> Result<(), String> {
     Ok(())
 }
 
+/// The descriptor a fncall agent serves on: the container init's, which the runtime takes
+/// back after a checkpoint (`strata_runtime`'s `checkpoint::AGENT_LISTEN_FD`).
+const LISTEN_FD: std::os::fd::RawFd = 3;
+
 /// A subcommand taking its remaining arguments.
 type Helper = fn(&[String]) -> Result<(), String>;
 
@@ -168,10 +173,14 @@ fn egress(args: &[String]) -> Result<(), String> {
 fn run(boot: SandboxBoot) -> Result<(), String> {
     let key = SandboxKey::from_hex(&boot.key).map_err(|e| e.to_string())?;
     serve::set_key(key);
-    // Bound before the pivot, in the host's view of the filesystem, so the host can reach it.
+    // Bound before the pivot, in the host's view of the filesystem, so the host can reach
+    // it; at the descriptor a parked agent keeps (see `serve::serve_parkable`), where the
+    // host finds it again after a checkpoint.
     let _ = std::fs::remove_file(&boot.socket);
     let listener = strata_host::unix::bind(std::path::Path::new(&boot.socket))
         .map_err(|e| format!("listening on {}: {e}", boot.socket))?;
+    let listener = sys::onto(OwnedFd::from(listener), LISTEN_FD)
+        .map_err(|e| format!("moving the listening socket to descriptor {LISTEN_FD}: {e}"))?;
     let flags = CloneFlags::CLONE_NEWPID | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS;
     if boot.rootfs.is_none() {
         nix::sched::unshare(flags).map_err(|e| format!("unshare: {e}"))?;
@@ -201,6 +210,10 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
         ForkResult::Child => {
             drop(ready_r);
             let mut ready = std::fs::File::from(ready_w);
+            // Pid 1 of its namespace leads a session of its own, as a container's init
+            // does: nothing of the sandbox belongs to a session outside it (which a
+            // process checkpoint could not restore).
+            let _ = nix::unistd::setsid();
             let entered = match &boot.rootfs {
                 None => Ok(()),
                 Some(rootfs) => {
@@ -212,8 +225,14 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
                     let _ = ready.write_all(b"ok");
                     drop(ready);
                     close_inherited_stdio();
-                    if boot.rootfs.is_some() || await_setup(&listener).is_ok() {
-                        serve::serve(listener, confine::Jail::scope());
+                    if boot.rootfs.is_some()
+                        || await_setup(&sys::borrow_listener(LISTEN_FD)).is_ok()
+                    {
+                        // Inside its root now: stdio on the sandbox's own /dev/null, and no
+                        // other descriptor of the host's (a process checkpoint saves them all).
+                        close_inherited_stdio();
+                        sys::close_all_but(LISTEN_FD);
+                        serve::serve_parkable(listener, confine::Jail::fncall());
                     }
                     std::process::exit(1);
                 }

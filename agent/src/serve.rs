@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::os::fd::{IntoRawFd, OwnedFd, RawFd};
-use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -69,16 +69,6 @@ pub(crate) fn start_reaper() -> Shared {
     shared
 }
 
-/// Serves a sandbox whose root is in place: its commands get `jail`.
-pub fn serve(listener: UnixListener, jail: Jail) {
-    let _ = JAIL.set(jail);
-    let shared = start_reaper();
-    for conn in listener.incoming() {
-        let Ok(conn) = conn else { continue };
-        spawn_conversation(conn, shared.clone());
-    }
-}
-
 fn spawn_conversation(conn: UnixStream, shared: Shared) {
     OPEN_CONVERSATIONS.fetch_add(1, Ordering::SeqCst);
     std::thread::spawn(move || {
@@ -90,7 +80,7 @@ fn spawn_conversation(conn: UnixStream, shared: Shared) {
 /// Conversations being served now (a park waits until it is the only one).
 static OPEN_CONVERSATIONS: AtomicUsize = AtomicUsize::new(0);
 
-/// A container agent's listening descriptor: set when it serves parkably.
+/// The agent's listening descriptor: set when it serves parkably.
 static LISTEN_FD: OnceLock<RawFd> = OnceLock::new();
 
 /// A park's progress: asked for (the accept loop stops), then done (the listening socket
@@ -112,7 +102,8 @@ static PARK: (Mutex<ParkState>, Condvar) = (
 /// How often a parked agent looks for the listening socket a restore puts in place.
 const PARKED_POLL: Duration = Duration::from_millis(2);
 
-/// [`serve`] for a container's init, which a process checkpoint may save and restore: on
+/// Serves a sandbox whose root is in place (its commands get `jail`), as an init a
+/// process checkpoint may save and restore (a container's or a fncall sandbox's): on
 /// `Park` it stops accepting, replaces its listening socket (made in the host's
 /// namespaces, where a checkpoint cannot follow) with an unbound socket of its own at the
 /// same descriptor number, and serves again once that socket listens: the host binds it
@@ -156,7 +147,7 @@ fn park() -> Result<AgentMsg, AgentError> {
     let Some(&fd) = LISTEN_FD.get() else {
         return Err(AgentError::new(
             ErrorKind::Invalid,
-            "only a container's agent parks for a checkpoint",
+            "only a container's or fncall sandbox's agent parks for a checkpoint",
         ));
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(10);

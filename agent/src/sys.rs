@@ -89,6 +89,21 @@ pub fn close_all_but(keep: RawFd) {
     }
 }
 
+/// `fd` at descriptor number `target` (close-on-exec), the original closed.
+pub fn onto(fd: OwnedFd, target: RawFd) -> std::io::Result<OwnedFd> {
+    if fd.as_raw_fd() == target {
+        return Ok(fd);
+    }
+    // SAFETY: dup3 onto a descriptor number the caller has kept free for it (the agent's
+    // listening socket, before it opens anything else); the new descriptor is ours alone.
+    let got = unsafe { libc::dup3(fd.as_raw_fd(), target, libc::O_CLOEXEC) };
+    if got < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: dup3 made descriptor `target` for this process just now.
+    Ok(unsafe { OwnedFd::from_raw_fd(target) })
+}
+
 /// Points descriptor `target` at `fd` (stdio onto /dev/null).
 pub fn dup_onto(fd: &OwnedFd, target: RawFd) {
     // SAFETY: dup2 of a descriptor we own onto a standard descriptor number.

@@ -3,7 +3,7 @@
 //! first exec), the hibernated state's size against the memory its guest uses, and fork
 //! of N children per backend against N creates; a snapshot into the store (time, size)
 //! and its restore on another node. A container's hibernation (CRIU) and wake against a
-//! container create; fncall sandboxes cannot hibernate (their rows are absent).
+//! container create, and the same of a fncall sandbox.
 
 use std::path::Path;
 use std::time::Instant;
@@ -243,81 +243,89 @@ pub fn run(
         "cold node: its layers and the snapshot fetched from the store, a new QEMU; processes and files kept",
     ));
 
-    // A container's hibernation: a process holding 64 MiB and 16 MiB written.
+    // A container's and a fncall sandbox's hibernation (CRIU): a process holding 64 MiB
+    // and 16 MiB written.
     let container = SandboxSpec {
         backend: Backend::Container,
         ..s.spec.clone()
     };
-    creates(&runtime, &container, 1)?;
-    let sb = runtime.create_owned(container.clone())?;
-    check(
-        &sb,
-        "dd if=/dev/urandom of=/root/blob bs=1M count=16 2>/dev/null; nohup python3 -c 'import time, os; b = os.urandom(64 << 20); time.sleep(86400)' >/dev/null 2>&1 & sleep 1",
-    )?;
-    let held = sb.cgroup().memory_usage();
-    let (mut hib, mut wake, state) = hibernate_cycles(&sb, cycles)?;
-    let (ct_snap, ct_snap_ms, ct_restore_ms) =
-        store_round_trip(rt, &store, &sb, scratch, &s.store_url, "container")?;
-    sb.destroy()?;
-    let mut cold: Vec<f64> = (0..if quick { 5 } else { 20 })
-        .map(|_| creates(&runtime, &container, 1))
-        .collect::<Result<_>>()?;
-    let cold50 = percentile(&mut cold, 0.5);
-    rows.push(Row::new(
-        "container hibernate, p50",
-        "ms",
-        percentile(&mut hib, 0.5),
-        "create -> first exec, p50",
-        cold50,
-        "lower",
-        "agent parked, CRIU checkpoint of the process tree, tree ended",
-    ));
-    rows.push(Row::new(
-        "container wake -> first exec, p50",
-        "ms",
-        percentile(&mut wake, 0.5),
-        "create -> first exec, p50",
-        cold50,
-        "lower",
-        "target: at most 3x; CRIU restore over the same root in a fresh PID namespace",
-    ));
-    rows.push(Row::new(
-        "container hibernated state",
-        "MiB",
-        state as f64 / 1_048_576.0,
-        "memory the sandbox's cgroup holds awake (page cache included)",
-        held as f64 / 1_048_576.0,
-        "lower",
-        "CRIU images; its files stay in its upper",
-    ));
-    rows.push(Row::new(
-        "container snapshot into the store",
-        "ms",
-        ct_snap_ms,
-        "create -> first exec, p50",
-        cold50,
-        "lower",
-        &format!(
-            "CRIU checkpoint (left running) and upper copy while frozen, built as a layer of chunks; {:.1} MiB stored after lz4 and dedup ({:.1} MiB raw)",
-            ct_snap.uploaded_bytes as f64 / 1_048_576.0,
-            (ct_snap.state_bytes + ct_snap.disk_bytes) as f64 / 1_048_576.0
-        ),
-    ));
-    rows.push(Row::new(
-        "container restore on another node -> first exec",
-        "ms",
-        ct_restore_ms,
-        "create -> first exec, p50",
-        cold50,
-        "lower",
-        "cold node: its layers and the snapshot fetched from the store, CRIU restore; processes and files kept",
-    ));
+    let fncall = SandboxSpec {
+        backend: Backend::Fncall,
+        ..s.spec.clone()
+    };
+    for (name, spec) in [("container", &container), ("fncall", &fncall)] {
+        creates(&runtime, spec, 1)?;
+        let sb = runtime.create_owned(spec.clone())?;
+        check(
+            &sb,
+            "dd if=/dev/urandom of=/root/blob bs=1M count=16 2>/dev/null; nohup python3 -c 'import time, os; b = os.urandom(64 << 20); time.sleep(86400)' >/dev/null 2>&1 & sleep 1",
+        )?;
+        let held = sb.cgroup().memory_usage();
+        let (mut hib, mut wake, state) = hibernate_cycles(&sb, cycles)?;
+        let (ct_snap, ct_snap_ms, ct_restore_ms) =
+            store_round_trip(rt, &store, &sb, scratch, &s.store_url, name)?;
+        sb.destroy()?;
+        let mut cold: Vec<f64> = (0..if quick { 5 } else { 20 })
+            .map(|_| creates(&runtime, spec, 1))
+            .collect::<Result<_>>()?;
+        let cold50 = percentile(&mut cold, 0.5);
+        rows.push(Row::new(
+            &format!("{name} hibernate, p50"),
+            "ms",
+            percentile(&mut hib, 0.5),
+            "create -> first exec, p50",
+            cold50,
+            "lower",
+            "agent parked, CRIU checkpoint of the process tree, tree ended",
+        ));
+        rows.push(Row::new(
+            &format!("{name} wake -> first exec, p50"),
+            "ms",
+            percentile(&mut wake, 0.5),
+            "create -> first exec, p50",
+            cold50,
+            "lower",
+            "target: at most 3x; CRIU restore over the same root in a fresh PID namespace",
+        ));
+        rows.push(Row::new(
+            &format!("{name} hibernated state"),
+            "MiB",
+            state as f64 / 1_048_576.0,
+            "memory the sandbox's cgroup holds awake (page cache included)",
+            held as f64 / 1_048_576.0,
+            "lower",
+            "CRIU images; its files stay in its upper",
+        ));
+        rows.push(Row::new(
+            &format!("{name} snapshot into the store"),
+            "ms",
+            ct_snap_ms,
+            "create -> first exec, p50",
+            cold50,
+            "lower",
+            &format!(
+                "CRIU checkpoint (left running) and upper copy while frozen, built as a layer of chunks; {:.1} MiB stored after lz4 and dedup ({:.1} MiB raw)",
+                ct_snap.uploaded_bytes as f64 / 1_048_576.0,
+                (ct_snap.state_bytes + ct_snap.disk_bytes) as f64 / 1_048_576.0
+            ),
+        ));
+        rows.push(Row::new(
+            &format!("{name} restore on another node -> first exec"),
+            "ms",
+            ct_restore_ms,
+            "create -> first exec, p50",
+            cold50,
+            "lower",
+            "cold node: its layers and the snapshot fetched from the store, CRIU restore; processes and files kept",
+        ));
+    }
 
     // Fork of N against N creates, per backend.
     let counts: &[usize] = if quick { &[1, 4] } else { &[1, 16] };
     for (name, spec, extra) in [
         ("microvm", &microvm, None),
         ("container", &container, Some(100usize)),
+        ("fncall", &fncall, None),
     ] {
         let mut ns = counts.to_vec();
         ns.extend(extra.filter(|_| !quick));
@@ -374,7 +382,7 @@ pub fn run(
     runtime.drain_pool();
     Ok(Section {
         name: "state".into(),
-        description: "Durable rollout state: hibernate and wake of a microVM (16 MiB written, a process running) and of a container (16 MiB written, a process holding 64 MiB), the saved state's size, and fork per backend, each against a create of the same entry in the same run. Layers cached locally; microVMs of 256 MiB under this host's accelerator.".into(),
+        description: "Durable rollout state: hibernate and wake of a microVM (16 MiB written, a process running) and of a container and a fncall sandbox (16 MiB written, a process holding 64 MiB), the saved state's size, and fork per backend, each against a create of the same entry in the same run. Layers cached locally; microVMs of 256 MiB under this host's accelerator.".into(),
         rows,
     })
 }

@@ -229,7 +229,7 @@ pub(crate) trait SandboxBackend: Send + Sync {
     /// CPU (its files stay where they are); [`SandboxBackend::wake`] starts it again.
     fn hibernate(&self, sb: &SandboxRef, _to: &Path) -> Result<HibernateInfo, RuntimeError> {
         Err(RuntimeError::Unsupported(format!(
-            "hibernating a {} sandbox: its agent confines itself as a whole (Landlock), which a process checkpoint cannot carry over; hibernate a container, microvm or vm sandbox, or pause this one (memory kept) or commit its files",
+            "hibernating a {} sandbox is not supported on this node; pause it (memory kept) or commit its files",
             sb.record.spec.backend.as_str()
         )))
     }

@@ -1,15 +1,17 @@
-//! Process checkpoints of a container sandbox with CRIU: what a hibernation saves of its
-//! process tree (the agent as the tree's root, every process under it, their memory,
-//! descriptors, namespaces and mounts) and how a wake restores it over the same root, in
-//! a fresh PID namespace.
+//! Process checkpoints of a host sandbox (a container or a fncall sandbox) with CRIU: what
+//! a hibernation saves of its process tree (the static agent as the tree's root, every
+//! process under it, their memory, descriptors, namespaces and mounts) and how a wake
+//! restores it over the same root, in a fresh PID namespace; and the snapshots forks and
+//! store snapshots take of it ([`HostCheckpoints`]).
 //!
 //! What lives outside the sandbox is named to CRIU rather than saved: the sandbox's root
 //! (its overlay mount stays mounted on the host while it hibernates), the named network
-//! namespace of a networked sandbox, the `/dev/null` binds over masked kernel files, and
-//! the agent's own executable (a host file, handed back at the restore). The agent holds
-//! nothing else of the host's when it is saved: it parks first (see
-//! `strata_agent_proto::HostMsg::Park`), and after the restore its parked socket is bound
-//! and made to listen again from here ([`rebind_agent`]).
+//! namespace of a networked sandbox, the binds of the host's device files (`/dev/null`
+//! over masked kernel files, a fncall sandbox's /dev nodes), and the agent's own
+//! executable (a host file, handed back at the restore). The agent holds nothing else of
+//! the host's when it is saved: it parks first (see `strata_agent_proto::HostMsg::Park`),
+//! and after the restore its parked socket is bound and made to listen again from here
+//! ([`rebind_agent`]).
 //!
 //! Landlock domains are not visible to a checkpoint, so the restore runs with the build's
 //! `--landlock-children` (scripts/criu/landlock-children.patch): every tree under the
@@ -25,6 +27,7 @@ use std::process::{Command, Stdio};
 
 use serde::{Deserialize, Serialize};
 
+use crate::backend::{HibernateInfo, Host, NewSandbox, SandboxRef, SnapshotInfo};
 use crate::cgroup::Cgroup;
 use crate::RuntimeError;
 
@@ -52,10 +55,11 @@ const GHOST_LIMIT: &str = "64M";
 /// The agent's listening descriptor (see `container::LISTEN_FD`).
 pub(crate) const AGENT_LISTEN_FD: i32 = 3;
 
-/// Where a hibernating container's own network namespace (one without an allowlist, made
-/// by the OCI runtime) is pinned: a bind of its nsfs file in the sandbox's directory, so it
-/// outlives the tree and the wake restores into it as into a named one, instead of CRIU
-/// rebuilding it with `ip` and `iptables-restore` (about 40 ms of every wake).
+/// Where a hibernating sandbox's own network namespace (one without an allowlist, made
+/// by the OCI runtime or the fncall agent) is pinned: a bind of its nsfs file in the
+/// sandbox's directory, so it outlives the tree and the wake restores into it as into a
+/// named one, instead of CRIU rebuilding it with `ip` and `iptables-restore` (about 40 ms
+/// of every wake).
 pub(crate) const NETNS_PIN: &str = "netns.pin";
 
 /// Pins the network namespace of process `pid` at `at` (see [`NETNS_PIN`]).
@@ -92,8 +96,14 @@ struct Plan {
     /// The agent binary's identity when saved: a restore maps the same file again, so a
     /// changed binary is refused rather than mapped under the saved code.
     agent_tag: String,
-    /// Masked kernel files (binds of `/dev/null`), inside the sandbox.
+    /// Masked kernel files (binds of `/dev/null`), inside the sandbox (a plan's of an
+    /// earlier build; [`Plan::device_binds`] holds them now).
+    #[serde(default)]
     masked_files: Vec<String>,
+    /// Binds of the host's device files inside the sandbox: where, and which device
+    /// (`/dev/null` over masked kernel files; a fncall sandbox's /dev nodes).
+    #[serde(default)]
+    device_binds: Vec<(String, String)>,
     /// Whether the sandbox's network namespace is a named one left in place.
     external_netns: bool,
     /// A copy's checkpoint ([`DumpKind::Copy`]): its TCP connections were not saved and
@@ -167,20 +177,32 @@ fn file_key(link: &Path) -> Result<String, RuntimeError> {
     Ok(format!("file[{mnt:x}:{ino:x}]"))
 }
 
-/// The masked files of the sandbox whose init is `pid`: mounts over files (binds of
-/// `/dev/null`), as its mount table shows them.
-fn masked_files(pid: u32) -> Vec<String> {
+/// The device files a sandbox's init `pid` has bound from the host's /dev (mounts of
+/// one of [`HOST_DEVICES`] from a devtmpfs, and the masks over kernel files, as its mount
+/// table shows them): where each is inside, and the host's device. A checkpoint names them external; a restore binds
+/// the host's devices there again.
+fn device_binds(pid: u32) -> Vec<(String, String)> {
     let table = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap_or_default();
     table
         .lines()
         .filter_map(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
+            let (mount, source) = l.split_once(" - ")?;
+            let f: Vec<&str> = mount.split_whitespace().collect();
             // Field 4 is the mount's root within its filesystem, 5 its mount point.
-            (f.len() > 5 && f[3] == "/null").then(|| f[4].to_string())
+            let (root, at) = (*f.get(3)?, *f.get(4)?);
+            let device = root.strip_prefix('/')?;
+            // The OCI runtime's masks are binds of the container's /dev/null, whatever
+            // its filesystem.
+            let masked = device == "null" && strata_agent_proto::policy::MASKED_PATHS.contains(&at);
+            let from_host = source.split_whitespace().next() == Some("devtmpfs");
+            (HOST_DEVICES.contains(&device) && (from_host || masked))
+                .then(|| (at.to_string(), format!("/dev/{device}")))
         })
-        .filter(|p| strata_agent_proto::policy::MASKED_PATHS.contains(&p.as_str()))
         .collect()
 }
+
+/// The host's device files a sandbox may have bound inside (see `confine` in the agent).
+const HOST_DEVICES: [&str; 6] = ["null", "zero", "full", "random", "urandom", "tty"];
 
 /// The last error lines of a CRIU log, as a message.
 fn log_errors(log: &Path) -> String {
@@ -260,7 +282,8 @@ impl Criu {
         let plan = Plan {
             exe_key,
             agent_tag: agent_tag(d.agent)?,
-            masked_files: masked_files(d.init_pid),
+            masked_files: Vec::new(),
+            device_binds: device_binds(d.init_pid),
             external_netns: d.netns.is_some(),
             tcp_closed: d.kind == DumpKind::Copy,
         };
@@ -292,8 +315,8 @@ impl Criu {
             .arg(d.cgroup.freezer_dir())
             .arg("--external")
             .arg(&plan.exe_key);
-        for m in &plan.masked_files {
-            cmd.arg("--ext-mount-map").arg(format!("{m}:{m}"));
+        for (at, _) in &plan.device_binds {
+            cmd.arg("--ext-mount-map").arg(format!("{at}:{at}"));
         }
         if let Some(ns) = d.netns {
             use std::os::unix::fs::MetadataExt;
@@ -387,8 +410,12 @@ impl Criu {
         if strata_host::landlock_abi() >= 2 {
             cmd.arg("--landlock-children");
         }
-        for m in &plan.masked_files {
-            cmd.arg("--ext-mount-map").arg(format!("{m}:/dev/null"));
+        let earlier = plan
+            .masked_files
+            .iter()
+            .map(|m| (m.clone(), "/dev/null".to_string()));
+        for (at, device) in plan.device_binds.iter().cloned().chain(earlier) {
+            cmd.arg("--ext-mount-map").arg(format!("{at}:{device}"));
         }
         let mut pass = vec![exe.as_raw_fd()];
         if let Some(ns) = &netns {
@@ -411,7 +438,270 @@ impl Criu {
     }
 }
 
-/// Makes a parked container agent serve again: its parked socket, bound at `socket` and
+/// A host sandbox's snapshot's copy of its writable layer; beside it are the checkpoint
+/// (`criu/`, `checkpoint.json`), the key its agent proves and the record
+/// (`crate::record::SnapshotHeader`).
+const UPPER_COPY: &str = "upper.img";
+
+/// The checkpoints of a host sandbox (a container or a fncall sandbox) whose init is the
+/// static agent: hibernation, snapshots and forks with processes, and their restores.
+/// Both backends' trees are the agent as init, parked for the checkpoint, over an overlay
+/// root mounted on the host, in the sandbox's cgroup and network namespace.
+pub(crate) struct HostCheckpoints<'a> {
+    pub criu: &'a Criu,
+    /// The static agent: every checkpointed init's executable.
+    pub agent: &'a Path,
+    pub networks: &'a crate::network::Networks,
+}
+
+impl HostCheckpoints<'_> {
+    /// Starts a new sandbox from the snapshot `snapshot` ([`HostCheckpoints::snapshot`]):
+    /// a root whose upper is a copy of the snapshot's, a cgroup with the sandbox's budgets,
+    /// and the saved tree restored into it, in fresh namespaces. The copy then gets its own
+    /// identity: the new sandbox's key, host name and machine ID. (Its processes' own
+    /// memory is the original's: a PRNG seeded in userspace continues the same stream.)
+    pub(crate) fn restore_copy(
+        &self,
+        host: &Host,
+        new: &NewSandbox,
+        snapshot: &Path,
+    ) -> Result<u32, RuntimeError> {
+        let (criu, agent) = (self.criu, self.agent);
+        let header: crate::record::SnapshotHeader = crate::record::read_snapshot(snapshot)?;
+        if header.spec.backend != new.spec.backend {
+            return Err(RuntimeError::Invalid(format!(
+                "{} is a snapshot of a {} sandbox, not of a {} one",
+                snapshot.display(),
+                header.spec.backend.as_str(),
+                new.spec.backend.as_str()
+            )));
+        }
+        let root = crate::hostroot::prepare(host, new, Some(&snapshot.join(UPPER_COPY)))?;
+        let l = &new.spec.limits;
+        new.cgroup.create(l.memory_bytes, l.cpus, l.pids)?;
+        let socket = crate::agent::socket_path(new.dir);
+        let pid = criu.restore(&Restore {
+            from: snapshot,
+            root: &root.rootfs,
+            cgroup: &new.cgroup,
+            netns: root.netns.as_deref(),
+            agent,
+            pid_file: &new.dir.join("init.pid"),
+            sandbox_dir: new.dir,
+        })?;
+        rebind_agent(pid, &socket, std::time::Duration::from_secs(10))?;
+        set_hostname(pid, &new.hostname)?;
+        let machine_id = root.rootfs.join("etc/machine-id");
+        if std::fs::symlink_metadata(&machine_id).is_ok() {
+            let id = uuid::Uuid::new_v4().simple().to_string();
+            crate::files::write_file(
+                &root.rootfs,
+                "/etc/machine-id",
+                format!("{id}\n").as_bytes(),
+                0o444,
+            )?;
+        }
+        // The restored agent proves the key it was saved with, until it takes this one.
+        crate::agent::AgentClient::at(socket, Some(crate::agent::read_key(snapshot)?))
+            .rekey(&crate::agent::read_key(new.dir)?)?;
+        Ok(pid)
+    }
+
+    /// Checkpoints the process tree (it runs on) and copies the writable layer, both
+    /// while the tree is frozen, so the files its processes hold open are as they expect
+    /// (a restore checks their sizes); see [`HostCheckpoints::restore_copy`].
+    pub(crate) fn snapshot(
+        &self,
+        sb: &SandboxRef,
+        dest: &Path,
+    ) -> Result<SnapshotInfo, RuntimeError> {
+        let t = std::time::Instant::now();
+        let (criu, agent) = (self.criu, self.agent);
+        let was_paused = sb.cgroup.is_frozen();
+        if was_paused {
+            sb.cgroup.freeze(false)?;
+        }
+        let parked = crate::agent::AgentClient::of(sb.dir).and_then(|a| a.park());
+        let parked_ok = parked.is_ok();
+        let saved = parked.and_then(|()| {
+            sb.cgroup.freeze(true)?;
+            let netns = self.named_netns(&sb.record.id);
+            let state_bytes = criu.dump(&Dump {
+                init_pid: sb.record.init_pid,
+                cgroup: sb.cgroup,
+                to: dest,
+                sandbox_dir: sb.dir,
+                netns: netns.as_deref(),
+                agent,
+                kind: DumpKind::Copy,
+            })?;
+            let disk_bytes = sb
+                .uppers
+                .copy_mounted(&sb.record.id, &dest.join(UPPER_COPY))?;
+            // A restored copy's agent proves the key it holds now.
+            crate::agent::write_key(dest, &crate::agent::read_key(sb.dir)?)?;
+            let record = crate::record::SnapshotHeader {
+                format: crate::record::SNAPSHOT_FORMAT,
+                spec: sb.record.spec.clone(),
+                taken_ms: crate::audit::now_ms(),
+            };
+            let path = dest.join(crate::record::SNAPSHOT_RECORD);
+            std::fs::write(
+                &path,
+                serde_json::to_vec_pretty(&record)
+                    .map_err(|e| RuntimeError::Internal(e.to_string()))?,
+            )
+            .map_err(RuntimeError::io(&path))?;
+            Ok((state_bytes, disk_bytes))
+        });
+        // Parked, the agent serves again once its socket is bound (frozen or not).
+        let rebound = if parked_ok {
+            rebind_agent(
+                sb.record.init_pid,
+                &crate::agent::socket_path(sb.dir),
+                std::time::Duration::from_secs(5),
+            )
+        } else {
+            Ok(())
+        };
+        let thawed = sb.cgroup.freeze(was_paused);
+        let (state_bytes, disk_bytes) = saved?;
+        rebound?;
+        thawed?;
+        Ok(SnapshotInfo {
+            dir: dest.to_path_buf(),
+            state_bytes,
+            disk_bytes,
+            millis: t.elapsed().as_secs_f64() * 1e3,
+        })
+    }
+
+    /// Checkpoints the process tree with CRIU (see [`crate::checkpoint`]): the agent
+    /// parks, the tree is saved under `to` and ends; its root stays mounted. A paused
+    /// sandbox is thawed for the agent to park (the checkpoint freezes it again).
+    pub(crate) fn hibernate(
+        &self,
+        sb: &SandboxRef,
+        to: &Path,
+    ) -> Result<HibernateInfo, RuntimeError> {
+        let t = std::time::Instant::now();
+        let (criu, agent) = (self.criu, self.agent);
+        let was_paused = sb.cgroup.is_frozen();
+        if was_paused {
+            sb.cgroup.freeze(false)?;
+        }
+        if let Err(e) = crate::agent::AgentClient::of(sb.dir).and_then(|a| a.park()) {
+            if was_paused {
+                let _ = sb.cgroup.freeze(true);
+            }
+            return Err(e);
+        }
+        let pin = sb.dir.join(NETNS_PIN);
+        let netns = match self.named_netns(&sb.record.id) {
+            Some(named) => Some(named),
+            None => match pin_netns(sb.record.init_pid, &pin) {
+                Ok(()) => Some(pin.clone()),
+                Err(e) => {
+                    tracing::debug!(sandbox = %sb.record.id, error = %e, "its network namespace is saved with the checkpoint");
+                    None
+                }
+            },
+        };
+        let dumped = criu.dump(&Dump {
+            init_pid: sb.record.init_pid,
+            cgroup: sb.cgroup,
+            to,
+            netns: netns.as_deref(),
+            agent,
+            kind: DumpKind::Hibernate,
+            sandbox_dir: sb.dir,
+        });
+        match dumped {
+            Ok(state_bytes) => {
+                // The checkpoint ended the tree; nothing of it may outlive it.
+                sb.cgroup.kill_all();
+                Ok(HibernateInfo {
+                    state_bytes,
+                    millis: t.elapsed().as_secs_f64() * 1e3,
+                })
+            }
+            Err(e) => {
+                if let Err(u) = unpin_netns(&pin) {
+                    tracing::warn!(sandbox = %sb.record.id, error = %u, "dropping the network namespace's pin");
+                }
+                // The tree runs on where it was (CRIU resumes it): its agent serves again.
+                if let Err(again) = rebind_agent(
+                    sb.record.init_pid,
+                    &crate::agent::socket_path(sb.dir),
+                    std::time::Duration::from_secs(5),
+                ) {
+                    tracing::warn!(sandbox = %sb.record.id, error = %again, "the agent of a sandbox whose checkpoint failed does not serve again");
+                }
+                if was_paused {
+                    let _ = sb.cgroup.freeze(true);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Restores the checkpointed tree over the same root, in a fresh PID namespace and
+    /// the sandbox's cgroup, and makes its agent serve again.
+    pub(crate) fn wake(
+        &self,
+        sb: &SandboxRef,
+        from: &Path,
+        paused: bool,
+    ) -> Result<u32, RuntimeError> {
+        let (criu, agent) = (self.criu, self.agent);
+        let pin = sb.dir.join(NETNS_PIN);
+        let netns = self
+            .named_netns(&sb.record.id)
+            .or_else(|| Some(pin.clone()).filter(|p| p.exists()));
+        let pid = criu.restore(&Restore {
+            from,
+            root: &sb.rootfs(),
+            cgroup: sb.cgroup,
+            netns: netns.as_deref(),
+            agent,
+            pid_file: &sb.dir.join("init.pid"),
+            sandbox_dir: sb.dir,
+        })?;
+        // The restored tree holds its network namespace now.
+        unpin_netns(&pin)?;
+        rebind_agent(
+            pid,
+            &crate::agent::socket_path(sb.dir),
+            std::time::Duration::from_secs(10),
+        )?;
+        if paused {
+            sb.cgroup.freeze(true)?;
+        }
+        Ok(pid)
+    }
+
+    /// The named network namespace of networked sandbox `id`, if it has one.
+    fn named_netns(&self, id: &str) -> Option<PathBuf> {
+        Some(self.networks.netns_path(id)).filter(|p| p.exists())
+    }
+}
+
+/// Sets the host name in the UTS namespace of process `pid` (from a thread of its own,
+/// which ends with the namespace switch).
+fn set_hostname(pid: u32, name: &str) -> Result<(), RuntimeError> {
+    let ns = PathBuf::from(format!("/proc/{pid}/ns/uts"));
+    let file = std::fs::File::open(&ns).map_err(RuntimeError::io(&ns))?;
+    let name = name.to_string();
+    std::thread::spawn(move || {
+        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWUTS)?;
+        nix::unistd::sethostname(name)
+    })
+    .join()
+    .map_err(|_| RuntimeError::Internal("the host-name thread panicked".into()))?
+    .map_err(|e| RuntimeError::Setup(format!("setting the restored sandbox's host name: {e}")))
+}
+
+/// Makes a parked agent serve again: its parked socket, bound at `socket` and
 /// listening. Waits (up to `within`) for the agent to have parked it.
 pub(crate) fn rebind_agent(
     init_pid: u32,

@@ -27,6 +27,7 @@ use strata_agent_proto::policy::{self, KEPT_CAPS};
 
 use crate::backend::{HibernateInfo, Host, NewSandbox, SandboxBackend, SandboxRef, SnapshotInfo};
 use crate::cgroup::Cgroup;
+use crate::checkpoint::HostCheckpoints;
 use crate::exec::ExecEnv;
 use crate::exec::{drive, Collected, Event, ExecRequest, RawExit, Stdin, Stream, OUTPUT_QUEUE};
 use crate::hostroot::{self, HostRoot};
@@ -398,10 +399,7 @@ impl ContainerBackend {
     /// What checkpointing this container takes: CRIU, and the static agent as its init
     /// (catatonit's containers take each command through the OCI runtime, whose state a
     /// restore would not match).
-    fn checkpointing(
-        &self,
-        sb: &SandboxRef,
-    ) -> Result<(&crate::checkpoint::Criu, &Path), RuntimeError> {
+    fn checkpointing(&self, sb: &SandboxRef) -> Result<HostCheckpoints<'_>, RuntimeError> {
         let found = self.checkpointer()?;
         if !crate::agent::socket_path(sb.dir).exists() {
             return Err(RuntimeError::Unsupported(
@@ -412,100 +410,29 @@ impl ContainerBackend {
     }
 
     /// CRIU and the static agent, which every checkpoint and restore takes.
-    fn checkpointer(&self) -> Result<(&crate::checkpoint::Criu, &Path), RuntimeError> {
+    fn checkpointer(&self) -> Result<HostCheckpoints<'_>, RuntimeError> {
         let Some(criu) = &self.criu else {
             return Err(RuntimeError::Unsupported(
                 "checkpointing a container (hibernate, a snapshot or fork with processes) needs CRIU: build it with scripts/criu.sh (or set STRATA_CRIU to a CRIU 4.1+ built with scripts/criu/landlock-children.patch); pause it (memory kept) or commit its files meanwhile".into(),
             ));
         };
         match &self.agent {
-            Some(agent) => Ok((criu, agent)),
+            Some(agent) => Ok(HostCheckpoints {
+                criu,
+                agent,
+                networks: &self.networks,
+            }),
             None => Err(RuntimeError::Unsupported(
                 "checkpointing a container needs the static agent as its init: build it as scripts/test.sh does".into(),
             )),
         }
     }
-
-    /// Starts a new container from the snapshot `snapshot` ([`SandboxBackend::snapshot`]):
-    /// a root whose upper is a copy of the snapshot's, a cgroup with the sandbox's budgets,
-    /// and the saved tree restored into it, in fresh namespaces. The copy then gets its own
-    /// identity: the new sandbox's key, host name and machine ID. (Its processes' own
-    /// memory is the original's: a PRNG seeded in userspace continues the same stream.)
-    fn restore_copy(
-        &self,
-        host: &Host,
-        new: &NewSandbox,
-        snapshot: &Path,
-    ) -> Result<u32, RuntimeError> {
-        let (criu, agent) = self.checkpointer()?;
-        let header: crate::record::SnapshotHeader = crate::record::read_snapshot(snapshot)?;
-        if header.spec.backend != crate::Backend::Container {
-            return Err(RuntimeError::Invalid(format!(
-                "{} is a snapshot of a {} sandbox, not of a container",
-                snapshot.display(),
-                header.spec.backend.as_str()
-            )));
-        }
-        let root = hostroot::prepare(host, new, Some(&snapshot.join(UPPER_COPY)))?;
-        let l = &new.spec.limits;
-        new.cgroup.create(l.memory_bytes, l.cpus, l.pids)?;
-        let socket = crate::agent::socket_path(new.dir);
-        let pid = criu.restore(&crate::checkpoint::Restore {
-            from: snapshot,
-            root: &root.rootfs,
-            cgroup: &new.cgroup,
-            netns: root.netns.as_deref(),
-            agent,
-            pid_file: &new.dir.join("init.pid"),
-            sandbox_dir: new.dir,
-        })?;
-        crate::checkpoint::rebind_agent(pid, &socket, std::time::Duration::from_secs(10))?;
-        set_hostname(pid, &new.hostname)?;
-        let machine_id = root.rootfs.join("etc/machine-id");
-        if std::fs::symlink_metadata(&machine_id).is_ok() {
-            let id = uuid::Uuid::new_v4().simple().to_string();
-            crate::files::write_file(
-                &root.rootfs,
-                "/etc/machine-id",
-                format!("{id}\n").as_bytes(),
-                0o444,
-            )?;
-        }
-        // The restored agent proves the key it was saved with, until it takes this one.
-        crate::agent::AgentClient::at(socket, Some(crate::agent::read_key(snapshot)?))
-            .rekey(&crate::agent::read_key(new.dir)?)?;
-        Ok(pid)
-    }
-
-    fn named_netns(&self, id: &str) -> Option<PathBuf> {
-        Some(self.networks.netns_path(id)).filter(|p| p.exists())
-    }
-}
-
-/// A container snapshot's copy of its writable layer; beside it are the checkpoint
-/// (`criu/`, `checkpoint.json`), the key its agent proves and the record
-/// (`crate::record::SnapshotHeader`).
-const UPPER_COPY: &str = "upper.img";
-
-/// Sets the host name in the UTS namespace of process `pid` (from a thread of its own,
-/// which ends with the namespace switch).
-fn set_hostname(pid: u32, name: &str) -> Result<(), RuntimeError> {
-    let ns = PathBuf::from(format!("/proc/{pid}/ns/uts"));
-    let file = std::fs::File::open(&ns).map_err(RuntimeError::io(&ns))?;
-    let name = name.to_string();
-    std::thread::spawn(move || {
-        nix::sched::setns(&file, nix::sched::CloneFlags::CLONE_NEWUTS)?;
-        nix::unistd::sethostname(name)
-    })
-    .join()
-    .map_err(|_| RuntimeError::Internal("the host-name thread panicked".into()))?
-    .map_err(|e| RuntimeError::Setup(format!("setting the restored container's host name: {e}")))
 }
 
 impl SandboxBackend for ContainerBackend {
     fn create(&self, host: &Host, new: &NewSandbox) -> Result<u32, RuntimeError> {
         if let Some(snapshot) = new.restore {
-            return self.restore_copy(host, new, snapshot);
+            return self.checkpointer()?.restore_copy(host, new, snapshot);
         }
         let root = hostroot::prepare(host, new, None)?;
         std::fs::create_dir_all(&self.state_root).map_err(RuntimeError::io(&self.state_root))?;
@@ -723,164 +650,19 @@ impl SandboxBackend for ContainerBackend {
         self.hibernates()
     }
 
-    /// Checkpoints the process tree (it runs on) and copies the writable layer, both
-    /// while the tree is frozen, so the files its processes hold open are as they expect
-    /// (a restore checks their sizes); see [`ContainerBackend::restore_copy`].
+    /// See [`HostCheckpoints::snapshot`].
     fn snapshot(&self, sb: &SandboxRef, dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
-        let t = std::time::Instant::now();
-        let (criu, agent) = self.checkpointing(sb)?;
-        let was_paused = sb.cgroup.is_frozen();
-        if was_paused {
-            sb.cgroup.freeze(false)?;
-        }
-        let parked = crate::agent::AgentClient::of(sb.dir).and_then(|a| a.park());
-        let parked_ok = parked.is_ok();
-        let saved = parked.and_then(|()| {
-            sb.cgroup.freeze(true)?;
-            let netns = self.named_netns(&sb.record.id);
-            let state_bytes = criu.dump(&crate::checkpoint::Dump {
-                init_pid: sb.record.init_pid,
-                cgroup: sb.cgroup,
-                to: dest,
-                sandbox_dir: sb.dir,
-                netns: netns.as_deref(),
-                agent,
-                kind: crate::checkpoint::DumpKind::Copy,
-            })?;
-            let disk_bytes = sb
-                .uppers
-                .copy_mounted(&sb.record.id, &dest.join(UPPER_COPY))?;
-            // A restored copy's agent proves the key it holds now.
-            crate::agent::write_key(dest, &crate::agent::read_key(sb.dir)?)?;
-            let record = crate::record::SnapshotHeader {
-                format: crate::record::SNAPSHOT_FORMAT,
-                spec: sb.record.spec.clone(),
-                taken_ms: crate::audit::now_ms(),
-            };
-            let path = dest.join(crate::record::SNAPSHOT_RECORD);
-            std::fs::write(
-                &path,
-                serde_json::to_vec_pretty(&record)
-                    .map_err(|e| RuntimeError::Internal(e.to_string()))?,
-            )
-            .map_err(RuntimeError::io(&path))?;
-            Ok((state_bytes, disk_bytes))
-        });
-        // Parked, the agent serves again once its socket is bound (frozen or not).
-        let rebound = if parked_ok {
-            crate::checkpoint::rebind_agent(
-                sb.record.init_pid,
-                &crate::agent::socket_path(sb.dir),
-                std::time::Duration::from_secs(5),
-            )
-        } else {
-            Ok(())
-        };
-        let thawed = sb.cgroup.freeze(was_paused);
-        let (state_bytes, disk_bytes) = saved?;
-        rebound?;
-        thawed?;
-        Ok(SnapshotInfo {
-            dir: dest.to_path_buf(),
-            state_bytes,
-            disk_bytes,
-            millis: t.elapsed().as_secs_f64() * 1e3,
-        })
+        self.checkpointing(sb)?.snapshot(sb, dest)
     }
 
-    /// Checkpoints the process tree with CRIU (see [`crate::checkpoint`]): the agent
-    /// parks, the tree is saved under `to` and ends; its root stays mounted. A paused
-    /// sandbox is thawed for the agent to park (the checkpoint freezes it again).
+    /// See [`HostCheckpoints::hibernate`].
     fn hibernate(&self, sb: &SandboxRef, to: &Path) -> Result<HibernateInfo, RuntimeError> {
-        let t = std::time::Instant::now();
-        let (criu, agent) = self.checkpointing(sb)?;
-        let was_paused = sb.cgroup.is_frozen();
-        if was_paused {
-            sb.cgroup.freeze(false)?;
-        }
-        if let Err(e) = crate::agent::AgentClient::of(sb.dir).and_then(|a| a.park()) {
-            if was_paused {
-                let _ = sb.cgroup.freeze(true);
-            }
-            return Err(e);
-        }
-        let pin = sb.dir.join(crate::checkpoint::NETNS_PIN);
-        let netns = match self.named_netns(&sb.record.id) {
-            Some(named) => Some(named),
-            None => match crate::checkpoint::pin_netns(sb.record.init_pid, &pin) {
-                Ok(()) => Some(pin.clone()),
-                Err(e) => {
-                    tracing::debug!(sandbox = %sb.record.id, error = %e, "its network namespace is saved with the checkpoint");
-                    None
-                }
-            },
-        };
-        let dumped = criu.dump(&crate::checkpoint::Dump {
-            init_pid: sb.record.init_pid,
-            cgroup: sb.cgroup,
-            to,
-            netns: netns.as_deref(),
-            agent,
-            kind: crate::checkpoint::DumpKind::Hibernate,
-            sandbox_dir: sb.dir,
-        });
-        match dumped {
-            Ok(state_bytes) => {
-                // The checkpoint ended the tree; nothing of it may outlive it.
-                sb.cgroup.kill_all();
-                Ok(HibernateInfo {
-                    state_bytes,
-                    millis: t.elapsed().as_secs_f64() * 1e3,
-                })
-            }
-            Err(e) => {
-                if let Err(u) = crate::checkpoint::unpin_netns(&pin) {
-                    tracing::warn!(sandbox = %sb.record.id, error = %u, "dropping the network namespace's pin");
-                }
-                // The tree runs on where it was (CRIU resumes it): its agent serves again.
-                if let Err(again) = crate::checkpoint::rebind_agent(
-                    sb.record.init_pid,
-                    &crate::agent::socket_path(sb.dir),
-                    std::time::Duration::from_secs(5),
-                ) {
-                    tracing::warn!(sandbox = %sb.record.id, error = %again, "the agent of a container whose checkpoint failed does not serve again");
-                }
-                if was_paused {
-                    let _ = sb.cgroup.freeze(true);
-                }
-                Err(e)
-            }
-        }
+        self.checkpointing(sb)?.hibernate(sb, to)
     }
 
-    /// Restores the checkpointed tree over the same root, in a fresh PID namespace and
-    /// the sandbox's cgroup, and makes its agent serve again.
+    /// See [`HostCheckpoints::wake`].
     fn wake(&self, sb: &SandboxRef, from: &Path, paused: bool) -> Result<u32, RuntimeError> {
-        let (criu, agent) = self.checkpointing(sb)?;
-        let pin = sb.dir.join(crate::checkpoint::NETNS_PIN);
-        let netns = self
-            .named_netns(&sb.record.id)
-            .or_else(|| Some(pin.clone()).filter(|p| p.exists()));
-        let pid = criu.restore(&crate::checkpoint::Restore {
-            from,
-            root: &sb.rootfs(),
-            cgroup: sb.cgroup,
-            netns: netns.as_deref(),
-            agent,
-            pid_file: &sb.dir.join("init.pid"),
-            sandbox_dir: sb.dir,
-        })?;
-        // The restored tree holds its network namespace now.
-        crate::checkpoint::unpin_netns(&pin)?;
-        crate::checkpoint::rebind_agent(
-            pid,
-            &crate::agent::socket_path(sb.dir),
-            std::time::Duration::from_secs(10),
-        )?;
-        if paused {
-            sb.cgroup.freeze(true)?;
-        }
-        Ok(pid)
+        self.checkpointing(sb)?.wake(sb, from, paused)
     }
 
     fn runtime_written_paths(&self, spec: &crate::SandboxSpec) -> Vec<String> {

@@ -20,14 +20,26 @@ use strata_agent_proto::{
 };
 
 use crate::agent::{read_key, socket_path, write_key, AgentClient};
-use crate::backend::{process_start, Host, NewSandbox, SandboxBackend};
+use crate::backend::{
+    process_start, HibernateInfo, Host, NewSandbox, SandboxBackend, SandboxRef, SnapshotInfo,
+};
 use crate::cgroup::{Cgroup, Cgroups};
+use crate::checkpoint::HostCheckpoints;
 use crate::hostroot::{self, HostRoot};
 use crate::spec::{DEFAULT_MEMORY, DEFAULT_PIDS};
 use crate::RuntimeError;
 
 pub struct FncallBackend {
+    /// The host's `strata-agent`, the init where there is no static one.
     pub agent: PathBuf,
+    /// The statically linked `strata-agent`: when set, every sandbox's init (a process
+    /// checkpoint can save it: it maps no library of the host's).
+    pub static_agent: Option<PathBuf>,
+    /// Checkpoints sandboxes for hibernation, snapshots and forks with processes; none:
+    /// they keep files only.
+    pub criu: Option<crate::checkpoint::Criu>,
+    /// Where a networked sandbox's named namespace is.
+    pub networks: crate::network::Networks,
     /// Pooled agents: `ready/<slot>/` (socket, key, pid, version, slot name), `filling/`,
     /// `claimed/<sandbox>/`.
     pub pool: PathBuf,
@@ -35,6 +47,48 @@ pub struct FncallBackend {
 }
 
 impl FncallBackend {
+    /// The binary every new sandbox's init runs.
+    fn init_binary(&self) -> &Path {
+        self.static_agent.as_deref().unwrap_or(&self.agent)
+    }
+
+    /// CRIU and the static agent, which every checkpoint and restore takes.
+    fn checkpointer(&self) -> Result<HostCheckpoints<'_>, RuntimeError> {
+        let Some(criu) = &self.criu else {
+            return Err(RuntimeError::Unsupported(
+                "checkpointing a fncall sandbox (hibernate, a snapshot or fork with processes) needs CRIU: build it with scripts/criu.sh (or set STRATA_CRIU to a CRIU 4.1+ built with scripts/criu/landlock-children.patch); pause it (memory kept) or commit its files meanwhile".into(),
+            ));
+        };
+        match &self.static_agent {
+            Some(agent) => Ok(HostCheckpoints {
+                criu,
+                agent,
+                networks: &self.networks,
+            }),
+            None => Err(RuntimeError::Unsupported(
+                "checkpointing a fncall sandbox needs the static agent as its init: build it as scripts/test.sh does".into(),
+            )),
+        }
+    }
+
+    /// What checkpointing this sandbox takes: [`Self::checkpointer`], and its init being
+    /// the static agent (one started by the host's agent maps the host's libraries, which
+    /// a restore could not map again).
+    fn checkpointing(&self, sb: &SandboxRef) -> Result<HostCheckpoints<'_>, RuntimeError> {
+        let found = self.checkpointer()?;
+        use std::os::unix::fs::MetadataExt;
+        let exe = PathBuf::from(format!("/proc/{}/exe", sb.record.init_pid));
+        let same =
+            |a: &std::fs::Metadata, b: &std::fs::Metadata| a.dev() == b.dev() && a.ino() == b.ino();
+        match (std::fs::metadata(&exe), std::fs::metadata(found.agent)) {
+            (Ok(init), Ok(agent)) if same(&init, &agent) => Ok(found),
+            (Err(e), _) => Err(RuntimeError::io(&exe)(e)),
+            _ => Err(RuntimeError::Unsupported(
+                "this fncall sandbox's init is the host's agent, not the static one (it was started before the static agent was built): a new sandbox can be checkpointed; pause this one (memory kept) or commit its files".into(),
+            )),
+        }
+    }
+
     fn pool_dir(&self, state: &str) -> PathBuf {
         self.pool.join(state)
     }
@@ -44,7 +98,7 @@ impl FncallBackend {
     /// it was started with, so one started by an older build (another version, or the same
     /// version with other confinement) is drained, never handed out.
     fn build_tag(&self) -> String {
-        let binary = crate::agent::binary_identity(&self.agent).unwrap_or_default();
+        let binary = crate::agent::binary_identity(self.init_binary()).unwrap_or_default();
         format!("{PROTOCOL_VERSION} {binary}")
     }
 
@@ -67,7 +121,7 @@ impl FncallBackend {
     /// Starts the agent inside `cgroup` (joined between fork and exec, so everything it
     /// starts is inside from its first instruction); returns its host PID.
     fn spawn_agent(&self, cgroup: &Cgroup, boot: &SandboxBoot) -> Result<u32, RuntimeError> {
-        let mut cmd = Command::new(&self.agent);
+        let mut cmd = Command::new(self.init_binary());
         // argv[0] without the host's path: commands can read /proc/1/cmdline.
         cmd.arg0("strata-agent")
             .arg("sandbox")
@@ -78,7 +132,7 @@ impl FncallBackend {
         let cannot = |e: std::io::Error| {
             RuntimeError::Setup(format!(
                 "cannot run the sandbox agent {}: {e} (build it with `cargo build -p strata-agent`)",
-                self.agent.display()
+                self.init_binary().display()
             ))
         };
         let mut child = cmd.spawn().map_err(cannot)?;
@@ -275,10 +329,8 @@ fn read_pid(dir: &Path) -> Option<(u32, u64)> {
 
 impl SandboxBackend for FncallBackend {
     fn create(&self, host: &Host, new: &NewSandbox) -> Result<u32, RuntimeError> {
-        if new.restore.is_some() {
-            return Err(RuntimeError::Invalid(
-                "a fncall sandbox cannot be restored from a snapshot (snapshots with processes are of container, microvm and vm sandboxes)".into(),
-            ));
+        if let Some(snapshot) = new.restore {
+            return self.checkpointer()?.restore_copy(host, new, snapshot);
         }
         let root = hostroot::prepare(host, new, None)?;
         if let Some(pid) = self.claim(new, &root) {
@@ -305,5 +357,28 @@ impl SandboxBackend for FncallBackend {
 
     fn runtime_written_paths(&self, spec: &crate::SandboxSpec) -> Vec<String> {
         hostroot::runtime_written_paths(spec)
+    }
+
+    fn hibernates(&self) -> bool {
+        self.criu.is_some() && self.static_agent.is_some()
+    }
+
+    fn saves_memory(&self) -> bool {
+        self.hibernates()
+    }
+
+    /// See [`HostCheckpoints::snapshot`].
+    fn snapshot(&self, sb: &SandboxRef, dest: &Path) -> Result<SnapshotInfo, RuntimeError> {
+        self.checkpointing(sb)?.snapshot(sb, dest)
+    }
+
+    /// See [`HostCheckpoints::hibernate`].
+    fn hibernate(&self, sb: &SandboxRef, to: &Path) -> Result<HibernateInfo, RuntimeError> {
+        self.checkpointing(sb)?.hibernate(sb, to)
+    }
+
+    /// See [`HostCheckpoints::wake`] (which checks the agent is the one that was saved).
+    fn wake(&self, sb: &SandboxRef, from: &Path, paused: bool) -> Result<u32, RuntimeError> {
+        self.checkpointer()?.wake(sb, from, paused)
     }
 }

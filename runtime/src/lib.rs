@@ -404,6 +404,9 @@ impl Runtime {
         };
         let fncall = fncall::FncallBackend {
             agent: cfg.agent.clone(),
+            static_agent: cfg.container_agent.clone(),
+            criu: cfg.criu.clone().map(|binary| checkpoint::Criu { binary }),
+            networks: networks.clone(),
             pool: cfg.state_dir.join("pool"),
             cgroups: cgroups.clone(),
         };

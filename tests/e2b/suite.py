@@ -34,9 +34,9 @@ from e2b import (
 )
 
 SCENARIO, BACKEND, TEMPLATE = sys.argv[1], sys.argv[2], sys.argv[3]
-# Backends whose forks and snapshots carry processes and memory (a container's with CRIU,
-# which tests/tests/e2b.rs requires for these scenarios); fncall's carry files only.
-KEEPS_PROCESSES = BACKEND in ("microvm", "vm", "container")
+# Backends whose forks and snapshots carry processes and memory (the host backends' with
+# CRIU and the static agent, which tests/tests/e2b.rs requires for these scenarios).
+KEEPS_PROCESSES = BACKEND in ("microvm", "vm", "container", "fncall")
 VERSION = importlib.metadata.version("e2b")
 RUN = uuid.uuid4().hex[:8]
 MD = {"strata.backend": BACKEND, "suite": RUN}

@@ -91,21 +91,13 @@ pub fn can_run_vms(test: &str) -> bool {
     )
 }
 
-/// Whether containers can hibernate here: the sandboxes' needs and the CRIU that
-/// `scripts/criu.sh` builds (same failure/skip rule as [`crate::have_root`]).
-pub fn can_hibernate_containers(test: &str) -> bool {
-    if !can_run_sandboxes(test) {
-        return false;
-    }
-    let criu = std::env::var_os("STRATA_CRIU")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/usr/local/lib/strata/criu/criu"));
-    // A container's init must be the static agent (the one that parks) to be checkpointed:
-    // the one the runtime finds beside `strata`, as the strata binary does.
-    let bin = crate::strata_bin();
-    let agent = std::env::var_os("STRATA_STATIC_AGENT")
+/// Where the `strata` binary under test finds the static agent (`STRATA_STATIC_AGENT`, or
+/// beside it in the static target's directory of the same profile).
+pub fn static_agent_path() -> PathBuf {
+    std::env::var_os("STRATA_STATIC_AGENT")
         .map(PathBuf::from)
         .or_else(|| {
+            let bin = crate::strata_bin();
             let profile = bin.parent()?;
             Some(
                 profile
@@ -115,7 +107,26 @@ pub fn can_hibernate_containers(test: &str) -> bool {
                     .join("strata-agent"),
             )
         })
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// The static agent, if it is built.
+pub fn static_agent() -> Option<PathBuf> {
+    Some(static_agent_path()).filter(|p| p.is_file())
+}
+
+/// Whether host sandboxes (containers, fncall) can hibernate here: the sandboxes' needs,
+/// the CRIU that `scripts/criu.sh` builds and the static agent (same failure/skip rule as
+/// [`crate::have_root`]).
+pub fn can_hibernate_containers(test: &str) -> bool {
+    if !can_run_sandboxes(test) {
+        return false;
+    }
+    let criu = std::env::var_os("STRATA_CRIU")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/usr/local/lib/strata/criu/criu"));
+    // A sandbox's init must be the static agent (the one that parks) to be checkpointed.
+    let agent = static_agent_path();
     crate::needs(
         test,
         criu.is_file(),

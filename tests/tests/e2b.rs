@@ -127,17 +127,12 @@ fn e2b_python_sdks_drive_container_and_fncall_sandboxes() {
         "container",
         &env.reference,
     );
-    // A container's fork and store snapshots (as templates, with both SDK generations)
-    // carry its processes (CRIU) and files.
+    // A container's and a fncall sandbox's forks and a container's store snapshots (as
+    // templates, with both SDK generations) carry its processes (CRIU) and files.
     if strata_tests::home::can_hibernate_containers("e2b_python_sdks") {
-        run_suite(
-            &svc,
-            &token,
-            E2B_PYTHON[0],
-            "fork",
-            "container",
-            &env.reference,
-        );
+        for backend in ["container", "fncall"] {
+            run_suite(&svc, &token, E2B_PYTHON[0], "fork", backend, &env.reference);
+        }
         for version in E2B_PYTHON {
             run_suite(
                 &svc,

@@ -231,11 +231,15 @@ fn an_agent_of_another_protocol_version_is_refused_and_its_pool_drained() {
     // The same protocol from another build of the agent (an upgrade: a pooled agent sets
     // up its root with the code it was started with): the next runtime command drains it.
     // A build is known by its binary's content, so a copy of the same one is the same.
+    // (A fncall sandbox's init is the static agent where there is one.)
     let agent = home.home.join("strata-agent");
-    let built = strata_bin().with_file_name("strata-agent");
+    let (built, setting) = match strata_tests::home::static_agent() {
+        Some(s) => (s, "STRATA_STATIC_AGENT"),
+        None => (strata_bin().with_file_name("strata-agent"), "STRATA_AGENT"),
+    };
     std::fs::copy(&built, &agent).unwrap();
     let with_agent = |args: &[&str]| {
-        let o = home.cmd(args).env("STRATA_AGENT", &agent).output().unwrap();
+        let o = home.cmd(args).env(setting, &agent).output().unwrap();
         assert!(o.status.success(), "{args:?}: {}", text(&o).1);
     };
     with_agent(&["sandbox", "pool", "--fill", "2"]);
@@ -818,31 +822,62 @@ while True:
 /// no later exec's environment).
 #[test]
 fn a_container_hibernated_and_woken_a_hundred_times_keeps_its_files_processes_and_scope() {
-    let Some(env) = hibernating_env("container_hibernate") else {
+    hibernate_and_wake("container", 100);
+}
+
+/// Fncall hibernation (CRIU, the static agent as init): as a container's, over fewer
+/// cycles (the path is the same past the agent; a container's hundred are above). The
+/// woken agent still gives each command the sandbox's filesystem rules: a write to /proc's
+/// settings or a device node made is refused after the wake as before it.
+#[test]
+fn a_fncall_sandbox_hibernated_and_woken_keeps_its_files_processes_and_scope() {
+    hibernate_and_wake("fncall", 20);
+}
+
+/// Writes a process's own name in /proc: what a fncall sandbox's filesystem rules refuse.
+const PROC_WRITE: &str = "(printf w > /proc/self/comm) 2>/dev/null && echo written || echo refused";
+
+/// `cycles` hibernate → wake cycles of a `backend` sandbox running [`WATCHER`].
+fn hibernate_and_wake(backend: &str, cycles: u64) {
+    let Some(env) = hibernating_env(&format!("{backend}_hibernate")) else {
         return;
     };
-    /// What a hibernated container may still hold of memory: the kernel's own charges to
+    /// What a hibernated sandbox may still hold of memory: the kernel's own charges to
     /// its cgroup (it keeps its limits while it sleeps), no process's.
     const HIBERNATED_SLACK: u64 = 4 << 20;
-    let id = env.create(&["--backend", "container"]);
+    let id = env.create(&["--backend", backend]);
+    let confined = if backend == "fncall" {
+        "refused\n"
+    } else {
+        "written\n"
+    };
+    assert_eq!(
+        env.sh_ok(&id, PROC_WRITE),
+        confined,
+        "{backend}: before it slept"
+    );
     // Measured in the sandbox's own cgroup (anonymous and shared memory: what its
     // processes hold; page cache of its files is the host's to reclaim), which other
     // tests running at once do not move.
     let memory_dir = sandbox_memory_cgroup(env.init_pid(&id) as u32);
     let before = cgroup_memory(&memory_dir);
-    let script = format!("cat > /tmp/watch.py <<'EOF'\n{WATCHER}\nEOF\nnohup python3 /tmp/watch.py >/dev/null 2>&1 &");
+    // Named by backend: the host-wide `pgrep` below must not find the other test's.
+    let watcher = format!("python3 /tmp/watch-{backend}.py");
+    let script = format!(
+        "cat > /tmp/watch-{backend}.py <<'EOF'\n{WATCHER}\nEOF\nnohup {watcher} >/dev/null 2>&1 &"
+    );
     let started = env.sh(&id, &script);
     assert!(started.status.success(), "{:?}", text(&started));
     std::thread::sleep(Duration::from_millis(500));
     let watcher_runs = || {
         std::process::Command::new("pgrep")
-            .args(["-f", "python3 /tmp/watch.py"])
+            .args(["-f", &watcher])
             .output()
             .is_ok_and(|o| o.status.success())
     };
     let (mut last, mut awake_max, mut hibernated_max) = (0u64, 0u64, 0u64);
     let t = Instant::now();
-    for cycle in 0..100 {
+    for cycle in 0..cycles {
         // The next call wakes it: the count goes on from where it was.
         let mark = format!("SECRET_MARK=exec{cycle}");
         let out = env.ok(&[
@@ -877,12 +912,22 @@ fn a_container_hibernated_and_woken_a_hundred_times_keeps_its_files_processes_an
         assert!(!watcher_runs(), "cycle {cycle}: the watcher still runs");
         hibernated_max = hibernated_max.max(cgroup_memory(&memory_dir).saturating_sub(before));
     }
-    let per_cycle = t.elapsed() / 100;
-    let events = env.wake_after_cycles(&id, 100);
-    assert_eq!(events, (100, 100));
+    let per_cycle = t.elapsed() / cycles as u32;
+    let events = env.wake_after_cycles(&id, cycles as usize);
+    assert_eq!(events, (cycles as usize, cycles as usize));
+    if backend == "fncall" {
+        // The woken agent confines each command as before it slept: /proc is read-only
+        // to it (a process's own name, which no capability guards, is refused by the
+        // filesystem rules alone; a container, without them, may write it).
+        assert_eq!(
+            env.sh_ok(&id, PROC_WRITE),
+            "refused\n",
+            "after {cycles} wakes"
+        );
+    }
     // Measured in the sandbox's cgroup: awake, it holds its 64 MiB.
     strata_tests::assert_memory_released(
-        "100 container hibernate/wake cycles",
+        &format!("{cycles} {backend} hibernate/wake cycles"),
         per_cycle,
         awake_max,
         hibernated_max,
@@ -890,7 +935,7 @@ fn a_container_hibernated_and_woken_a_hundred_times_keeps_its_files_processes_an
         3,
     );
     let host_pids: Vec<u32> = std::process::Command::new("pgrep")
-        .args(["-f", "python3 /tmp/watch.py"])
+        .args(["-f", &watcher])
         .output()
         .map(|o| {
             String::from_utf8_lossy(&o.stdout)
@@ -1013,11 +1058,21 @@ fn a_container_whose_checkpoint_fails_runs_on_as_it_was() {
 /// child and the host memory the children hold.
 #[test]
 fn forks_of_a_container_each_continue_its_process_with_their_own_identity() {
-    let Some(env) = hibernating_env("container_fork") else {
+    fork_children("container", 16);
+}
+
+/// A fncall sandbox's fork: as a container's, with 8 children.
+#[test]
+fn forks_of_a_fncall_sandbox_each_continue_its_process_with_their_own_identity() {
+    fork_children("fncall", 8);
+}
+
+/// Forks `children` of a `backend` sandbox holding a counting process.
+fn fork_children(backend: &str, children: usize) {
+    let Some(env) = hibernating_env(&format!("{backend}_fork")) else {
         return;
     };
-    const CHILDREN: usize = 16;
-    let parent = env.create(&["--backend", "container"]);
+    let parent = env.create(&["--backend", backend]);
     env.sh_ok(
         &parent,
         "echo from-the-parent > /work/parent.txt; echo 0123456789abcdef0123456789abcdef > /etc/machine-id; \
@@ -1030,16 +1085,16 @@ fn forks_of_a_container_each_continue_its_process_with_their_own_identity() {
     let at_fork = count(&parent);
     let before = strata_tests::host_used_bytes();
     let started = Instant::now();
-    let out = env.ok(&["sandbox", "fork", &parent, "--count", &CHILDREN.to_string()]);
+    let out = env.ok(&["sandbox", "fork", &parent, "--count", &children.to_string()]);
     let took = started.elapsed();
-    let children: Vec<String> = out.lines().map(str::to_string).collect();
-    assert_eq!(children.len(), CHILDREN, "{out}");
+    let kids: Vec<String> = out.lines().map(str::to_string).collect();
+    assert_eq!(kids.len(), children, "{out}");
     let held = strata_tests::host_used_bytes().saturating_sub(before);
     let (mut names, mut machine_ids) = (
         std::collections::BTreeSet::new(),
         std::collections::BTreeSet::new(),
     );
-    for (i, child) in children.iter().enumerate() {
+    for (i, child) in kids.iter().enumerate() {
         let stdout = env.sh_ok(
             child,
             &format!("cat /work/parent.txt; hostname; cat /etc/machine-id; echo {i} > /work/mine.txt; a=$(cat /tmp/count); sleep 0.3; echo $a $(cat /tmp/count)"),
@@ -1055,14 +1110,14 @@ fn forks_of_a_container_each_continue_its_process_with_their_own_identity() {
         machine_ids.insert(lines.get(2).map(|s| s.to_string()).unwrap_or_default());
         strata_tests::home::assert_counter_went_on(child, lines.get(3).copied(), at_fork, &stdout);
     }
-    assert_eq!(names.len(), CHILDREN, "children share a host name");
+    assert_eq!(names.len(), children, "children share a host name");
     assert_eq!(
         machine_ids.len(),
-        CHILDREN,
+        children,
         "children share a machine ID: {machine_ids:?}"
     );
     assert!(!machine_ids.contains("0123456789abcdef0123456789abcdef"));
-    for (i, child) in children.iter().enumerate() {
+    for (i, child) in kids.iter().enumerate() {
         assert_eq!(
             env.ok(&["sandbox", "exec", child, "--", "cat", "/work/mine.txt"])
                 .trim(),
@@ -1077,19 +1132,19 @@ fn forks_of_a_container_each_continue_its_process_with_their_own_identity() {
         format!("clean\nsandbox-{parent}\n")
     );
     assert!(count(&parent) > at_fork, "the parent's process stopped");
-    // A child is a container like any: it hibernates and wakes with its process.
-    let first = &children[0];
+    // A child is a sandbox like any: it hibernates and wakes with its process.
+    let first = &kids[0];
     let asleep = count(first);
     env.ok(&["sandbox", "hibernate", first]);
     std::thread::sleep(Duration::from_millis(300));
     assert!(count(first) > asleep, "the woken child does not count");
     eprintln!(
-        "fork of {CHILDREN} containers: {took:?} ({:?} per child); the children hold {} MiB of host memory ({} KiB each, none shared: CRIU restores private copies)",
-        took / CHILDREN as u32,
+        "fork of {children} {backend} sandboxes: {took:?} ({:?} per child); the children hold {} MiB of host memory ({} KiB each, none shared: CRIU restores private copies)",
+        took / children as u32,
         held >> 20,
-        (held / CHILDREN as u64) >> 10
+        (held / children as u64) >> 10
     );
-    let mut all = children.clone();
+    let mut all = kids.clone();
     all.push(parent.clone());
     let pids: Vec<u32> = all.iter().map(|id| env.init_pid(id) as u32).collect();
     let mut args = vec!["sandbox", "rm"];

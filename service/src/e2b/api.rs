@@ -577,11 +577,9 @@ async fn set_paused(e: &Arc<E2b>, meta: &Meta, paused: bool) -> Result<Meta, Ser
 }
 
 /// Pause keeps memory (E2B's default mode, `full`): the sandbox hibernates (its state
-/// to disk, its memory and CPUs back to the node) where it can; where it cannot (a fncall
-/// sandbox's agent confines itself as a whole, which no checkpoint carries over; a command
-/// still streaming,
-/// such as a background `commands.run`, would lose its stream) it is frozen with its
-/// memory held. A `filesystem` pause is served the same way: it keeps more than asked.
+/// to disk, its memory and CPUs back to the node) where it can; where it cannot (no CRIU
+/// or static agent on this node for a host sandbox; a command still streaming, such as a
+/// background `commands.run`, would lose its stream) it is frozen with its memory held. A `filesystem` pause is served the same way: it keeps more than asked.
 async fn pause(e: &Arc<E2b>, caller: &Caller, id: &str) -> Response {
     let meta = match e.node.meta_for(caller, id) {
         Ok(m) => m,
