@@ -342,8 +342,9 @@ fn pause_resume_and_snapshot_restore_keep_processes_and_files() {
 
 /// Two nodes (homes) sharing one S3 store (radosgw): a microVM's snapshot taken on A
 /// restores on B, which never saw its layers, with its process still counting and its
-/// files; so does a container's (CRIU images, where CRIU is built). Both are listed,
-/// inspected and removed from B, and no machine file is left on either node.
+/// files; so do a container's and a fncall sandbox's (CRIU images, where CRIU is built).
+/// All are listed, inspected and removed from B, and no machine file is left on either
+/// node.
 #[test]
 fn a_snapshot_in_the_store_restores_on_another_node_with_its_processes_and_files() {
     let _machines = machines_shared();
@@ -403,18 +404,24 @@ fn a_snapshot_in_the_store_restores_on_another_node_with_its_processes_and_files
         "counting",
     ]));
     assert!(vm_snap.starts_with("snap-"), "{vm_snap}");
-    let ct = last(a.ok(&["sandbox", "create", "--backend", "container", &reference]));
+    // A container and a fncall sandbox, each counting, with a file.
     let ct_processes = strata_tests::home::can_hibernate_containers("vm_snapshot_s3");
-    sh(
-        &a,
-        &ct,
-        "echo container-file > /root/ct-note; \
-         (i=0; while true; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; sleep 0.2; done) >/dev/null 2>&1 &",
-    );
-    std::thread::sleep(Duration::from_millis(600));
-    let ct_before: u64 = sh(&a, &ct, "cat /root/count").trim().parse().unwrap();
-    let ct_snap = last(a.ok(&["sandbox", "snapshot", &ct, "--to-store"]));
-    a.ok(&["sandbox", "rm", &vm, &ct]);
+    let mut hosts = Vec::new();
+    for backend in ["container", "fncall"] {
+        let id = last(a.ok(&["sandbox", "create", "--backend", backend, &reference]));
+        sh(
+            &a,
+            &id,
+            &format!("echo {backend}-file > /root/ct-note; \
+             (i=0; while true; do i=$((i+1)); echo $i > /root/count.new; mv /root/count.new /root/count; sleep 0.2; done) >/dev/null 2>&1 &"),
+        );
+        std::thread::sleep(Duration::from_millis(600));
+        let before: u64 = sh(&a, &id, "cat /root/count").trim().parse().unwrap();
+        let snap = last(a.ok(&["sandbox", "snapshot", &id, "--to-store"]));
+        a.ok(&["sandbox", "rm", &id]);
+        hosts.push((backend, snap, before));
+    }
+    a.ok(&["sandbox", "rm", &vm]);
 
     // B, a fresh node: both listed, the microVM's with its memory.
     let listed: Vec<serde_json::Value> =
@@ -426,11 +433,14 @@ fn a_snapshot_in_the_store_restores_on_another_node_with_its_processes_and_files
             .unwrap_or_else(|| panic!("{id} not listed: {listed:?}"))
             .clone()
     };
-    let (v, c) = (find(&vm_snap), find(&ct_snap));
+    let v = find(&vm_snap);
     assert_eq!(v["memory"], true, "{v}");
     assert_eq!(v["names"], serde_json::json!(["counting"]), "{v}");
     assert!(v["state_bytes"].as_u64().unwrap() > 1 << 20, "{v}");
-    assert_eq!(c["memory"], ct_processes, "{c}");
+    for (backend, snap, _) in &hosts {
+        let c = find(snap);
+        assert_eq!(c["memory"], ct_processes, "{backend}: {c}");
+    }
     assert!(b
         .ok(&["snapshot", "inspect", &vm_snap])
         .contains("processes, memory and files"));
@@ -449,26 +459,31 @@ fn a_snapshot_in_the_store_restores_on_another_node_with_its_processes_and_files
         "the restored process does not count"
     );
     assert_eq!(sh(&b, &restored, "cat /root/note").trim(), "from-a");
-    let ct_restored = last(b.ok(&["sandbox", "restore", &ct_snap]));
-    assert_eq!(
-        sh(&b, &ct_restored, "cat /root/ct-note").trim(),
-        "container-file"
-    );
-    if ct_processes {
-        let first = count(&ct_restored);
-        assert!(first >= ct_before, "{first} < {ct_before}");
-        std::thread::sleep(Duration::from_millis(800));
-        assert!(
-            count(&ct_restored) > first,
-            "the restored container's process does not count"
-        );
-    }
-    b.ok(&["sandbox", "rm", &restored, &ct_restored]);
+    b.ok(&["sandbox", "rm", &restored]);
     b.assert_sandbox_gone(&restored, &[]);
-    b.assert_sandbox_gone(&ct_restored, &[]);
+    for (backend, snap, before) in &hosts {
+        let ct_restored = last(b.ok(&["sandbox", "restore", snap]));
+        assert_eq!(
+            sh(&b, &ct_restored, "cat /root/ct-note").trim(),
+            format!("{backend}-file")
+        );
+        if ct_processes {
+            let first = count(&ct_restored);
+            assert!(first >= *before, "{backend}: {first} < {before}");
+            std::thread::sleep(Duration::from_millis(800));
+            assert!(
+                count(&ct_restored) > first,
+                "the restored {backend} sandbox's process does not count"
+            );
+        }
+        b.ok(&["sandbox", "rm", &ct_restored]);
+        b.assert_sandbox_gone(&ct_restored, &[]);
+    }
 
     // Removed: gone from the list, and a restore says so by name.
-    let out = b.ok(&["snapshot", "rm", &vm_snap, &ct_snap]);
+    let mut rm = vec!["snapshot", "rm", vm_snap.as_str()];
+    rm.extend(hosts.iter().map(|(_, snap, _)| snap.as_str()));
+    let out = b.ok(&rm);
     assert!(
         out.contains(&format!("removed {vm_snap} and its layer")),
         "{out}"
