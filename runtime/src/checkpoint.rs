@@ -79,6 +79,21 @@ pub(crate) fn pin_netns(pid: u32, at: &Path) -> Result<(), RuntimeError> {
     })
 }
 
+/// A new network namespace with its loopback up, pinned at `at` (see [`NETNS_PIN`]).
+fn fresh_netns(at: &Path) -> Result<(), RuntimeError> {
+    File::create(at).map_err(RuntimeError::io(at))?;
+    let made = crate::run_tool(
+        Command::new("unshare")
+            .arg(format!("--net={}", at.display()))
+            .args(["ip", "link", "set", "lo", "up"]),
+        None,
+    );
+    if made.is_err() {
+        let _ = unpin_netns(at);
+    }
+    made.map(|_| ())
+}
+
 /// Drops a pin [`pin_netns`] made (nothing when there is none).
 pub(crate) fn unpin_netns(at: &Path) -> Result<(), RuntimeError> {
     crate::rootfs::unmount_below(at)?;
@@ -156,6 +171,10 @@ pub(crate) struct Restore<'a> {
     pub pid_file: &'a Path,
     /// The directory of the sandbox restored into (a failure's log is kept there).
     pub sandbox_dir: &'a Path,
+    /// A copy (a fork's child or a snapshot's restore), not a wake: a tree saved in a
+    /// named network namespace (one a network update gave it) and restored into a
+    /// sandbox without one gets a fresh namespace of its own, holding only loopback.
+    pub copy: bool,
 }
 
 fn agent_tag(agent: &Path) -> Result<String, RuntimeError> {
@@ -372,16 +391,24 @@ impl Criu {
                 r.agent.display()
             )));
         }
-        if plan.external_netns && r.netns.is_none() {
-            return Err(RuntimeError::Checkpoint(
-                "the sandbox's network namespace is gone".into(),
-            ));
-        }
-        let exe = File::open(r.agent).map_err(RuntimeError::io(r.agent))?;
-        let netns = match r.netns.filter(|_| plan.external_netns) {
-            Some(p) => Some(File::open(p).map_err(RuntimeError::io(p))?),
-            None => None,
+        let fresh = r.sandbox_dir.join(NETNS_PIN);
+        let netns = match (plan.external_netns, r.netns) {
+            (false, _) => None,
+            (true, Some(p)) => Some(File::open(p).map_err(RuntimeError::io(p))?),
+            (true, None) if r.copy => {
+                fresh_netns(&fresh)?;
+                let ns = File::open(&fresh).map_err(RuntimeError::io(&fresh));
+                // The restored tree (or nothing, after a failure) holds it from here.
+                unpin_netns(&fresh)?;
+                Some(ns?)
+            }
+            (true, None) => {
+                return Err(RuntimeError::Checkpoint(
+                    "the sandbox's network namespace is gone".into(),
+                ))
+            }
         };
+        let exe = File::open(r.agent).map_err(RuntimeError::io(r.agent))?;
         let log = images.join("restore.log");
         let _ = std::fs::remove_file(r.pid_file);
         let mut cmd = Command::new(&self.binary);
@@ -488,6 +515,7 @@ impl HostCheckpoints<'_> {
             agent,
             pid_file: &new.dir.join("init.pid"),
             sandbox_dir: new.dir,
+            copy: true,
         })?;
         rebind_agent(pid, &socket, std::time::Duration::from_secs(10))?;
         set_hostname(pid, &new.hostname)?;
@@ -666,6 +694,7 @@ impl HostCheckpoints<'_> {
             agent,
             pid_file: &sb.dir.join("init.pid"),
             sandbox_dir: sb.dir,
+            copy: false,
         })?;
         // The restored tree holds its network namespace now.
         unpin_netns(&pin)?;
