@@ -481,7 +481,32 @@ pub(crate) struct HostCheckpoints<'a> {
     pub networks: &'a crate::network::Networks,
 }
 
-impl HostCheckpoints<'_> {
+impl<'a> HostCheckpoints<'a> {
+    /// A backend's checkpoints, when it has CRIU and the static agent; `backend` names it
+    /// in the refusal.
+    pub(crate) fn of(
+        criu: Option<&'a Criu>,
+        agent: Option<&'a Path>,
+        networks: &'a crate::network::Networks,
+        backend: &str,
+    ) -> Result<HostCheckpoints<'a>, RuntimeError> {
+        let Some(criu) = criu else {
+            return Err(RuntimeError::Unsupported(format!(
+                "checkpointing a {backend} sandbox (hibernate, a snapshot or fork with processes) needs CRIU: build it with scripts/criu.sh (or set STRATA_CRIU to a CRIU 4.1+ built with scripts/criu/landlock-children.patch); pause it (memory kept) or commit its files meanwhile"
+            )));
+        };
+        let Some(agent) = agent else {
+            return Err(RuntimeError::Unsupported(format!(
+                "checkpointing a {backend} sandbox needs the static agent as its init: build it as scripts/test.sh does"
+            )));
+        };
+        Ok(HostCheckpoints {
+            criu,
+            agent,
+            networks,
+        })
+    }
+
     /// Starts a new sandbox from the snapshot `snapshot` ([`HostCheckpoints::snapshot`]):
     /// a root whose upper is a copy of the snapshot's, a cgroup with the sandbox's budgets,
     /// and the saved tree restored into it, in fresh namespaces. The copy then gets its own

@@ -411,21 +411,12 @@ impl ContainerBackend {
 
     /// CRIU and the static agent, which every checkpoint and restore takes.
     fn checkpointer(&self) -> Result<HostCheckpoints<'_>, RuntimeError> {
-        let Some(criu) = &self.criu else {
-            return Err(RuntimeError::Unsupported(
-                "checkpointing a container (hibernate, a snapshot or fork with processes) needs CRIU: build it with scripts/criu.sh (or set STRATA_CRIU to a CRIU 4.1+ built with scripts/criu/landlock-children.patch); pause it (memory kept) or commit its files meanwhile".into(),
-            ));
-        };
-        match &self.agent {
-            Some(agent) => Ok(HostCheckpoints {
-                criu,
-                agent,
-                networks: &self.networks,
-            }),
-            None => Err(RuntimeError::Unsupported(
-                "checkpointing a container needs the static agent as its init: build it as scripts/test.sh does".into(),
-            )),
-        }
+        HostCheckpoints::of(
+            self.criu.as_ref(),
+            self.agent.as_deref(),
+            &self.networks,
+            "container",
+        )
     }
 }
 

@@ -54,21 +54,12 @@ impl FncallBackend {
 
     /// CRIU and the static agent, which every checkpoint and restore takes.
     fn checkpointer(&self) -> Result<HostCheckpoints<'_>, RuntimeError> {
-        let Some(criu) = &self.criu else {
-            return Err(RuntimeError::Unsupported(
-                "checkpointing a fncall sandbox (hibernate, a snapshot or fork with processes) needs CRIU: build it with scripts/criu.sh (or set STRATA_CRIU to a CRIU 4.1+ built with scripts/criu/landlock-children.patch); pause it (memory kept) or commit its files meanwhile".into(),
-            ));
-        };
-        match &self.static_agent {
-            Some(agent) => Ok(HostCheckpoints {
-                criu,
-                agent,
-                networks: &self.networks,
-            }),
-            None => Err(RuntimeError::Unsupported(
-                "checkpointing a fncall sandbox needs the static agent as its init: build it as scripts/test.sh does".into(),
-            )),
-        }
+        HostCheckpoints::of(
+            self.criu.as_ref(),
+            self.static_agent.as_deref(),
+            &self.networks,
+            "fncall",
+        )
     }
 
     /// What checkpointing this sandbox takes: [`Self::checkpointer`], and its init being
