@@ -20,6 +20,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::connect::{self, field, int, RpcError, STREAM_CONTENT_TYPE};
 use super::procs::{EndInfo, ProcConfig, ProcEvent, Start};
 use super::{api_error, blocking, files, header, watch, E2b};
+use crate::error::ServiceError;
 use crate::state::Meta;
 
 /// The keepalive interval when a client asks for none (envd's default).
@@ -75,6 +76,9 @@ pub(super) async fn handle(e: &Arc<E2b>, meta: Meta, req: Request) -> Response {
     let m = meta.clone();
     let sb = match blocking(move || node.sandbox(&m)).await {
         Ok(sb) => sb,
+        // Ended between the record's lookup and now (its TTL, a destroy): as if it had
+        // not been found (e2b 2.20's `is_running()` raises on anything but that 502).
+        Err(ServiceError::NotFound(_)) => return super::sandbox_not_found(&meta.id),
         Err(err) => {
             return if is_rpc(&path) {
                 RpcError::from(err).unary()

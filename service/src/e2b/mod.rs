@@ -253,6 +253,19 @@ pub(crate) fn route(
     }
 }
 
+/// E2B's proxy answer for a sandbox that is not there (never was, or has ended), which
+/// the SDKs map to "sandbox not running" (`is_running()` is false).
+pub(super) fn sandbox_not_found(id: &str) -> Response {
+    let body = serde_json::json!({"sandboxId": id,
+        "message": "The sandbox was not found", "code": 502});
+    (
+        StatusCode::BAD_GATEWAY,
+        [("content-type", "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
 async fn handle(State(e): State<Arc<E2b>>, req: Request) -> Response {
     let host = header(req.headers(), "host")
         .map(str::to_string)
@@ -272,15 +285,7 @@ async fn handle(State(e): State<Arc<E2b>>, req: Request) -> Response {
                 None => token.as_deref().and_then(|t| e.meta_by_token(t)),
             };
             let Some(meta) = meta else {
-                // E2B's proxy answer, which the SDK maps to "sandbox not running".
-                let body = serde_json::json!({"sandboxId": id.unwrap_or_default(),
-                    "message": "The sandbox was not found", "code": 502});
-                return (
-                    StatusCode::BAD_GATEWAY,
-                    [("content-type", "application/json")],
-                    body.to_string(),
-                )
-                    .into_response();
+                return sandbox_not_found(&id.unwrap_or_default());
             };
             if port == ENVD_PORT {
                 let ok = token
