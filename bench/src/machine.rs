@@ -44,6 +44,11 @@ pub fn facts() -> Machine {
     }
 }
 
+/// Whether this boot's VMs run under KVM (the runtime's probe said so).
+pub fn kvm() -> bool {
+    accelerator() == "kvm"
+}
+
 /// The runtime's accelerator probe result for this boot (`/run/strata/kvm-probe`).
 fn accelerator() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
