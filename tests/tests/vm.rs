@@ -146,23 +146,33 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     let Some(env) = env("vm_budgets") else {
         return;
     };
-    let id = env.create(&[
-        "--backend",
-        "microvm",
-        "--memory",
-        "256M",
-        "--disk",
-        "64M",
-        "--pids",
-        "64",
-    ]);
+    for backend in ["microvm", "vm"] {
+        let id = env.create(&[
+            "--backend",
+            backend,
+            "--memory",
+            "256M",
+            "--disk",
+            "64M",
+            "--pids",
+            "64",
+        ]);
+        guest_budgets_hold(env, backend, &id);
+        network_closed_and_files_through_the_agent(env, &id);
+        env.ok(&["sandbox", "rm", &id]);
+        env.assert_gone(&id, &[]);
+    }
+}
 
+/// Memory, disk, pids and wall clock inside a machine sandbox of `backend`: each ends the
+/// command that crossed it, says which, and leaves the guest usable.
+fn guest_budgets_hold(env: &Env, backend: &str, id: &str) {
     // Memory: a command growing past the budget is killed by the guest's OOM killer;
     // the agent and the sandbox live on.
     let o = env.cli(&[
         "sandbox",
         "exec",
-        &id,
+        id,
         "--",
         "python3",
         "-c",
@@ -173,12 +183,12 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     assert!(err.contains("budget exceeded: memory"), "{err}");
 
     // Disk: the writable disk is the budget's size; filling it is ENOSPC inside.
-    let o = env.sh(&id, "dd if=/dev/zero of=/root/fill bs=1M count=200");
+    let o = env.sh(id, "dd if=/dev/zero of=/root/fill bs=1M count=200");
     let (_, err) = text(&o);
     assert!(!o.status.success(), "{err}");
     assert!(err.contains("No space left"), "{err}");
     assert!(err.contains("budget exceeded: disk"), "{err}");
-    let df = env.sh(&id, "df -k / | tail -1");
+    let df = env.sh(id, "df -k / | tail -1");
     let size_kib: u64 = text(&df)
         .0
         .split_whitespace()
@@ -187,18 +197,38 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
         .parse()
         .unwrap();
     assert!(size_kib <= 64 * 1024, "{}", text(&df).0);
-    env.sh(&id, "rm -f /root/fill");
+    env.sh(id, "rm -f /root/fill");
 
     // Processes: a fork bomb stops at the budget.
-    let o = env.sh(&id, "for i in $(seq 100); do sleep 30 & done; exit 0");
+    let o = env.sh(id, "for i in $(seq 100); do sleep 30 & done; exit 0");
     let (_, err) = text(&o);
     assert!(err.contains("budget exceeded: pids"), "{err}");
     // One process is free again: enough for a shell that kills the rest.
-    env.sh(&id, "kill -9 -1; true");
-    assert!(env.sh(&id, "true").status.success());
+    env.sh(id, "kill -9 -1; true");
+    assert!(env.sh(id, "true").status.success());
 
+    // Wall clock: a command past its timeout is killed and named.
+    let o = env.cli(&[
+        "sandbox",
+        "exec",
+        id,
+        "--timeout",
+        "2s",
+        "--",
+        "sleep",
+        "60",
+    ]);
+    let (_, err) = text(&o);
+    assert_eq!(o.status.code(), Some(137), "{backend} timeout: {err}");
+    assert!(err.contains("budget exceeded: timeout"), "{backend}: {err}");
+    assert!(env.sh(id, "true").status.success());
+    strata_tests::contained("budgets: memory, pids, disk, wall clock", backend, 4);
+}
+
+/// Inside a machine: no interface but loopback, and files in and out through the agent.
+fn network_closed_and_files_through_the_agent(env: &Env, id: &str) {
     // Network: no interface but loopback, and nothing reachable.
-    let o = env.sh(&id, "cat /proc/net/dev");
+    let o = env.sh(id, "cat /proc/net/dev");
     let ifaces: Vec<String> = text(&o)
         .0
         .lines()
@@ -209,7 +239,7 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     let o = env.cli(&[
         "sandbox",
         "exec",
-        &id,
+        id,
         "--",
         "python3",
         "-c",
@@ -229,7 +259,7 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
         &format!("{id}:/work/in.txt"),
     ]);
     let o = env.sh(
-        &id,
+        id,
         "cat /work/in.txt && echo from the guest > /work/out.txt",
     );
     assert_eq!(text(&o).0, "from the host\n");
@@ -237,9 +267,6 @@ fn budgets_hold_and_the_network_is_closed_inside_the_guest() {
     assert_eq!(out, "from the guest\n");
     let o = env.cli(&["sandbox", "cp", &format!("{id}:/no/such/file"), "-"]);
     assert!(text(&o).1.contains("/no/such/file"), "{}", text(&o).1);
-    env.ok(&["sandbox", "rm", &id]);
-    env.assert_gone(&id, &[]);
-    strata_tests::contained("budgets: memory, pids, disk, wall clock", "microvm", 3);
 }
 
 #[test]
