@@ -12,6 +12,10 @@ report=${1:-target/containment-report.tsv}
 mkdir -p "$(dirname "$report")"
 : > "$report"
 export STRATA_CONTAINMENT_REPORT=$PWD/$report STRATA_REQUIRE_PRIVILEGED=1
+# The binaries the tests call, as scripts/test.sh builds them (a fresh checkout has none).
+cargo build --workspace --bins
+CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS="-C target-feature=+crt-static" \
+  cargo build -p strata-agent --target x86_64-unknown-linux-gnu
 run() { cargo test -p strata-tests --test "$1" -- --test-threads=1 "${@:2}"; }
 run containment
 run runtime a_hostile_command_cannot_take_over_the_agent the_hosts_kernel_files_are_masked \

@@ -125,15 +125,14 @@ impl Uppers {
         {
             return true;
         }
-        // Being made or handed out: by a live process (one killed midway left it to the
-        // reaper), or with none named yet (or an older build's) while young.
-        match owner_alive(&self.making(slot)).or_else(|| owner_alive(&self.claiming(slot))) {
-            Some(alive) => alive,
-            None => {
-                let image = self.image(name);
-                image.exists() && crate::age(&image) < std::time::Duration::from_secs(60)
-            }
-        }
+        // Being made or handed out by a live process; one killed midway left it to the
+        // reaper. Neither marked ready nor named by a maker or claimant, it is no one's:
+        // every step that makes or hands out a slot names its process first, so this is
+        // a drain or a failed claim killed between dropping the mark and removing the
+        // upper (the soak found one such slot kept mounted while its image was young).
+        owner_alive(&self.making(slot))
+            .or_else(|| owner_alive(&self.claiming(slot)))
+            .unwrap_or(false)
     }
 
     /// Unmounts and deletes every pooled upper.
@@ -371,9 +370,22 @@ fn mark_owner(path: &Path) -> Result<(), RuntimeError> {
     std::fs::write(path, format!("{me} {start}\n")).map_err(RuntimeError::io(path))
 }
 
+/// How long a marker may name no process before it counts as its owner's death: the owner
+/// writes its name right after making (or renaming) the file.
+const UNNAMED_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Whether the process [`mark_owner`] named in `path` still lives (`true` too while the
-/// file names none yet); `None` when there is no such file.
+/// file names none yet, for [`UNNAMED_GRACE`] after its last change: an owner killed
+/// between taking the file and naming itself leaves it empty for good); `None` when there
+/// is no such file.
 fn owner_alive(path: &Path) -> Option<bool> {
+    owner_alive_at(path, std::time::SystemTime::now())
+}
+
+/// [`owner_alive`] as of `now`.
+fn owner_alive_at(path: &Path, now: std::time::SystemTime) -> Option<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).ok()?;
     let text = std::fs::read_to_string(path).ok()?;
     let mut w = text.split_whitespace();
     Some(
@@ -382,7 +394,16 @@ fn owner_alive(path: &Path) -> Option<bool> {
             w.next().and_then(|s| s.parse::<u64>().ok()),
         ) {
             (Some(pid), Some(start)) => crate::backend::process_start(pid) == Some(start),
-            _ => true,
+            // The rename that takes a ready mark keeps its mtime; the change time is the
+            // rename's.
+            _ => {
+                let changed = std::time::UNIX_EPOCH
+                    + std::time::Duration::new(
+                        meta.ctime().max(0) as u64,
+                        meta.ctime_nsec().clamp(0, 999_999_999) as u32,
+                    );
+                now.duration_since(changed).unwrap_or_default() < UNNAMED_GRACE
+            }
         },
     )
 }
@@ -431,8 +452,14 @@ mod tests {
         )
         .unwrap();
         std::fs::write(uppers.image("pool-abc"), b"").unwrap();
-        // Nothing names it and its image is young: still being set up.
+        // Nothing names it: a drain or a claim was killed midway.
+        assert!(!uppers.is_pooled("pool-abc"));
+        // Claimed a moment ago by a process that has not named itself yet.
+        std::fs::write(uppers.claiming("abc"), b"").unwrap();
         assert!(uppers.is_pooled("pool-abc"));
+        // Named by none long after: its claimant died in between.
+        let later = std::time::SystemTime::now() + UNNAMED_GRACE * 2;
+        assert_eq!(owner_alive_at(&uppers.claiming("abc"), later), Some(false));
         // Claimed by a process that is gone (PID 0's start never matches).
         std::fs::write(uppers.claiming("abc"), "4194305 1\n").unwrap();
         assert!(!uppers.is_pooled("pool-abc"));

@@ -78,6 +78,8 @@ pub struct Node {
     /// A pool top-up is running: creates finishing meanwhile leave it to that one (each
     /// filling to the target at once would overshoot it).
     topping_up: std::sync::atomic::AtomicBool,
+    /// `service/lock`, held while this service lives: one service per node's state.
+    _lock: std::fs::File,
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -85,6 +87,51 @@ pub(crate) fn now_ms() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Takes `dir/lock` for this process, which then writes its PID there. Two services over
+/// one node's state would each take the other's sandboxes for ones an earlier service
+/// left, and end them. A predecessor that was just killed may hold the lock a moment
+/// longer through a child it forked that has not yet exec'd (the lock is shared across a
+/// fork): waited for up to 5 s.
+fn take_node_lock(dir: &std::path::Path) -> Result<std::fs::File, ServiceError> {
+    use std::io::{Read, Seek, Write};
+    let io = |what: String| move |source| ServiceError::Io { what, source };
+    std::fs::create_dir_all(dir).map_err(io(format!("making {}", dir.display())))?;
+    let path = dir.join("lock");
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io(format!("opening {}", path.display())))?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let locked = strata_host::fs::flock(&file, strata_host::fs::Lock::Exclusive, false)
+            .map_err(io(format!("locking {}", path.display())))?;
+        if locked {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let mut holder = String::new();
+            let _ = file.read_to_string(&mut holder);
+            let holder = holder.trim();
+            return Err(ServiceError::AlreadyExists(format!(
+                "another `strata serve` (PID {}) serves this node's state ({}): stop it first, \
+                 or give this one a home of its own (STRATA_HOME)",
+                if holder.is_empty() { "unknown" } else { holder },
+                dir.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let pid = std::process::id();
+    file.set_len(0)
+        .and_then(|_| file.rewind())
+        .and_then(|_| writeln!(file, "{pid}"))
+        .map_err(io(format!("writing {}", path.display())))?;
+    Ok(file)
 }
 
 impl Node {
@@ -98,6 +145,10 @@ impl Node {
         registrant: String,
     ) -> Result<Arc<Node>, ServiceError> {
         crate::check_node_name(&cfg.node)?;
+        let service_dir = rt.state_dir().join("service");
+        let lock = tokio::task::spawn_blocking(move || take_node_lock(&service_dir))
+            .await
+            .map_err(|e| ServiceError::Internal(e.to_string()))??;
         let catalog = Catalog::open(&store).await?;
         let metas = MetaDir::open(&rt.state_dir().join("service").join("sandboxes"))?;
         let size = cfg.node_size.unwrap_or_else(NodeSize::probe);
@@ -114,6 +165,7 @@ impl Node {
             size,
             registrant,
             topping_up: Default::default(),
+            _lock: lock,
         });
         let n = node.clone();
         tokio::task::spawn_blocking(move || n.recover())
@@ -148,6 +200,24 @@ impl Node {
                 _ => {
                     // Gone meanwhile (destroyed by hand, or reaped): nothing to end.
                     self.metas.remove(&meta.local);
+                }
+            }
+        }
+        // A service killed between making a sandbox and saving its record left one no
+        // client can reach (its ID was never returned): a caller's sandbox with no
+        // record is this node's to end. Local CLI users' sandboxes are theirs.
+        let held: std::collections::HashSet<String> = self.lock().keys().cloned().collect();
+        for rec in self.rt.list() {
+            if held.contains(&rec.id) || !crate::projects::is_service_identity(&rec.spec.identity) {
+                continue;
+            }
+            if let Ok(sb) = self.rt.get(&rec.id) {
+                ended += 1;
+                if let Err(e) = sb.end(EndReason::NodeRestart) {
+                    tracing::warn!(
+                        "ending {} (no record of the service's) after the restart: {e}",
+                        rec.id
+                    );
                 }
             }
         }

@@ -83,6 +83,14 @@ impl Caller {
     }
 }
 
+/// Whether a sandbox's recorded identity is a service caller's ([`Caller::identity`]), as
+/// opposed to a local CLI user's: the node service answers only for those.
+pub fn is_service_identity(identity: &str) -> bool {
+    identity
+        .strip_prefix("project:")
+        .is_some_and(|rest| rest.contains(" token:"))
+}
+
 const TOKEN_PREFIX: &str = "strata_";
 
 fn token_hash(token: &str) -> String {

@@ -1521,8 +1521,13 @@ fn assert_nothing_left(home: &strata_tests::home::CliHome) -> usize {
             .env("STRATA_LOG", "debug")
             .output()
             .expect("sandbox reap");
+        let pool = strata_tests::sh(&format!(
+            "cd {} && find . -type f -printf '%p %TT %CT: ' -exec cat {{}} \\; 2>&1 | head -40",
+            home.runtime_dir().join("upper-pool").display()
+        ));
         panic!(
-            "loop devices of {home_path} left: {loops}\nmounted here as: {lines:#?}\nin: {holders:#?}\nsandboxes: {uppers:#?}\nreap again: {}",
+            "loop devices of {home_path} left: {loops}\nmounted here as: {lines:#?}\nin: {holders:#?}\nsandboxes: {uppers:#?}\npool marks: {pool}\nreap again: {} {}",
+            String::from_utf8_lossy(&reap.stdout),
             String::from_utf8_lossy(&reap.stderr)
         );
     }

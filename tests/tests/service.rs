@@ -281,7 +281,7 @@ import asyncio, json, strata
 async def main():
     async with strata.AsyncClient() as c:
         ids = []
-        for backend in ["container", "fncall", "container"]:
+        for backend in ["container", "fncall", "container", "fncall"]:
             sb = await c.create("{sample}", backend=backend)
             await sb.files.write("/work/kept.txt", b"kept")
             r = await sb.exec("nohup sh -c 'while true; do echo t >> /tmp/ticks; sleep 0.2; done' >/dev/null 2>&1 &")
@@ -310,6 +310,16 @@ asyncio.run(main())
     let init = record["init_pid"].as_i64().expect("init pid") as i32;
     // SAFETY: killing the init of a sandbox this test made.
     unsafe { libc::kill(init, libc::SIGKILL) };
+    // The fourth is as if the service was killed after making it and before recording
+    // it: its client never learnt its ID, so the restarted service ends it.
+    let unrecorded = ids[3].trim_start_matches("test-");
+    std::fs::remove_file(
+        home.runtime_dir()
+            .join("service")
+            .join("sandboxes")
+            .join(format!("{unrecorded}.json")),
+    )
+    .expect("the fourth sandbox's service record");
     // Meanwhile a client's call fails as Unavailable, and succeeds once it is back.
     let o = python(
         &svc,
@@ -322,6 +332,28 @@ asyncio.run(main())
         "{o:?}"
     );
     svc.restart();
+    // One service per node's state: a second one over the same home is refused, naming
+    // the first, which keeps serving.
+    let second = home
+        .cmd(&[
+            "serve",
+            "--node-name",
+            "test",
+            "--listen",
+            &format!("127.0.0.1:{}", strata_tests::service::free_port()),
+            "--metrics-listen",
+            &format!("127.0.0.1:{}", strata_tests::service::free_port()),
+        ])
+        .env("STRATA_STORE", &svc.store)
+        .output()
+        .expect("a second strata serve");
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        !second.status.success()
+            && err.contains("another `strata serve`")
+            && err.contains(&format!("PID {}", svc.pid())),
+        "a second service over the same home: {second:?}"
+    );
     let out = python_ok(
         &svc,
         &tokens[0],
@@ -343,13 +375,16 @@ async def main():
             raise AssertionError("a dead sandbox came back")
         except strata.NotFound:
             pass
-        events = [json.loads(l) for l in (await strata.AsyncSandbox(c, strata.v1.sandboxes_pb2.SandboxInfo(id=IDS[2])).audit()).splitlines()]
-        print(events[-1]["reason"])
+        reasons = []
+        for i in IDS[2:]:
+            events = [json.loads(l) for l in (await strata.AsyncSandbox(c, strata.v1.sandboxes_pb2.SandboxInfo(id=i)).audit()).splitlines()]
+            reasons.append(events[-1]["event"] + "/" + events[-1]["reason"])
+        print(" ".join(reasons))
 asyncio.run(main())
 "#
         ),
     );
-    assert_eq!(out.trim(), "node-restart");
+    assert_eq!(out.trim(), "ended/node-restart ended/node-restart");
     for id in &ids {
         home.assert_sandbox_gone(id.trim_start_matches("test-"), &[init as u32]);
     }
