@@ -1097,7 +1097,7 @@ fn fork_children(backend: &str, children: usize) {
     for (i, child) in kids.iter().enumerate() {
         let stdout = env.sh_ok(
             child,
-            &format!("cat /work/parent.txt; hostname; cat /etc/machine-id; echo {i} > /work/mine.txt; a=$(cat /tmp/count); sleep 0.3; echo $a $(cat /tmp/count)"),
+            &format!("cat /work/parent.txt; hostname; cat /etc/machine-id; echo {i} > /work/mine.txt; {}", strata_tests::home::COUNTER_TWICE),
         );
         let lines: Vec<&str> = stdout.lines().collect();
         assert_eq!(lines.first(), Some(&"from-the-parent"), "{child}: {stdout}");

@@ -1040,7 +1040,10 @@ fn forks_of_a_microvm_each_continue_its_process_with_their_own_identity() {
     for (i, child) in children.iter().enumerate() {
         let o = env.sh(
             child,
-            &format!("cat /work/parent.txt; hostname; echo {i} > /work/mine.txt; a=$(cat /tmp/count); sleep 0.3; echo $a $(cat /tmp/count)"),
+            &format!(
+                "cat /work/parent.txt; hostname; echo {i} > /work/mine.txt; {}",
+                strata_tests::home::COUNTER_TWICE
+            ),
         );
         let (stdout, stderr) = text(&o);
         let lines: Vec<&str> = stdout.lines().collect();
