@@ -16,6 +16,7 @@ streamed run, files, kill: the VM backends), `pause` (20 pause/connect rounds),
 
 import asyncio
 import hashlib
+import inspect
 import importlib.metadata
 import os
 import sys
@@ -440,12 +441,16 @@ def flood():
             got[0] += len(s)
             got[1] += 1
 
+        # The SDK keeps a command's whole output on its result unless told not to (SDKs
+        # since `retain_output`): a minute of `yes` kept was 23 GB of this client's
+        # memory, and the host's OOM killer ended it.
+        keep = {"retain_output": False} if "retain_output" in inspect.signature(sb.commands.run).parameters else {}
         t = time.monotonic()
         if seconds:
-            r = sb.commands.run(f"timeout {seconds} yes || true", on_stdout=on_out, timeout=600)
+            r = sb.commands.run(f"timeout {seconds} yes || true", on_stdout=on_out, timeout=600, **keep)
             assert got[0] > 1 << 20, got[0]
         else:
-            r = sb.commands.run(f"yes | head -c {FLOOD}", on_stdout=on_out, timeout=600)
+            r = sb.commands.run(f"yes | head -c {FLOOD}", on_stdout=on_out, timeout=600, **keep)
             assert got[0] == FLOOD, (got[0], FLOOD)
         assert r.exit_code == 0, r.exit_code
         assert got[1] > 100, f"{got[1]} pieces: not streamed"

@@ -298,7 +298,11 @@ asyncio.run(main())
         .output()
         .expect("the e2b suite");
         let (out, err) = text(&o);
-        assert!(o.status.success(), "{backend}: e2b flood: {out}{err}");
+        assert!(
+            o.status.success(),
+            "{backend}: e2b flood ({}): {out}{err}",
+            o.status
+        );
         let e2b = out
             .lines()
             .find_map(|l| l.strip_prefix("FLOODED "))
