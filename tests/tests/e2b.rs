@@ -430,3 +430,85 @@ print("tls ok")
         .expect("running python");
     assert_client_ok(&o, "the E2B SDK over TLS", &svc);
 }
+
+/// Reads one HTTP/1.1 response (headers and a `content-length` body) from `s`: its status
+/// line.
+fn read_response(s: &mut std::net::TcpStream) -> String {
+    use std::io::Read;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&got[..end]).to_string();
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse().ok())?
+                })
+                .unwrap_or(0);
+            while got.len() < end + 4 + len {
+                let n = s.read(&mut buf).expect("the response's body");
+                assert!(n > 0, "the connection closed inside a response: {head}");
+                got.extend_from_slice(&buf[..n]);
+            }
+            return head.lines().next().unwrap_or_default().to_string();
+        }
+        let n = s.read(&mut buf).expect("a response");
+        assert!(n > 0, "the connection closed before a response");
+        got.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// The control plane answers only once it has read the whole request, so the connection
+/// stays open for the client's next call. Answering a connect to an unknown sandbox
+/// before its body arrived made hyper close the connection after the answer, and the
+/// e2b SDK's next call, sent on it at once, failed with "Server disconnected without
+/// sending a response" (CI, e2b 2.20.0).
+#[test]
+fn the_api_answers_after_the_whole_request_and_keeps_the_connection() {
+    use std::io::{Read, Write};
+    let Some(env) = env("e2b_keepalive") else {
+        return;
+    };
+    let (_home, svc, token) = service(env, "e2b-keepalive-", &[], "");
+    let addr = svc.e2b_url().trim_start_matches("http://").to_string();
+    let mut s = std::net::TcpStream::connect(&addr).expect("the E2B API");
+    let body = br#"{"timeout":5}"#;
+    write!(
+        s,
+        "POST /sandboxes/test-000000000000/connect HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: {token}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .expect("the request's head");
+    // The body is not there yet: no answer.
+    s.set_read_timeout(Some(std::time::Duration::from_millis(500)))
+        .expect("read timeout");
+    let mut buf = [0u8; 64];
+    match s.read(&mut buf) {
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) => {}
+        other => panic!(
+            "answered before the request's body arrived: {other:?} {:?}",
+            String::from_utf8_lossy(&buf)
+        ),
+    }
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .expect("read timeout");
+    s.write_all(body).expect("the request's body");
+    let status = read_response(&mut s);
+    assert!(status.starts_with("HTTP/1.1 404"), "{status}");
+    // The same connection serves the next call.
+    write!(
+        s,
+        "GET /sandboxes HTTP/1.1\r\nHost: {addr}\r\nX-API-Key: {token}\r\n\r\n"
+    )
+    .expect("the next request");
+    let status = read_response(&mut s);
+    assert!(status.starts_with("HTTP/1.1 200"), "{status}");
+}

@@ -59,8 +59,20 @@ fn json_reply(status: StatusCode, v: Value) -> Response {
         .into_response()
 }
 
+/// The request with its whole body read (at most [`MAX_BODY`]) into memory.
+async fn read_whole(req: Request) -> Result<Request, Refused> {
+    let (parts, body) = req.into_parts();
+    let raw = read_body(body).await?;
+    Ok(Request::from_parts(parts, axum::body::Body::from(raw)))
+}
+
 async fn body_json(req: Request) -> Result<Value, Refused> {
-    let mut body = req.into_body().into_data_stream();
+    let raw = read_body(req.into_body()).await?;
+    parse_json(&raw)
+}
+
+async fn read_body(body: axum::body::Body) -> Result<Vec<u8>, Refused> {
+    let mut body = body.into_data_stream();
     let mut raw = Vec::new();
     while let Some(c) = body.next().await {
         match c {
@@ -79,10 +91,14 @@ async fn body_json(req: Request) -> Result<Value, Refused> {
             }
         }
     }
+    Ok(raw)
+}
+
+fn parse_json(raw: &[u8]) -> Result<Value, Refused> {
     if raw.iter().all(u8::is_ascii_whitespace) {
         return Ok(json!({}));
     }
-    serde_json::from_slice(&raw).map_err(|e| {
+    serde_json::from_slice(raw).map_err(|e| {
         Refused::new(
             StatusCode::BAD_REQUEST,
             format!("the request body is not JSON: {e}"),
@@ -235,6 +251,15 @@ fn detail_json(e: &E2b, m: &Meta) -> Value {
 }
 
 pub(super) async fn handle(e: &Arc<E2b>, req: Request) -> Response {
+    // Every answer comes after the whole request is read. Answering before (a refused key,
+    // an unknown sandbox) left the body unread, so hyper closed the connection after the
+    // answer; a client reusing it at once (httpx in the e2b SDK) got "Server disconnected
+    // without sending a response" on its next call (CI, e2b 2.20.0: a create right after a
+    // connect to an unknown sandbox). Control-plane bodies are small JSON.
+    let req = match read_whole(req).await {
+        Ok(r) => r,
+        Err(r) => return r.into_response(),
+    };
     let Some(key) = header(req.headers(), "x-api-key").map(str::to_string) else {
         return api_error(
             StatusCode::UNAUTHORIZED,
