@@ -385,7 +385,6 @@ fn owner_alive(path: &Path) -> Option<bool> {
 /// [`owner_alive`] as of `now`.
 fn owner_alive_at(path: &Path, now: std::time::SystemTime) -> Option<bool> {
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(path).ok()?;
     let text = std::fs::read_to_string(path).ok()?;
     let mut w = text.split_whitespace();
     Some(
@@ -397,6 +396,7 @@ fn owner_alive_at(path: &Path, now: std::time::SystemTime) -> Option<bool> {
             // The rename that takes a ready mark keeps its mtime; the change time is the
             // rename's.
             _ => {
+                let meta = std::fs::metadata(path).ok()?; // removed meanwhile
                 let changed = std::time::UNIX_EPOCH
                     + std::time::Duration::new(
                         meta.ctime().max(0) as u64,

@@ -79,7 +79,7 @@ pub struct Node {
     /// filling to the target at once would overshoot it).
     topping_up: std::sync::atomic::AtomicBool,
     /// `service/lock`, held while this service lives: one service per node's state.
-    _lock: std::fs::File,
+    _service_lock: std::fs::File,
 }
 
 pub(crate) fn now_ms() -> u64 {
@@ -146,11 +146,12 @@ impl Node {
     ) -> Result<Arc<Node>, ServiceError> {
         crate::check_node_name(&cfg.node)?;
         let service_dir = rt.state_dir().join("service");
-        let lock = tokio::task::spawn_blocking(move || take_node_lock(&service_dir))
+        let dir = service_dir.clone();
+        let service_lock = tokio::task::spawn_blocking(move || take_node_lock(&dir))
             .await
             .map_err(|e| ServiceError::Internal(e.to_string()))??;
         let catalog = Catalog::open(&store).await?;
-        let metas = MetaDir::open(&rt.state_dir().join("service").join("sandboxes"))?;
+        let metas = MetaDir::open(&service_dir.join("sandboxes"))?;
         let size = cfg.node_size.unwrap_or_else(NodeSize::probe);
         let node = Arc::new(Node {
             projects: Projects::new(&store),
@@ -165,7 +166,7 @@ impl Node {
             size,
             registrant,
             topping_up: Default::default(),
-            _lock: lock,
+            _service_lock: service_lock,
         });
         let n = node.clone();
         tokio::task::spawn_blocking(move || n.recover())

@@ -308,15 +308,13 @@ impl CliHome {
     }
 }
 
-/// A command's stdout and stderr as text.
-/// Checks a fork child's line "A B" of a counter the parent ran (its value read, then read
-/// again a moment later): it went on from `at_fork` and still counts in the child.
 /// Shell that prints the fork-test counter's value and a later one: it waits (10 s at
 /// most) for the counting process to move on, since a loaded host (nine machines under TCG
 /// on two cores, in CI) can let a fixed pause pass without a single count.
 pub const COUNTER_TWICE: &str = "a=$(cat /tmp/count); b=$a; for _ in $(seq 100); do sleep 0.1; b=$(cat /tmp/count); [ \"$b\" != \"$a\" ] && break; done; echo $a $b";
 
-/// Asserts that [`COUNTER_TWICE`]'s line shows the parent's counter going on past `at_fork`.
+/// Checks a fork child's line "A B" of a counter the parent ran ([`COUNTER_TWICE`]): it
+/// went on from `at_fork` and still counts in the child.
 pub fn assert_counter_went_on(child: &str, line: Option<&str>, at_fork: u64, output: &str) {
     let counts: Vec<u64> = line
         .map(|l| {
@@ -331,6 +329,7 @@ pub fn assert_counter_went_on(child: &str, line: Option<&str>, at_fork: u64, out
     );
 }
 
+/// A command's stdout and stderr as text.
 pub fn text(o: &Output) -> (String, String) {
     (
         String::from_utf8_lossy(&o.stdout).into_owned(),
