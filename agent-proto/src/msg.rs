@@ -36,6 +36,12 @@ pub struct SandboxBoot {
     /// 64 MiB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shm_bytes: Option<u64>,
+    /// A descriptor of the host's launch mount namespace (one without any sandbox's
+    /// mounts, see `strata_host::mountns`) the agent inherited: it enters a copy of it,
+    /// carrying its root in, instead of copying the host's whole mount table. None: it
+    /// copies the host's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mountns_fd: Option<i32>,
 }
 
 /// The first frame of every conversation (see [`crate::handshake`]).

@@ -182,13 +182,12 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
     let listener = sys::onto(OwnedFd::from(listener), LISTEN_FD)
         .map_err(|e| format!("moving the listening socket to descriptor {LISTEN_FD}: {e}"))?;
     let flags = CloneFlags::CLONE_NEWPID | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS;
-    if boot.rootfs.is_none() {
-        nix::sched::unshare(flags).map_err(|e| format!("unshare: {e}"))?;
-    } else {
+    let mut mountns = boot.mountns_fd.map(sys::take_fd);
+    if let Some(rootfs) = &boot.rootfs {
         enter_network(boot.netns.as_deref())?;
-        nix::sched::unshare(flags | CloneFlags::CLONE_NEWNS)
-            .map_err(|e| format!("unshare: {e}"))?;
+        new_mount_namespace(rootfs, mountns.take())?;
     }
+    nix::sched::unshare(flags).map_err(|e| format!("unshare: {e}"))?;
     let (ready_r, ready_w) = nix::unistd::pipe().map_err(|e| format!("pipe: {e}"))?;
     match sys::fork_single_threaded().map_err(|e| format!("fork: {e}"))? {
         ForkResult::Parent { child } => {
@@ -226,7 +225,7 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
                     drop(ready);
                     close_inherited_stdio();
                     if boot.rootfs.is_some()
-                        || await_setup(&sys::borrow_listener(LISTEN_FD)).is_ok()
+                        || await_setup(&sys::borrow_listener(LISTEN_FD), mountns).is_ok()
                     {
                         // Inside its root now: stdio on the sandbox's own /dev/null, and no
                         // other descriptor of the host's (a process checkpoint saves them all).
@@ -242,6 +241,21 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
                 }
             }
         }
+    }
+}
+
+/// Enters a fresh mount namespace for the root `rootfs`: a copy of the host's launch
+/// namespace `mountns` with the root carried in (none of the other sandboxes' mounts to
+/// copy), or, without one, of the host's whole mount table.
+fn new_mount_namespace(rootfs: &str, mountns: Option<OwnedFd>) -> Result<(), String> {
+    match mountns {
+        Some(ns) => {
+            let root = strata_host::mountns::carry(std::path::Path::new(rootfs))
+                .map_err(|e| format!("carrying the root {rootfs}: {e}"))?;
+            strata_host::mountns::enter_now(ns, &[root])
+                .map_err(|e| format!("entering the launch mount namespace: {e}"))
+        }
+        None => nix::sched::unshare(CloneFlags::CLONE_NEWNS).map_err(|e| format!("unshare: {e}")),
     }
 }
 
@@ -261,7 +275,7 @@ fn enter_network(netns: Option<&str>) -> Result<(), String> {
 /// A pooled agent's wait: the first conversation that opens (the handshake proves the
 /// slot's key) must bring `Setup`; the agent then takes the sandbox's key, enters the root
 /// (still single-threaded, as setns and unshare require) and answers `Ready`.
-fn await_setup(listener: &UnixListener) -> Result<(), String> {
+fn await_setup(listener: &UnixListener, mut mountns: Option<OwnedFd>) -> Result<(), String> {
     loop {
         let (conn, _) = listener.accept().map_err(|e| e.to_string())?;
         let mut reader = conn.try_clone().map_err(|e| e.to_string())?;
@@ -292,8 +306,7 @@ fn await_setup(listener: &UnixListener) -> Result<(), String> {
             .map_err(|e| e.to_string())
             .and_then(|key| {
                 enter_network(setup.netns.as_deref())?;
-                nix::sched::unshare(CloneFlags::CLONE_NEWNS)
-                    .map_err(|e| format!("unshare: {e}"))?;
+                new_mount_namespace(&setup.rootfs, mountns.take())?;
                 confine::enter(
                     std::path::Path::new(&setup.rootfs),
                     &setup.hostname,

@@ -71,10 +71,16 @@ pub(crate) fn start_reaper() -> Shared {
 
 fn spawn_conversation(conn: UnixStream, shared: Shared) {
     OPEN_CONVERSATIONS.fetch_add(1, Ordering::SeqCst);
-    std::thread::spawn(move || {
+    // A thread the sandbox's pids budget has no room for (its commands took it all) is a
+    // refused conversation, never a panic of the accept loop: the connection closes and
+    // the host reports the agent unreachable for this call only.
+    let started = std::thread::Builder::new().spawn(move || {
         let _ = handle(conn, shared);
         OPEN_CONVERSATIONS.fetch_sub(1, Ordering::SeqCst);
     });
+    if started.is_err() {
+        OPEN_CONVERSATIONS.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Conversations being served now (a park waits until it is the only one).
@@ -383,19 +389,107 @@ fn exec(
     let Some(jail) = JAIL.get() else {
         return send(&AgentError::new(ErrorKind::Invalid, "no sandbox to run in").into());
     };
+    // Every thread this exec needs runs before the command exists: a command that takes
+    // its whole pids budget at once (a fork bomb) would otherwise leave the agent unable to
+    // start the threads that carry its output and exit back, and the host would see the
+    // agent vanish instead of the budget that ended the command.
+    let pipes = (|| -> std::io::Result<_> {
+        let stdin = if spec.stdin {
+            Some(std::io::pipe()?)
+        } else {
+            None
+        };
+        Ok((std::io::pipe()?, std::io::pipe()?, stdin))
+    })();
+    let ((out_r, out_w), (err_r, err_w), stdin_pipe) = match pipes {
+        Ok(p) => p,
+        Err(e) => {
+            return send(&AgentError::new(ErrorKind::ExecFailed, format!("pipe: {e}")).into())
+        }
+    };
+    let (stdin_r, stdin_w) = match stdin_pipe {
+        Some((r, w)) => (Stdio::from(r), Some(w)),
+        None => (Stdio::null(), None),
+    };
+    let pid_cell: Arc<OnceLock<i32>> = Arc::default();
+    // Pumps wait for `Started` to be sent before their first frame.
+    let mut go = Vec::new();
+    let mut threads = Vec::new();
+    for (mut src, kind) in [
+        (Box::new(out_r) as Box<dyn Read + Send>, FrameKind::Stdout),
+        (Box::new(err_r) as Box<dyn Read + Send>, FrameKind::Stderr),
+    ] {
+        let writer = writer.clone();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        go.push(go_tx);
+        threads.push(std::thread::Builder::new().spawn(move || {
+            let _ = go_rx.recv();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match src.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+                        if write_frame(&mut *w, kind, &buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+        }));
+    }
+    // Host frames while the command runs: stdin and signals.
+    let mut stdin = stdin_w;
+    let signalled = pid_cell.clone();
+    threads.push(std::thread::Builder::new().spawn(move || loop {
+        match read_frame::<HostMsg>(&mut reader) {
+            Ok(Some(Frame::Data(FrameKind::Stdin, data))) => {
+                if let Some(s) = stdin.as_mut() {
+                    if s.write_all(&data).is_err() {
+                        stdin = None;
+                    }
+                }
+            }
+            Ok(Some(Frame::Data(FrameKind::StdinEof, _))) => stdin = None,
+            Ok(Some(Frame::Control(HostMsg::Signal { signal }))) => {
+                // The command's own process group (signals come after `Started`).
+                if let Some(pid) = signalled.get() {
+                    crate::sys::signal_group(*pid, signal);
+                }
+            }
+            Ok(Some(_)) => {}
+            // Host gone: the command keeps running, like a detached exec.
+            Ok(None) | Err(_) => break,
+        }
+    }));
+    let mut pumps = Vec::new();
+    for t in threads {
+        match t {
+            Ok(handle) => pumps.push(handle),
+            Err(e) => {
+                return send(
+                    &AgentError::new(
+                        ErrorKind::ExecFailed,
+                        format!(
+                            "the agent cannot start a thread for the command ({e}): the sandbox's pids budget is taken"
+                        ),
+                    )
+                    .into(),
+                )
+            }
+        }
+    }
+    // The host-frames thread is not waited for.
+    pumps.pop();
     let mut cmd = Command::new(program);
     cmd.args(&spec.argv[1..])
         .env_clear()
         .envs(spec.env.iter())
         .current_dir(&spec.cwd)
         .process_group(0)
-        .stdin(if spec.stdin {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+        .stdin(stdin_r)
+        .stdout(out_w)
+        .stderr(err_w);
     let procs = COMMAND_CGROUP.get().cloned();
     let (uid, gid) = (spec.uid, spec.gid);
     let entry = match jail.prepare() {
@@ -421,7 +515,9 @@ fn exec(
     let (lock, cv) = &*shared;
     lock.lock().unwrap_or_else(|p| p.into_inner()).spawning += 1;
     let spawned = cmd.spawn();
-    let mut child = {
+    // Our copies of the pipes' write ends close here, so the pumps see the end of output.
+    drop(cmd);
+    let child = {
         let mut c = lock.lock().unwrap_or_else(|p| p.into_inner());
         c.spawning -= 1;
         match spawned {
@@ -447,66 +543,11 @@ fn exec(
     let before = COMMAND_CGROUP
         .get()
         .and_then(|_| crate::guest::stats().ok());
+    let _ = pid_cell.set(pid);
     send(&AgentMsg::Started { pid: pid as u32 })?;
-
-    let pumps: Vec<_> = [
-        (
-            child
-                .stdout
-                .take()
-                .map(|s| Box::new(s) as Box<dyn Read + Send>),
-            FrameKind::Stdout,
-        ),
-        (
-            child
-                .stderr
-                .take()
-                .map(|s| Box::new(s) as Box<dyn Read + Send>),
-            FrameKind::Stderr,
-        ),
-    ]
-    .into_iter()
-    .filter_map(|(src, kind)| src.map(|s| (s, kind)))
-    .map(|(mut src, kind)| {
-        let writer = writer.clone();
-        std::thread::spawn(move || {
-            let mut buf = vec![0u8; 64 * 1024];
-            loop {
-                match src.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => {
-                        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
-                        if write_frame(&mut *w, kind, &buf[..n]).is_err() {
-                            break;
-                        }
-                    }
-                }
-            }
-        })
-    })
-    .collect();
-
-    // Host frames while the command runs: stdin and signals.
-    let mut stdin = child.stdin.take();
-    std::thread::spawn(move || loop {
-        match read_frame::<HostMsg>(&mut reader) {
-            Ok(Some(Frame::Data(FrameKind::Stdin, data))) => {
-                if let Some(s) = stdin.as_mut() {
-                    if s.write_all(&data).is_err() {
-                        stdin = None;
-                    }
-                }
-            }
-            Ok(Some(Frame::Data(FrameKind::StdinEof, _))) => stdin = None,
-            Ok(Some(Frame::Control(HostMsg::Signal { signal }))) => {
-                // The command's own process group.
-                crate::sys::signal_group(pid, signal);
-            }
-            Ok(Some(_)) => {}
-            // Host gone: the command keeps running, like a detached exec.
-            Ok(None) | Err(_) => break,
-        }
-    });
+    for g in go {
+        let _ = g.send(());
+    }
 
     let status = {
         let mut c = lock.lock().unwrap_or_else(|p| p.into_inner());

@@ -2,6 +2,7 @@
 //! well-kept library wraps (or only with build-time bindgen, or not as needed): loop
 //! devices ([`loopdev`]), locks, extents, in-kernel copies and root-confined opens
 //! ([`fs`]), what a child does between fork and exec ([`exec`]),
+//! launch mount namespaces that hold no sandbox's mounts ([`mountns`]),
 //! Unix sockets at paths longer than an address holds ([`unix`]), read-only views over a
 //! sandbox's root, shared by the host and a VM guest's agent ([`views`]),
 //! whether the kernel mounts EROFS from a file ([`erofs_file_backed`]) and its Landlock
@@ -11,6 +12,7 @@
 pub mod exec;
 pub mod fs;
 pub mod loopdev;
+pub mod mountns;
 pub mod unix;
 pub mod views;
 

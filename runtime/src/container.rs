@@ -10,12 +10,17 @@
 //! such a host (and only there) every crun call runs in a private mount namespace in which
 //! the cgroup2 mount at /sys/fs/cgroup/unified is detached, so crun sees plain v1 and
 //! works; on v1 and v2 hosts crun runs as it is.
+//!
+//! Every OCI runtime call runs in a launch mount namespace (`strata_host::mountns`): a
+//! copy of the host's mount table without any sandbox's mounts, into which a `run` carries
+//! its own root and network namespace. The container's namespace is copied from it, so
+//! neither that copy nor crun's reading of the table grows with the sandboxes on the node.
 
 use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCpuBuilder, LinuxMemoryBuilder, LinuxPidsBuilder,
@@ -92,6 +97,8 @@ pub struct ContainerBackend {
     /// The host mounts cgroup2 beside its v1 controllers, which Debian's crun refuses:
     /// every crun call then runs with that mount detached.
     pub hybrid_cgroups: bool,
+    /// Where the OCI runtime's calls run.
+    pub(crate) launch: Arc<hostroot::LaunchNamespace>,
 }
 
 /// The statically linked agent for container init found beside the binary `exe`: the one
@@ -141,6 +148,7 @@ impl ContainerBackend {
                 init: self.init.clone(),
                 agent: self.agent.clone(),
                 hybrid_cgroups: self.hybrid_cgroups,
+                launch: self.launch.clone(),
             };
         }
         self.clone()
@@ -171,22 +179,36 @@ fn kept_capabilities() -> Result<oci_spec::runtime::LinuxCapabilities, RuntimeEr
 
 impl ContainerBackend {
     fn command(&self) -> Command {
-        self.command_passing(Vec::new())
+        self.command_passing(Vec::new(), &[])
     }
 
-    /// The OCI runtime command; `pass` become its descriptors 3, 4, ... in order (for
+    /// The OCI runtime command, in a launch namespace with the mounts at `carry` brought
+    /// in from the host's; `pass` become its descriptors 3, 4, ... in order (for
     /// `--preserve-fds`).
-    fn command_passing(&self, pass: Vec<i32>) -> Command {
+    fn command_passing(&self, pass: Vec<i32>, carry: &[&Path]) -> Command {
         let mut cmd = Command::new(self.runtime.binary());
         cmd.arg("--root").arg(&self.state_root);
         let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && self.hybrid_cgroups;
         let hide = hybrid.then(|| c"/sys/fs/cgroup/unified".to_owned());
-        strata_host::exec::pass_fds_and_hide(&mut cmd, pass, hide);
+        let launched = self.launch.template().and_then(|template| {
+            let carried = carry
+                .iter()
+                .map(|p| strata_host::mountns::carry(p))
+                .collect::<std::io::Result<Vec<_>>>()
+                .inspect_err(|e| tracing::warn!("carrying a mount into the launch namespace: {e}"))
+                .ok()?;
+            strata_host::mountns::enter(&mut cmd, template, carried, hide.clone()).ok()
+        });
+        match launched {
+            // The namespace hook runs first and uses its own descriptors; the hide is done.
+            Some(()) => strata_host::exec::pass_fds_and_hide(&mut cmd, pass, None),
+            None => strata_host::exec::pass_fds_and_hide(&mut cmd, pass, hide),
+        }
         cmd
     }
 
     fn run_checked(&self, args: &[&str], what: &str) -> Result<(), RuntimeError> {
-        self.run_logged(args, what, None, Vec::new())
+        self.run_logged(args, what, None, Vec::new(), &[])
     }
 
     /// Runs the OCI runtime. Its stderr goes to a file, not a pipe: a detached container's
@@ -197,6 +219,7 @@ impl ContainerBackend {
         what: &str,
         log: Option<&Path>,
         pass: Vec<i32>,
+        carry: &[&Path],
     ) -> Result<(), RuntimeError> {
         let tmp = self
             .state_root
@@ -204,7 +227,7 @@ impl ContainerBackend {
         let log = log.unwrap_or(&tmp);
         let file = std::fs::File::create(log).map_err(RuntimeError::io(log))?;
         let status = self
-            .command_passing(pass)
+            .command_passing(pass, carry)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -471,7 +494,11 @@ impl SandboxBackend for ContainerBackend {
             .as_ref()
             .map(|(l, k, e)| vec![l.as_raw_fd(), k.as_raw_fd(), e.as_raw_fd()])
             .unwrap_or_default();
-        self.run_logged(&args, "run", Some(&new.dir.join("oci.log")), fds)?;
+        // The root (with any views mounted over it) and the network namespace to join are
+        // the host's mounts this run needs in its launch namespace.
+        let mut carry = vec![root.rootfs.as_path()];
+        carry.extend(root.netns.as_deref());
+        self.run_logged(&args, "run", Some(&new.dir.join("oci.log")), fds, &carry)?;
         drop(passed);
         let pid = std::fs::read_to_string(&pid_file)
             .map_err(RuntimeError::io(&pid_file))?

@@ -44,7 +44,13 @@ pub struct FncallBackend {
     /// `claimed/<sandbox>/`.
     pub pool: PathBuf,
     pub cgroups: Cgroups,
+    /// The mount namespace agents start from.
+    pub(crate) launch: std::sync::Arc<crate::hostroot::LaunchNamespace>,
 }
+
+/// Where an agent receives the launch namespace's template (clear of the descriptors it
+/// places itself: its listening socket goes to 3).
+const MOUNTNS_FD: i32 = 10;
 
 impl FncallBackend {
     /// The binary every new sandbox's init runs.
@@ -120,6 +126,13 @@ impl FncallBackend {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         cgroup.join_on_exec(&mut cmd)?;
+        let mut boot = boot.clone();
+        if let Some(template) = self.launch.template() {
+            template
+                .pass(&mut cmd, MOUNTNS_FD)
+                .map_err(|e| RuntimeError::Setup(format!("passing the launch namespace: {e}")))?;
+            boot.mountns_fd = Some(MOUNTNS_FD);
+        }
         let cannot = |e: std::io::Error| {
             RuntimeError::Setup(format!(
                 "cannot run the sandbox agent {}: {e} (build it with `cargo build -p strata-agent`)",
@@ -129,7 +142,7 @@ impl FncallBackend {
         let mut child = cmd.spawn().map_err(cannot)?;
         if let Some(mut stdin) = child.stdin.take() {
             let settings =
-                serde_json::to_vec(boot).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
+                serde_json::to_vec(&boot).map_err(|e| RuntimeError::Invalid(e.to_string()))?;
             // A write error means the agent died at once; its stderr says why.
             let _ = stdin.write_all(&settings);
         }
@@ -184,6 +197,7 @@ impl FncallBackend {
                             netns: None,
                             key: key.to_hex(),
                             shm_bytes: None,
+                            mountns_fd: None,
                         },
                     )
                 })
@@ -338,6 +352,7 @@ impl SandboxBackend for FncallBackend {
             shm_bytes: Some(strata_agent_proto::policy::shm_bytes(
                 new.spec.limits.memory_bytes,
             )),
+            mountns_fd: None,
         };
         let pid = self.spawn_agent(&new.cgroup, &boot)?;
         // The agent serves before its parent reports the PID: this checks the handshake

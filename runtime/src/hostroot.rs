@@ -1,13 +1,48 @@
 //! The root of a sandbox whose processes run on the host's kernel (fncall, container):
 //! its writable upper (a pooled one, or a fresh image), its layers stacked with overlayfs
 //! under it, and the network namespace of an allowlist, its /etc/resolv.conf naming the
-//! egress proxy when rules name hosts.
+//! egress proxy when rules name hosts; and the launch mount namespace such sandboxes
+//! start from.
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use crate::backend::{Host, NewSandbox};
 use crate::{files, network, rootfs, RuntimeError};
+
+/// The launch mount namespace's template (`strata_host::mountns`), shared by the host
+/// backends: made at the first OCI runtime call or agent start of this process (an
+/// embedded CLI call that starts nothing pays nothing).
+pub(crate) struct LaunchNamespace {
+    state_dir: PathBuf,
+    template: OnceLock<Option<strata_host::mountns::Template>>,
+}
+
+impl LaunchNamespace {
+    pub(crate) fn new(state_dir: PathBuf) -> LaunchNamespace {
+        LaunchNamespace {
+            state_dir,
+            template: OnceLock::new(),
+        }
+    }
+
+    /// The template, or none where this host cannot make one (sandboxes then start from
+    /// the host's namespace: slower with many sandboxes, the same otherwise).
+    pub(crate) fn template(&self) -> Option<&strata_host::mountns::Template> {
+        self.template
+            .get_or_init(|| {
+                strata_host::mountns::Template::new(&self.state_dir)
+                    .inspect_err(|e| {
+                        tracing::warn!(
+                            "no launch mount namespace ({e}): sandboxes start in the host's"
+                        )
+                    })
+                    .ok()
+            })
+            .as_ref()
+    }
+}
 
 /// A host root, assembled.
 pub(crate) struct HostRoot {

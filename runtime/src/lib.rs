@@ -393,6 +393,7 @@ impl Runtime {
         tracing::debug!(mode = %cgroups.mode(), "cgroups");
         let networks =
             network::Networks::new(&cfg.state_dir, cfg.net_slots.clone(), cfg.agent.clone());
+        let launch = std::sync::Arc::new(hostroot::LaunchNamespace::new(cfg.state_dir.clone()));
         let container = container::ContainerBackend {
             criu: cfg.criu.clone().map(|binary| checkpoint::Criu { binary }),
             networks: networks.clone(),
@@ -401,6 +402,7 @@ impl Runtime {
             init: cfg.container_init.clone(),
             agent: cfg.container_agent.clone(),
             hybrid_cgroups: cgroups.mode() == cgroup::CgroupMode::Hybrid,
+            launch: launch.clone(),
         };
         let fncall = fncall::FncallBackend {
             agent: cfg.agent.clone(),
@@ -409,6 +411,7 @@ impl Runtime {
             networks: networks.clone(),
             pool: cfg.state_dir.join("pool"),
             cgroups: cgroups.clone(),
+            launch,
         };
         let vm_backend = |machine| vm::VmBackend {
             machine,

@@ -363,6 +363,35 @@ pub fn mounts_under(p: &Path) -> Vec<String> {
         .collect()
 }
 
+/// The loop devices still attached to an upper image under `images` that no pool keeps
+/// (any whose image is deleted, or not named `pool-*`): an upper some mount namespace
+/// still holds after its sandbox was destroyed. Waits up to 10 s for the kernel, which
+/// detaches an auto-clearing device a moment after its last unmount.
+pub fn held_uppers(images: &Path) -> Vec<String> {
+    let prefix = images.to_string_lossy().into_owned();
+    let scan = || -> Vec<String> {
+        std::fs::read_dir("/sys/block")
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| std::fs::read_to_string(e.path().join("loop/backing_file")).ok())
+            .map(|f| f.trim().to_string())
+            .filter(|f| f.starts_with(&prefix))
+            .filter(|f| {
+                let name = f.rsplit('/').next().unwrap_or_default();
+                f.ends_with("(deleted)") || !name.starts_with("pool-")
+            })
+            .collect()
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut held = scan();
+    while !held.is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        held = scan();
+    }
+    held
+}
+
 /// A TCP server on every host address, on a free port, that greets each connection
 /// with `hello from the host`; stops when dropped.
 pub struct HostServer {

@@ -1136,8 +1136,17 @@ fn fork_children(backend: &str, children: usize) {
     let first = &kids[0];
     let asleep = count(first);
     env.ok(&["sandbox", "hibernate", first]);
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(count(first) > asleep, "the woken child does not count");
+    // The next call wakes it; its counter then moves on (within 10 s on a loaded host: the
+    // first read may come before the woken process's next tick).
+    let woken = env.sh_ok(first, strata_tests::home::COUNTER_TWICE);
+    let counts: Vec<u64> = woken
+        .split_whitespace()
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    assert!(
+        counts.len() == 2 && counts[0] >= asleep && counts[1] > counts[0],
+        "the woken child does not count on from {asleep}: {woken}"
+    );
     eprintln!(
         "fork of {children} {backend} sandboxes: {took:?} ({:?} per child); the children hold {} MiB of host memory ({} KiB each, none shared: CRIU restores private copies)",
         took / children as u32,
@@ -1176,4 +1185,106 @@ fn an_agent_can_change_neither_its_grader_nor_the_tests_that_grade_it() {
     for backend in BACKENDS {
         env.assert_grader_untouchable(backend);
     }
+}
+
+/// Mounts that unmount themselves when the test ends, passed or failed.
+struct Mounted(Vec<std::path::PathBuf>);
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        for p in self.0.iter().rev() {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(p)
+                .status();
+        }
+    }
+}
+
+/// Host sandboxes start from a launch mount namespace (`strata_host::mountns`): a copy of
+/// the host's without any sandbox's mounts (so what a start copies and reads does not grow
+/// with the sandboxes on the node), into which a start carries only its own root.
+#[test]
+fn a_launch_namespace_holds_no_sandboxs_mounts_but_the_one_it_carries() {
+    use strata_host::mountns;
+    if !strata_tests::have_root("launch_namespace") {
+        return;
+    }
+    let dir = tempfile::tempdir_in(scratch_root()).unwrap();
+    let state = dir.path().join("runtime");
+    let before = state.join("sandboxes/a/rootfs");
+    let after = state.join("sandboxes/b/rootfs");
+    let other = dir.path().join("other-home/rootfs");
+    for d in [&before, &after, &other] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    for d in ["l", "u", "w"] {
+        std::fs::create_dir_all(dir.path().join(d)).unwrap();
+    }
+    let mut mounted = Mounted(Vec::new());
+    // A sandbox of this home and another home's overlay root, both there when the
+    // template is made.
+    strata_tests::sh(&format!(
+        "mount -t tmpfs strata-test-a '{}'",
+        before.display()
+    ));
+    mounted.0.push(before.clone());
+    let d = dir.path().display();
+    strata_tests::sh(&format!(
+        "mount -t overlay strata-test-other -o lowerdir={d}/l,upperdir={d}/u,workdir={d}/w '{}'",
+        other.display()
+    ));
+    mounted.0.push(other.clone());
+    let template = mountns::Template::new(&state).expect("a launch namespace");
+    // The sandbox starting now, its root mounted after the template was made.
+    strata_tests::sh(&format!(
+        "mount -t tmpfs strata-test-b '{0}' && echo carried > '{0}/marker'",
+        after.display()
+    ));
+    mounted.0.push(after.clone());
+    let mut cmd = std::process::Command::new("cat");
+    cmd.arg("/proc/self/mountinfo").arg(after.join("marker"));
+    let carried = mountns::carry(&after).expect("open_tree of the root");
+    mountns::enter(&mut cmd, &template, vec![carried], None).unwrap();
+    let out = cmd.output().expect("cat in the launch namespace");
+    let (table, err) = text(&out);
+    assert!(out.status.success(), "{err}");
+    let points: Vec<&str> = table
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(4))
+        .collect();
+    assert!(points.contains(&"/proc"), "the host's own mounts: {table}");
+    assert!(
+        points.contains(&after.to_str().unwrap()),
+        "the carried root: {table}"
+    );
+    assert!(
+        table.ends_with("carried\n"),
+        "the carried root's files: {table}"
+    );
+    for gone in [&before, &other] {
+        assert!(
+            !points.contains(&gone.to_str().unwrap()),
+            "{} is in the launch namespace: {table}",
+            gone.display()
+        );
+    }
+    // Neither the template nor the host changed: the host keeps all three, once each.
+    let host = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    for p in [&before, &after, &other] {
+        let at = p.to_str().unwrap();
+        let n = host
+            .lines()
+            .filter(|l| l.split_whitespace().nth(4) == Some(at))
+            .count();
+        assert_eq!(n, 1, "{at} in the host's table: {host}");
+    }
+    let mut again = std::process::Command::new("cat");
+    again.arg("/proc/self/mountinfo");
+    mountns::enter(&mut again, &template, Vec::new(), None).unwrap();
+    let table = String::from_utf8_lossy(&again.output().unwrap().stdout).into_owned();
+    assert!(
+        !table.contains(after.to_str().unwrap()),
+        "a carried mount stayed in the template: {table}"
+    );
 }

@@ -388,6 +388,11 @@ asyncio.run(main())
     for id in &ids {
         home.assert_sandbox_gone(id.trim_start_matches("test-"), &[init as u32]);
     }
+    // The restarted service made its launch mount namespace while the recovered sandboxes'
+    // uppers were mounted: none of theirs stays attached once they are destroyed, while it
+    // runs on.
+    let held = strata_tests::held_uppers(&home.runtime_dir().join("upper-images"));
+    assert!(held.is_empty(), "uppers still attached: {held:?}");
 }
 
 /// Waits (10 s at most) until step `step` of sandbox `id` shows as running in its journal.

@@ -1,0 +1,278 @@
+//! Launch mount namespaces: where the runtime's OCI runtime calls run, so that what they
+//! copy and read does not grow with the sandboxes on the node.
+//!
+//! A new mount namespace starts as a copy of its creator's whole mount table (crun's
+//! container namespace included), and crun reads that table as it works. Every sandbox
+//! leaves about five mounts in the host's namespace (its layer binds, its upper, its
+//! overlay), so with 1,000 sandboxes alive each `crun run` copied and read 5,000 mounts
+//! (measured: 42 ms → 125 ms a run with 5,000 mounts). A [`Template`] is made once per
+//! process: a private copy of the host's table without any sandbox's mounts. Each call
+//! then runs in a fresh copy of the template ([`enter`]), into which the host carries
+//! only the mounts that call needs ([`Carried`]: a sandbox's root, its network namespace)
+//! with `open_tree` and `move_mount`.
+
+use std::ffi::{CStr, CString};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// `open_tree`'s flags (linux/mount.h): a detached copy, closed on exec.
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+/// `move_mount`'s flag: the source is the descriptor itself.
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 4;
+
+/// A private mount namespace holding the host's mounts but no sandbox's, kept by a
+/// descriptor (it ends with the last one).
+#[derive(Debug)]
+pub struct Template {
+    ns: OwnedFd,
+}
+
+/// A detached copy of a mount tree, to be attached at the same path inside a launch
+/// namespace.
+#[derive(Debug)]
+pub struct Carried {
+    tree: OwnedFd,
+    at: CString,
+}
+
+impl Template {
+    /// Makes the template: a thread moves into a copy of this process's mount namespace,
+    /// makes every mount in it private (so nothing the host mounts later arrives, and
+    /// nothing done in it leaves), detaches the mounts [`is_sandbox_mount`] names (those
+    /// under `state_dir` and every overlay, EROFS, FUSE, namespace pin and loop-backed
+    /// filesystem, whoever made them: a copy would keep their devices and daemons busy),
+    /// keeps a descriptor of the namespace and ends.
+    pub fn new(state_dir: &Path) -> io::Result<Template> {
+        let state_dir = state_dir.to_path_buf();
+        std::thread::Builder::new()
+            .name("strata-mountns".into())
+            .spawn(move || Template::made_here(&state_dir))?
+            .join()
+            .map_err(|_| io::Error::other("the thread making the launch namespace panicked"))?
+    }
+
+    /// Runs on a thread of its own: unshare(CLONE_NEWNS) gives this thread alone a new
+    /// namespace (and its own filesystem context); the process's other threads stay.
+    fn made_here(state_dir: &Path) -> io::Result<Template> {
+        // SAFETY: unshare takes no pointers; it changes only this thread's namespace.
+        if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: a null source and type with MS_REC|MS_PRIVATE only changes propagation.
+        let r = unsafe {
+            libc::mount(
+                std::ptr::null(),
+                c"/".as_ptr(),
+                std::ptr::null(),
+                libc::MS_REC | libc::MS_PRIVATE,
+                std::ptr::null(),
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let table = std::fs::read_to_string("/proc/thread-self/mountinfo")?;
+        for at in sandbox_mounts(&table, state_dir) {
+            let Ok(c) = CString::new(at.as_os_str().as_bytes()) else {
+                continue;
+            };
+            // SAFETY: a valid path; a mount already gone with its parent answers EINVAL.
+            unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+        }
+        let ns = std::fs::File::open("/proc/thread-self/ns/mnt")?;
+        Ok(Template { ns: ns.into() })
+    }
+
+    /// Makes `cmd` receive a descriptor of the template as its descriptor `fd` (for a
+    /// process that enters it itself later, with [`enter_now`]).
+    pub fn pass(&self, cmd: &mut Command, fd: RawFd) -> io::Result<()> {
+        let ns = self.ns.try_clone()?;
+        // SAFETY: only dup2 between fork and exec, of a descriptor the closure owns.
+        unsafe {
+            cmd.pre_exec(move || {
+                // dup2 leaves the copy open across exec.
+                if libc::dup2(ns.as_raw_fd(), fd) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A detached copy of the mount tree at `path` (with everything mounted under it), to be
+/// attached at the same path in a launch namespace.
+pub fn carry(path: &Path) -> io::Result<Carried> {
+    let at = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: open_tree with a valid path; it returns a new descriptor or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            at.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_RECURSIVE as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the descriptor was just returned to us and is owned by nothing else.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    Ok(Carried { tree, at })
+}
+
+/// Makes `cmd` run in a fresh copy of `template` with `carried` attached where they were
+/// on the host, and, when `hide` names a mount point, with that mount detached (see
+/// `exec::pass_fds_and_hide`). Register it before any hook that moves descriptors to
+/// fixed numbers: it uses its own descriptors first.
+pub fn enter(
+    cmd: &mut Command,
+    template: &Template,
+    carried: Vec<Carried>,
+    hide: Option<CString>,
+) -> io::Result<()> {
+    let ns = template.ns.try_clone()?;
+    // SAFETY: `enter_raw` makes only system calls (setns, unshare, umount2, move_mount)
+    // on descriptors and strings this closure owns; nothing is allocated.
+    unsafe {
+        cmd.pre_exec(move || enter_raw(ns.as_raw_fd(), &carried, hide.as_deref()));
+    }
+    Ok(())
+}
+
+/// Moves this process, which must be single-threaded, into a fresh copy of the template
+/// `ns` (a descriptor [`Template::pass`] gave it) with `carried` attached, and closes
+/// `ns`.
+pub fn enter_now(ns: OwnedFd, carried: &[Carried]) -> io::Result<()> {
+    enter_raw(ns.as_raw_fd(), carried, None)
+}
+
+/// setns into `ns`, a copy of it of our own (what is attached stays out of the template),
+/// `hide` detached, `carried` attached: system calls only, so it may run between fork and
+/// exec.
+fn enter_raw(ns: RawFd, carried: &[Carried], hide: Option<&CStr>) -> io::Result<()> {
+    // SAFETY: setns and unshare take no pointers.
+    if unsafe { libc::setns(ns, libc::CLONE_NEWNS) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    if let Some(path) = hide {
+        // SAFETY: a valid NUL-terminated path; a mount already absent answers EINVAL.
+        unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
+    }
+    for c in carried {
+        // SAFETY: move_mount of a descriptor we own onto a valid NUL-terminated path.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                c.tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_FDCWD,
+                c.at.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The mount points in `table` (a mountinfo) that a launch namespace must not hold,
+/// deepest first: everything strictly under `state_dir`, and every overlay, EROFS, FUSE,
+/// namespace pin (nsfs) and loop-backed filesystem, but never a mount `state_dir` itself
+/// lives on (a home on a disk of its own).
+pub fn sandbox_mounts(table: &str, state_dir: &Path) -> Vec<PathBuf> {
+    let mut found: Vec<PathBuf> = table
+        .lines()
+        .filter_map(|line| {
+            let (mount, fs) = line.split_once(" - ")?;
+            let at = PathBuf::from(unescape(mount.split_whitespace().nth(4)?));
+            let mut fs = fs.split_whitespace();
+            let (kind, source) = (fs.next()?, fs.next().unwrap_or(""));
+            let sandboxy = matches!(kind, "overlay" | "erofs" | "nsfs" | "fuse" | "fuseblk")
+                || kind.starts_with("fuse.")
+                || source.starts_with("/dev/loop");
+            let under = at.starts_with(state_dir) && at != state_dir;
+            ((under || sandboxy) && !state_dir.starts_with(&at)).then_some(at)
+        })
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    found.dedup();
+    found
+}
+
+/// A mountinfo path field with its octal escapes (`\040` for a space) undone.
+fn unescape(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = |c: &u8| (b'0'..=b'7').contains(c);
+        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(octal) {
+            let v = (b[i + 1] - b'0') as u32 * 64
+                + (b[i + 2] - b'0') as u32 * 8
+                + (b[i + 3] - b'0') as u32;
+            if let Ok(v) = u8::try_from(v) {
+                out.push(v);
+                i += 4;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TABLE: &str = "\
+22 1 0:21 / / rw,relatime - ext4 /dev/vda1 rw
+23 22 0:5 / /proc rw - proc proc rw
+30 22 0:40 / /run/netns rw shared:5 - tmpfs tmpfs rw
+31 30 0:4 net:[4026532] /run/netns/strata-a rw shared:5 - nsfs nsfs rw
+40 22 7:1 / /var/lib/strata rw - ext4 /dev/loop1 rw
+41 40 0:50 / /var/lib/strata/runtime/uppers/a rw - ext4 /dev/loop2 rw
+42 40 0:51 / /var/lib/strata/runtime/sandboxes/a/rootfs rw - overlay overlay rw
+43 42 0:52 / /var/lib/strata/runtime/sandboxes/a/rootfs/views/0 ro - tmpfs tmpfs rw
+44 22 0:53 / /tmp/other\\040home/lazyfs/l rw - fuse.strata strata rw
+45 22 0:54 / /mnt/usb rw - vfat /dev/sdb1 rw
+46 22 0:55 / /tmp/other/erofs rw - erofs /tmp/other/layer.img ro
+";
+
+    #[test]
+    fn sandbox_mounts_leave_the_host_and_the_homes_own_disk() {
+        let found = sandbox_mounts(TABLE, Path::new("/var/lib/strata/runtime"));
+        assert_eq!(
+            found,
+            vec![
+                PathBuf::from("/var/lib/strata/runtime/sandboxes/a/rootfs/views/0"),
+                PathBuf::from("/var/lib/strata/runtime/sandboxes/a/rootfs"),
+                PathBuf::from("/var/lib/strata/runtime/uppers/a"),
+                PathBuf::from("/tmp/other home/lazyfs/l"),
+                PathBuf::from("/run/netns/strata-a"),
+                PathBuf::from("/tmp/other/erofs"),
+            ]
+        );
+    }
+
+    #[test]
+    fn unescape_undoes_octal_escapes() {
+        assert_eq!(unescape("/a\\040b\\011c"), "/a b\tc");
+        assert_eq!(unescape("/plain"), "/plain");
+        assert_eq!(unescape("/odd\\04"), "/odd\\04");
+    }
+}
