@@ -178,6 +178,11 @@ pub fn check_host(cfg: &RuntimeConfig) -> Vec<Check> {
         }
     }));
     checks.push(Check::new("landlock", false, landlock()));
+    checks.push(Check::new(
+        "launch namespace",
+        false,
+        launch_namespace(&cfg.state_dir),
+    ));
     checks.push(Check::new("qemu", false, {
         let qemu = &cfg.vm.qemu;
         let found = if qemu.components().count() > 1 {
@@ -322,6 +327,37 @@ fn cgroups(root: &Path) -> Outcome {
         Err(e) => fail(
             e.to_string(),
             "boot with cgroups mounted at /sys/fs/cgroup (systemd does)",
+        ),
+    }
+}
+
+/// Whether host sandboxes can start from a launch mount namespace (`strata_host::mountns`):
+/// one is made, a directory carried into a fresh copy of it, and a process run there.
+fn launch_namespace(state_dir: &Path) -> Outcome {
+    use strata_host::mountns;
+    let dir = existing(state_dir);
+    let tried = (|| -> std::io::Result<()> {
+        let template = mountns::Template::new(dir)?;
+        let carried = mountns::carry(dir)?;
+        let mut cmd = Command::new("true");
+        mountns::enter(&mut cmd, &template, vec![carried], None)?;
+        let status = cmd.status()?;
+        if status.success() {
+            Ok(())
+        } else {
+            Err(std::io::Error::other(format!(
+                "a process in it ended with {status}"
+            )))
+        }
+    })();
+    match tried {
+        Ok(()) => Ok(
+            "sandboxes start in a copy of the host's mounts without the other sandboxes' (open_tree, move_mount)"
+                .into(),
+        ),
+        Err(e) => warn(
+            format!("no launch mount namespace ({e}): every sandbox start copies the host's whole mount table, slower as sandboxes accumulate"),
+            "Linux 5.2+ with open_tree and move_mount allowed to root (a seccomp profile around Strata may refuse them)",
         ),
     }
 }

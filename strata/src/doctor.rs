@@ -20,9 +20,9 @@ pub fn run(settings: &crate::config::Settings, json: bool) -> Result<i32> {
                 (Status::Warn, _) | (Status::Fail, false) => "warn",
                 (Status::Fail, true) => "FAIL",
             };
-            println!("{mark}  {:<14} {}", c.name, c.detail);
+            println!("{mark}  {:<16} {}", c.name, c.detail);
             if let Some(fix) = &c.fix {
-                println!("      {:<14} fix: {fix}", "");
+                println!("      {:<16} fix: {fix}", "");
             }
         }
         println!(

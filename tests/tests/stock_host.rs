@@ -176,6 +176,9 @@ STRATA_STATIC_AGENT = "/opt/strata/static/strata-agent"
             .contains("loop devices"),
         "{report:#}"
     );
+    // Sandboxes start from a launch mount namespace on this kernel too (open_tree and
+    // move_mount, Linux 5.2+).
+    assert_eq!(check("launch namespace")["status"], "ok", "{report:#}");
 
     // The sample environment, built and registered by its own script.
     let out = ok_inside(
