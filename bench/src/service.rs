@@ -229,7 +229,58 @@ fn cli_once(s: &Served, reference: &str) -> Result<f64> {
     Ok(took)
 }
 
+/// A mount namespace pinned at the file `pin`, a private copy of the host's made before any
+/// sandbox of the run exists (and detached with [`CleanNamespace`]'s drop): bare crun runs
+/// from it see none of the sandboxes' mounts, as Strata's own starts (its launch mount
+/// namespace) do not, so what they lose with 1,000 idle sandboxes on the node is the
+/// node's kernel state alone.
+struct CleanNamespace(PathBuf);
+
+impl CleanNamespace {
+    fn pin(pin: PathBuf) -> Result<CleanNamespace> {
+        std::fs::write(&pin, b"")?;
+        let ok = Command::new("unshare")
+            .arg(format!("--mount={}", pin.display()))
+            .args(["--propagation", "private", "true"])
+            .status()?;
+        if !ok.success() {
+            bail!("unshare --mount={} failed", pin.display());
+        }
+        Ok(CleanNamespace(pin))
+    }
+
+    /// One bare `crun run` from a fresh copy of the pinned namespace, in ms.
+    fn bare_crun(&self, bundle: &Path, state: &Path, id: &str) -> Result<f64> {
+        let t = Instant::now();
+        let status = Command::new("nsenter")
+            .arg(format!("--mount={}", self.0.display()))
+            .args(["unshare", "--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "umount -l /sys/fs/cgroup/unified 2>/dev/null; exec crun --root {} run --bundle {} {id}",
+                state.display(),
+                bundle.display()
+            ))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!("crun run {id} in the clean namespace failed");
+        }
+        Ok(t.elapsed().as_secs_f64() * 1000.0)
+    }
+}
+
+impl Drop for CleanNamespace {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Section> {
+    std::fs::create_dir_all(scratch)?;
+    let clean = CleanNamespace::pin(std::fs::canonicalize(scratch)?.join("clean-mntns"))?;
     let s = Arc::new(setup(rt, scratch, repo)?);
     let base = s.rootfs.parent().context("rootfs parent")?.to_path_buf();
     let py = python(&base, repo)?;
@@ -244,6 +295,9 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
     strata_once(&s, Backend::Container)?;
     let mut bare: Vec<f64> = (0..samples)
         .map(|i| bare_crun(&bundle, &crun_state, &format!("svc-bare-{i}")))
+        .collect::<Result<_>>()?;
+    let mut clean_empty: Vec<f64> = (0..samples / 2)
+        .map(|i| clean.bare_crun(&bundle, &crun_state, &format!("svc-clean-{i}")))
         .collect::<Result<_>>()?;
     let mut embedded: Vec<f64> = (0..samples)
         .map(|_| strata_once(&s, Backend::Container))
@@ -360,6 +414,9 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
         &["latency", &(samples / 2).to_string()],
     )?;
     let full50 = percentile(&mut full, 0.5);
+    let mut clean_full: Vec<f64> = (0..samples / 2)
+        .map(|i| clean.bare_crun(&bundle, &crun_state, &format!("svc-clean-full-{i}")))
+        .collect::<Result<_>>()?;
     let drained: u64 = drive(&py, &served, &reference, &["drain", "0"])?;
     rows.push(Row::new(
         &format!("container create -> first exec via the SDK with {filled} idle sandboxes, p50"),
@@ -369,6 +426,15 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
         sdk50,
         "lower",
         &format!("target <= 1.3x; {filled} idle made in {fill_secs:.0} s, {drained} destroyed"),
+    ));
+    rows.push(Row::new(
+        &format!("bare crun run with {filled} idle sandboxes, from a namespace without their mounts, p50"),
+        "ms",
+        percentile(&mut clean_full, 0.5),
+        "the same on an empty node, p50",
+        percentile(&mut clean_empty, 0.5),
+        "lower",
+        "what the node's kernel state alone costs a container start",
     ));
     let _ = Command::new(bin("strata")?)
         .env("STRATA_HOME", &served.home)

@@ -498,7 +498,13 @@ impl SandboxBackend for ContainerBackend {
         // the host's mounts this run needs in its launch namespace.
         let mut carry = vec![root.rootfs.as_path()];
         carry.extend(root.netns.as_deref());
+        let t = std::time::Instant::now();
         self.run_logged(&args, "run", Some(&new.dir.join("oci.log")), fds, &carry)?;
+        tracing::debug!(
+            sandbox = new.id,
+            run_ms = t.elapsed().as_secs_f64() * 1e3,
+            "OCI runtime ran"
+        );
         drop(passed);
         let pid = std::fs::read_to_string(&pid_file)
             .map_err(RuntimeError::io(&pid_file))?
