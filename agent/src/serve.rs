@@ -414,15 +414,16 @@ fn exec(
     let pid_cell: Arc<OnceLock<i32>> = Arc::default();
     // Pumps wait for `Started` to be sent before their first frame.
     let mut go = Vec::new();
-    let mut threads = Vec::new();
-    for (mut src, kind) in [
+    let pumps: std::io::Result<Vec<_>> = [
         (Box::new(out_r) as Box<dyn Read + Send>, FrameKind::Stdout),
         (Box::new(err_r) as Box<dyn Read + Send>, FrameKind::Stderr),
-    ] {
+    ]
+    .into_iter()
+    .map(|(mut src, kind)| {
         let writer = writer.clone();
         let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
         go.push(go_tx);
-        threads.push(std::thread::Builder::new().spawn(move || {
+        std::thread::Builder::new().spawn(move || {
             let _ = go_rx.recv();
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -436,12 +437,13 @@ fn exec(
                     }
                 }
             }
-        }));
-    }
-    // Host frames while the command runs: stdin and signals.
+        })
+    })
+    .collect();
+    // Host frames while the command runs: stdin and signals (not waited for).
     let mut stdin = stdin_w;
     let signalled = pid_cell.clone();
-    threads.push(std::thread::Builder::new().spawn(move || loop {
+    let host_frames = std::thread::Builder::new().spawn(move || loop {
         match read_frame::<HostMsg>(&mut reader) {
             Ok(Some(Frame::Data(FrameKind::Stdin, data))) => {
                 if let Some(s) = stdin.as_mut() {
@@ -461,26 +463,21 @@ fn exec(
             // Host gone: the command keeps running, like a detached exec.
             Ok(None) | Err(_) => break,
         }
-    }));
-    let mut pumps = Vec::new();
-    for t in threads {
-        match t {
-            Ok(handle) => pumps.push(handle),
-            Err(e) => {
-                return send(
-                    &AgentError::new(
-                        ErrorKind::ExecFailed,
-                        format!(
-                            "the agent cannot start a thread for the command ({e}): the sandbox's pids budget is taken"
-                        ),
-                    )
-                    .into(),
+    });
+    let pumps = match host_frames.and(pumps) {
+        Ok(pumps) => pumps,
+        Err(e) => {
+            return send(
+                &AgentError::new(
+                    ErrorKind::ExecFailed,
+                    format!(
+                        "the agent cannot start a thread for the command ({e}): the sandbox's pids budget is taken"
+                    ),
                 )
-            }
+                .into(),
+            )
         }
-    }
-    // The host-frames thread is not waited for.
-    pumps.pop();
+    };
     let mut cmd = Command::new(program);
     cmd.args(&spec.argv[1..])
         .env_clear()

@@ -497,7 +497,21 @@ fn bare_idle_bundle(dir: &Path, rootfs: &Path) -> Result<PathBuf> {
 /// crun with the workaround the runtime applies on hybrid-cgroup hosts: a private mount
 /// namespace without /sys/fs/cgroup/unified.
 pub(crate) fn crun_cmd(state: &Path, args: &[&str]) -> Result<()> {
-    let status = Command::new("unshare")
+    crun_cmd_from(None, state, args)
+}
+
+/// [`crun_cmd`] from a fresh copy of the mount namespace pinned at `pinned` (instead of the
+/// host's).
+pub(crate) fn crun_cmd_from(pinned: Option<&Path>, state: &Path, args: &[&str]) -> Result<()> {
+    let mut cmd = match pinned {
+        Some(pin) => {
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--mount={}", pin.display())).arg("unshare");
+            c
+        }
+        None => Command::new("unshare"),
+    };
+    let status = cmd
         .args(["--mount", "--propagation", "private", "sh", "-c"])
         .arg(format!(
             "umount -l /sys/fs/cgroup/unified 2>/dev/null; exec crun --root {} {}",

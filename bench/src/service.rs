@@ -13,7 +13,9 @@ use anyhow::{bail, Context, Result};
 use strata_catalog::Backend;
 
 use crate::report::{Row, Section};
-use crate::runtime::{bare_bundle, bare_crun, bin, percentile, setup, strata_once, sustained};
+use crate::runtime::{
+    bare_bundle, bare_crun, bin, crun_cmd_from, percentile, setup, strata_once, sustained,
+};
 
 /// The SDK's side of the measurements: one AsyncClient, as a trainer would hold.
 const DRIVER: &str = r#"
@@ -252,21 +254,8 @@ impl CleanNamespace {
     /// One bare `crun run` from a fresh copy of the pinned namespace, in ms.
     fn bare_crun(&self, bundle: &Path, state: &Path, id: &str) -> Result<f64> {
         let t = Instant::now();
-        let status = Command::new("nsenter")
-            .arg(format!("--mount={}", self.0.display()))
-            .args(["unshare", "--mount", "--propagation", "private", "sh", "-c"])
-            .arg(format!(
-                "umount -l /sys/fs/cgroup/unified 2>/dev/null; exec crun --root {} run --bundle {} {id}",
-                state.display(),
-                bundle.display()
-            ))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()?;
-        if !status.success() {
-            bail!("crun run {id} in the clean namespace failed");
-        }
+        let bundle = bundle.display().to_string();
+        crun_cmd_from(Some(&self.0), state, &["run", "--bundle", &bundle, id])?;
         Ok(t.elapsed().as_secs_f64() * 1000.0)
     }
 }
