@@ -192,7 +192,7 @@ fn enter_raw(ns: RawFd, carried: &[Carried], hide: Option<&CStr>) -> io::Result<
 /// deepest first: everything strictly under `state_dir`, and every overlay, EROFS, FUSE,
 /// namespace pin (nsfs) and loop-backed filesystem, but never a mount `state_dir` itself
 /// lives on (a home on a disk of its own).
-pub fn sandbox_mounts(table: &str, state_dir: &Path) -> Vec<PathBuf> {
+fn sandbox_mounts(table: &str, state_dir: &Path) -> Vec<PathBuf> {
     let mut found: Vec<PathBuf> = table
         .lines()
         .filter_map(|line| {

@@ -352,6 +352,24 @@ pub fn concurrent_registrations(store_url: &str, entry_toml: &Path) {
     );
 }
 
+/// A mount a test makes itself (`mount ARGS DIR`), unmounted when dropped (a failed
+/// assertion included).
+pub struct OwnMount(pub PathBuf);
+
+impl OwnMount {
+    pub fn new(args: &str, dir: &Path) -> OwnMount {
+        std::fs::create_dir_all(dir).expect("the mount point");
+        sh(&format!("mount {args} '{}'", dir.display()));
+        OwnMount(dir.to_path_buf())
+    }
+}
+
+impl Drop for OwnMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+    }
+}
+
 /// Mount points at or below `p`, as lines of /proc/self/mountinfo.
 pub fn mounts_under(p: &Path) -> Vec<String> {
     let prefix = p.to_string_lossy().into_owned();

@@ -345,25 +345,11 @@ fn a_killed_daemon_leaves_nothing_that_hangs_and_a_new_one_serves_again() {
     assert!(mounts_under(&home).is_empty() && mounts_under(&mnt).is_empty());
 }
 
-/// A tmpfs the test mounts itself, unmounted when dropped (a failed assertion included).
-struct OwnTmpfs(PathBuf);
-
-impl OwnTmpfs {
-    fn mount(dir: &Path) -> OwnTmpfs {
-        std::fs::create_dir_all(dir).unwrap();
-        sh(&format!(
-            "mount -t tmpfs -o size=1m strata-test-own '{}'",
-            dir.display()
-        ));
-        std::fs::write(dir.join("marker"), b"mine").unwrap();
-        OwnTmpfs(dir.to_path_buf())
-    }
-}
-
-impl Drop for OwnTmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.0).status();
-    }
+/// A tmpfs the test mounts itself, with a file of its own in it.
+fn own_tmpfs(dir: &Path) -> strata_tests::OwnMount {
+    let own = strata_tests::OwnMount::new("-t tmpfs -o size=1m strata-test-own", dir);
+    std::fs::write(dir.join("marker"), b"mine").unwrap();
+    own
 }
 
 /// The file system type of the topmost mount exactly at `dir`, if any.
@@ -410,7 +396,7 @@ fn the_socket_is_roots_alone_and_umount_undoes_only_the_daemons_binds() {
     assert_eq!(top_mount(&mnt).as_deref(), Some("erofs"));
 
     // A mount of our own, never bound by the daemon: refused, named, left alone.
-    let own = OwnTmpfs::mount(&work.path().join("own"));
+    let own = own_tmpfs(&work.path().join("own"));
     for shown in [own.0.clone(), own.0.join(".")] {
         let o = daemon.cli(&["layer", "umount", shown.to_str().unwrap()]);
         let err = String::from_utf8_lossy(&o.stderr);
@@ -428,7 +414,7 @@ fn the_socket_is_roots_alone_and_umount_undoes_only_the_daemons_binds() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("is not a lazyfs bind"));
 
     // Something mounted over the daemon's bind is not the bind: refused, left alone.
-    let over = OwnTmpfs::mount(&mnt);
+    let over = own_tmpfs(&mnt);
     let o = daemon.cli(&["layer", "umount", mnt.to_str().unwrap()]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success(), "umount took the tmpfs over the bind");

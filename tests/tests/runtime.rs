@@ -1139,14 +1139,7 @@ fn fork_children(backend: &str, children: usize) {
     // The next call wakes it; its counter then moves on (within 10 s on a loaded host: the
     // first read may come before the woken process's next tick).
     let woken = env.sh_ok(first, strata_tests::home::COUNTER_TWICE);
-    let counts: Vec<u64> = woken
-        .split_whitespace()
-        .filter_map(|n| n.parse().ok())
-        .collect();
-    assert!(
-        counts.len() == 2 && counts[0] >= asleep && counts[1] > counts[0],
-        "the woken child does not count on from {asleep}: {woken}"
-    );
+    strata_tests::home::assert_counter_went_on(first, woken.lines().next(), asleep, &woken);
     eprintln!(
         "fork of {children} {backend} sandboxes: {took:?} ({:?} per child); the children hold {} MiB of host memory ({} KiB each, none shared: CRIU restores private copies)",
         took / children as u32,
@@ -1187,20 +1180,6 @@ fn an_agent_can_change_neither_its_grader_nor_the_tests_that_grade_it() {
     }
 }
 
-/// Mounts that unmount themselves when the test ends, passed or failed.
-struct Mounted(Vec<std::path::PathBuf>);
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        for p in self.0.iter().rev() {
-            let _ = std::process::Command::new("umount")
-                .arg("-l")
-                .arg(p)
-                .status();
-        }
-    }
-}
-
 /// Host sandboxes start from a launch mount namespace (`strata_host::mountns`): a copy of
 /// the host's without any sandbox's mounts (so what a start copies and reads does not grow
 /// with the sandboxes on the node), into which a start carries only its own root.
@@ -1221,27 +1200,18 @@ fn a_launch_namespace_holds_no_sandboxs_mounts_but_the_one_it_carries() {
     for d in ["l", "u", "w"] {
         std::fs::create_dir_all(dir.path().join(d)).unwrap();
     }
-    let mut mounted = Mounted(Vec::new());
     // A sandbox of this home and another home's overlay root, both there when the
     // template is made.
-    strata_tests::sh(&format!(
-        "mount -t tmpfs strata-test-a '{}'",
-        before.display()
-    ));
-    mounted.0.push(before.clone());
+    let _a = strata_tests::OwnMount::new("-t tmpfs strata-test-a", &before);
     let d = dir.path().display();
-    strata_tests::sh(&format!(
-        "mount -t overlay strata-test-other -o lowerdir={d}/l,upperdir={d}/u,workdir={d}/w '{}'",
-        other.display()
-    ));
-    mounted.0.push(other.clone());
+    let _other = strata_tests::OwnMount::new(
+        &format!("-t overlay strata-test-other -o lowerdir={d}/l,upperdir={d}/u,workdir={d}/w"),
+        &other,
+    );
     let template = mountns::Template::new(&state).expect("a launch namespace");
     // The sandbox starting now, its root mounted after the template was made.
-    strata_tests::sh(&format!(
-        "mount -t tmpfs strata-test-b '{0}' && echo carried > '{0}/marker'",
-        after.display()
-    ));
-    mounted.0.push(after.clone());
+    let _b = strata_tests::OwnMount::new("-t tmpfs strata-test-b", &after);
+    std::fs::write(after.join("marker"), "carried\n").unwrap();
     let mut cmd = std::process::Command::new("cat");
     cmd.arg("/proc/self/mountinfo").arg(after.join("marker"));
     let carried = mountns::carry(&after).expect("open_tree of the root");
