@@ -50,7 +50,9 @@ fn read_boot() -> Result<SandboxBoot, String> {
 
 /// Reads a whole descriptor (a pipe the host filled and closed) and closes it.
 fn read_fd(fd: i32) -> Result<String, String> {
-    let mut f = std::fs::File::from(sys::take_fd(fd));
+    let mut f = std::fs::File::from(
+        sys::take_fd(fd).map_err(|e| format!("descriptor {fd} the host passed: {e}"))?,
+    );
     let mut text = String::new();
     f.read_to_string(&mut text)
         .map_err(|e| format!("reading descriptor {fd}: {e}"))?;
@@ -80,7 +82,8 @@ fn container_init() -> Result<(), String> {
     };
     let key = SandboxKey::from_hex(&read_fd(key)?).map_err(|e| e.to_string())?;
     serve::set_key(key);
-    let listener = sys::take_fd(listen);
+    let listener =
+        sys::take_fd(listen).map_err(|e| format!("listening descriptor {listen}: {e}"))?;
     // Nothing the OCI runtime passed stays open but the listening socket (the agent's own
     // executable among them): a process checkpoint saves every descriptor.
     sys::close_all_but(listen);
@@ -182,7 +185,13 @@ fn run(boot: SandboxBoot) -> Result<(), String> {
     let listener = sys::onto(OwnedFd::from(listener), LISTEN_FD)
         .map_err(|e| format!("moving the listening socket to descriptor {LISTEN_FD}: {e}"))?;
     let flags = CloneFlags::CLONE_NEWPID | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWUTS;
-    let mut mountns = boot.mountns_fd.map(sys::take_fd);
+    let mut mountns = boot
+        .mountns_fd
+        .map(|fd| {
+            sys::take_fd(fd)
+                .map_err(|e| format!("the launch mount namespace at descriptor {fd}: {e}"))
+        })
+        .transpose()?;
     if let Some(rootfs) = &boot.rootfs {
         enter_network(boot.netns.as_deref())?;
         new_mount_namespace(rootfs, mountns.take())?;

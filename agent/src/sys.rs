@@ -10,10 +10,17 @@ use std::os::unix::process::CommandExt;
 
 const LAST_CAP: u32 = 40;
 
-/// Takes ownership of descriptor `fd`, which the host passed this process for it alone.
-pub fn take_fd(fd: RawFd) -> OwnedFd {
-    // SAFETY: the host passed this descriptor for the agent alone; nothing else owns it.
-    unsafe { OwnedFd::from_raw_fd(fd) }
+/// Takes ownership of descriptor `fd`, which the host passed this process for it alone;
+/// an error if no such descriptor is open (a descriptor owned twice, or not at all, is a
+/// closed descriptor's double close later).
+pub fn take_fd(fd: RawFd) -> std::io::Result<OwnedFd> {
+    // SAFETY: F_GETFD only reads the descriptor's flags.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the host passed this open descriptor for the agent alone; nothing else in
+    // the process owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// `fork()` while the process has only one thread (before any is started).
