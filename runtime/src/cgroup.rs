@@ -68,8 +68,9 @@ pub(crate) trait Hierarchy: Send + Sync + fmt::Debug {
     fn members(&self, name: &str) -> PathBuf;
     /// Makes `parent` a subtree the runtime owns, with the controllers it needs.
     fn prepare_parent(&self, parent: &str) -> Result<(), RuntimeError>;
-    /// Every directory the runtime's parent has (to remove it when empty).
-    fn parent_dirs(&self, parent: &str) -> Vec<PathBuf>;
+    /// The directories of cgroup `name` in every hierarchy, the runtime's controllers or
+    /// not (an OCI runtime makes one in each): what removing it must remove.
+    fn every_dir(&self, name: &str) -> Vec<PathBuf>;
     fn set_limits(
         &self,
         name: &str,
@@ -140,10 +141,11 @@ impl Hierarchy for V1 {
         Ok(())
     }
 
-    fn parent_dirs(&self, parent: &str) -> Vec<PathBuf> {
-        // The OCI runtimes create the parent in every hierarchy, not just ours.
+    fn every_dir(&self, name: &str) -> Vec<PathBuf> {
+        // The OCI runtimes create their cgroups in every hierarchy, not just ours (a
+        // hierarchy reached by two names, cpu and cpu,cpuacct, is listed twice).
         std::fs::read_dir(&self.root)
-            .map(|rd| rd.flatten().map(|e| e.path().join(parent)).collect())
+            .map(|rd| rd.flatten().map(|e| e.path().join(name)).collect())
             .unwrap_or_default()
     }
 
@@ -266,8 +268,8 @@ impl Hierarchy for V2 {
         self.delegate(&dir)
     }
 
-    fn parent_dirs(&self, parent: &str) -> Vec<PathBuf> {
-        vec![self.dir(parent)]
+    fn every_dir(&self, name: &str) -> Vec<PathBuf> {
+        vec![self.dir(name)]
     }
 
     fn set_limits(
@@ -430,7 +432,7 @@ impl Cgroups {
     /// Removes the runtime's parent wherever it is empty, so a runtime home that goes
     /// away leaves no cgroup behind.
     pub fn remove_parent(&self) {
-        for d in self.h.parent_dirs(&self.parent) {
+        for d in self.h.every_dir(&self.parent) {
             let _ = std::fs::remove_dir(d);
         }
     }
@@ -609,10 +611,10 @@ impl Cgroup {
         }
     }
 
-    /// Removes the directories (they must be empty of processes).
+    /// Removes the directories, in every hierarchy (they must be empty of processes).
     pub fn remove(&self) -> Result<(), RuntimeError> {
         let mut last = None;
-        for d in self.h.dirs(&self.name) {
+        for d in self.h.every_dir(&self.name) {
             // Up to 10 s: a killed init stays a zombie until the host's init reaps it, and
             // a zombie keeps a cgroup busy (some inits reap only every second or two).
             for _ in 0..500 {

@@ -668,6 +668,14 @@ impl SandboxBackend for ContainerBackend {
     fn stop(&self, rec: &SandboxRecord, cgroup: &Cgroup) -> Result<(), RuntimeError> {
         cgroup.kill_all();
         let engine = self.engine_for(&rec.id);
+        // With every process gone, what `delete` would still do is remove the runtime's
+        // state and the cgroup's directories, which the teardown removes anyway (in every
+        // hierarchy, see `Cgroup::remove`): the state goes here, without another run of
+        // the OCI runtime (about 5 ms of CPU a destroy, a tenth of a create-exec-destroy).
+        let state = engine.state_root.join(&rec.id);
+        if cgroup.pids().is_empty() && std::fs::remove_dir_all(&state).is_ok() {
+            return Ok(());
+        }
         // `delete --force` kills what is left with SIGKILL itself.
         let _ = engine.run_checked(&["delete", "--force", &rec.id], "delete");
         Ok(())

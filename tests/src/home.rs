@@ -258,13 +258,24 @@ impl CliHome {
             .filter(|m| m.contains(id))
             .collect();
         assert!(mounts.is_empty(), "mounts of {id} left: {mounts:?}");
-        for ctrl in ["memory", "pids", "freezer"] {
-            let leftover = std::fs::read_dir(Path::new("/sys/fs/cgroup").join(ctrl))
+        // In every hierarchy (an OCI runtime makes the cgroup in each on cgroup v1, the
+        // runtime's controllers or not), and at the root of a unified one.
+        let root = Path::new("/sys/fs/cgroup");
+        let hierarchies = std::iter::once(root.to_path_buf()).chain(
+            std::fs::read_dir(root)
                 .unwrap()
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.is_dir()),
+        );
+        for h in hierarchies {
+            let leftover = std::fs::read_dir(&h)
+                .into_iter()
+                .flatten()
                 .flatten()
                 .filter(|e| e.file_name().to_string_lossy().starts_with("strata-"))
                 .any(|e| e.path().join(id).exists());
-            assert!(!leftover, "{ctrl} cgroup of {id} left");
+            assert!(!leftover, "cgroup of {id} left in {}", h.display());
         }
         for pid in host_pids {
             assert!(
