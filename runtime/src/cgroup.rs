@@ -580,7 +580,12 @@ impl Cgroup {
             if frozen {
                 let _ = self.freeze(false);
             }
-            std::thread::sleep(Duration::from_millis(10));
+            // Killed processes are gone within a moment of the thaw: looked for every
+            // millisecond (a fixed 10 ms wait was most of a destroy) before another round.
+            let round = Instant::now() + Duration::from_millis(10);
+            while !self.pids().is_empty() && Instant::now() < round {
+                std::thread::sleep(Duration::from_millis(1));
+            }
         }
         if frozen {
             let _ = self.freeze(false);

@@ -911,6 +911,8 @@ impl Runtime {
             }
             return Ok(());
         }
+        let started = std::time::Instant::now();
+        let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
         // Kill first, so a running exec holding the shared lock ends.
         match record {
             Some(r) => self.backend(r.spec.backend).stop(r, &cgroup)?,
@@ -954,12 +956,26 @@ impl Runtime {
             }
             network::teardown(&self.inner.networks, id);
         }
+        let stopped_ms = ms(started);
+        let t = std::time::Instant::now();
         cgroup.remove()?;
+        let cgroup_ms = ms(t);
         // A hibernated container's pinned network namespace.
         checkpoint::unpin_netns(&dir.join(checkpoint::NETNS_PIN))?;
         changes::remove_copies(&dir)?;
+        let t = std::time::Instant::now();
         rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;
+        let rootfs_ms = ms(t);
+        let t = std::time::Instant::now();
         self.uppers().remove(id)?;
+        tracing::debug!(
+            sandbox = id,
+            stopped_ms,
+            cgroup_ms,
+            rootfs_ms,
+            upper_ms = ms(t),
+            "torn down"
+        );
         let _ = self
             .audit(id)
             .record("ended", json!({"reason": reason.as_str()}));
