@@ -559,14 +559,8 @@ impl Cgroup {
     /// Kills everything inside: at once where the kernel can, else freeze, SIGKILL all,
     /// thaw, so nothing forks away meanwhile.
     pub fn kill_all(&self) {
-        if self.h.kill_at_once(&self.name) {
-            let deadline = Instant::now() + Duration::from_secs(2);
-            while !self.pids().is_empty() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            if self.pids().is_empty() {
-                return;
-            }
+        if self.h.kill_at_once(&self.name) && self.emptied_within(Duration::from_secs(2)) {
+            return;
         }
         let frozen = self.freeze(true).is_ok();
         for _ in 0..50 {
@@ -580,15 +574,26 @@ impl Cgroup {
             if frozen {
                 let _ = self.freeze(false);
             }
-            // Killed processes are gone within a moment of the thaw: looked for every
-            // millisecond (a fixed 10 ms wait was most of a destroy) before another round.
-            let round = Instant::now() + Duration::from_millis(10);
-            while !self.pids().is_empty() && Instant::now() < round {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            // Killed processes are gone within a moment of the thaw (a fixed 10 ms wait
+            // here was most of a destroy); another round only for what is left after it.
+            self.emptied_within(Duration::from_millis(10));
         }
         if frozen {
             let _ = self.freeze(false);
+        }
+    }
+
+    /// Whether the cgroup holds no process within `limit`, looked for every millisecond.
+    fn emptied_within(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.pids().is_empty() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
     }
 

@@ -911,9 +911,8 @@ impl Runtime {
             }
             return Ok(());
         }
-        let started = std::time::Instant::now();
-        let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
         // Kill first, so a running exec holding the shared lock ends.
+        let t = std::time::Instant::now();
         match record {
             Some(r) => self.backend(r.spec.backend).stop(r, &cgroup)?,
             None => {
@@ -921,6 +920,7 @@ impl Runtime {
                 self.inner.container.forget(id);
             }
         }
+        let stop_ms = t.elapsed().as_secs_f64() * 1e3;
         let _lock = match DirLock::take(&dir, true, true) {
             Ok(lock) => lock,
             Err(_) if !dir.exists() => None,
@@ -956,24 +956,23 @@ impl Runtime {
             }
             network::teardown(&self.inner.networks, id);
         }
-        let stopped_ms = ms(started);
         let t = std::time::Instant::now();
         cgroup.remove()?;
-        let cgroup_ms = ms(t);
+        let cgroup_ms = t.elapsed().as_secs_f64() * 1e3;
         // A hibernated container's pinned network namespace.
         checkpoint::unpin_netns(&dir.join(checkpoint::NETNS_PIN))?;
         changes::remove_copies(&dir)?;
         let t = std::time::Instant::now();
         rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;
-        let rootfs_ms = ms(t);
+        let rootfs_ms = t.elapsed().as_secs_f64() * 1e3;
         let t = std::time::Instant::now();
         self.uppers().remove(id)?;
         tracing::debug!(
             sandbox = id,
-            stopped_ms,
+            stop_ms,
             cgroup_ms,
             rootfs_ms,
-            upper_ms = ms(t),
+            upper_ms = t.elapsed().as_secs_f64() * 1e3,
             "torn down"
         );
         let _ = self
