@@ -17,7 +17,7 @@
 //! neither that copy nor crun's reading of the table grows with the sandboxes on the node.
 
 use std::io::Write;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{mpsc, Arc};
@@ -208,7 +208,7 @@ impl ContainerBackend {
     }
 
     fn run_checked(&self, args: &[&str], what: &str) -> Result<(), RuntimeError> {
-        self.run_logged(args, what, None, Vec::new(), &[])
+        self.run_logged(args, what, None, &[], &[])
     }
 
     /// Runs the OCI runtime. Its stderr goes to a file, not a pipe: a detached container's
@@ -218,7 +218,7 @@ impl ContainerBackend {
         args: &[&str],
         what: &str,
         log: Option<&Path>,
-        pass: Vec<i32>,
+        pass: &[BorrowedFd<'_>],
         carry: &[&Path],
     ) -> Result<(), RuntimeError> {
         let tmp = self
@@ -226,19 +226,39 @@ impl ContainerBackend {
             .join(format!("{what}-{}.log", crate::unique_suffix()));
         let log = log.unwrap_or(&tmp);
         let file = std::fs::File::create(log).map_err(RuntimeError::io(log))?;
-        let status = self
-            .command_passing(pass, carry)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(file)
-            .status()
-            .map_err(|e| {
-                RuntimeError::Setup(format!(
-                    "cannot run {}: {e} (install it with scripts/setup.sh)",
-                    self.runtime.binary().display()
-                ))
-            })?;
+        let cannot_run = |e: std::io::Error| {
+            RuntimeError::Setup(format!(
+                "cannot run {}: {e} (install it with scripts/setup.sh)",
+                self.runtime.binary().display()
+            ))
+        };
+        let status = match self.launch.template() {
+            // Started without a fork of this process (see `mountns::spawn_in`).
+            Some(template) => {
+                let mut cmd = Command::new(self.runtime.binary());
+                cmd.arg("--root").arg(&self.state_root).args(args);
+                let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && self.hybrid_cgroups;
+                let launch = strata_host::mountns::Launch {
+                    carry,
+                    hide: hybrid.then_some(c"/sys/fs/cgroup/unified"),
+                    pass,
+                    stderr: file.as_fd(),
+                };
+                strata_host::mountns::spawn_in(&mut cmd, template, &launch)
+                    .and_then(|mut child| child.wait())
+                    .map_err(cannot_run)?
+            }
+            None => {
+                let raw = pass.iter().map(|fd| fd.as_raw_fd()).collect();
+                self.command_passing(raw, carry)
+                    .args(args)
+                    .stdin(Stdio::null())
+                    .stdout(Stdio::null())
+                    .stderr(file)
+                    .status()
+                    .map_err(cannot_run)?
+            }
+        };
         let message = std::fs::read_to_string(log).unwrap_or_default();
         if log == tmp {
             let _ = std::fs::remove_file(log);
@@ -499,14 +519,14 @@ impl SandboxBackend for ContainerBackend {
         args.push(new.id);
         let fds = passed
             .as_ref()
-            .map(|(l, k, e)| vec![l.as_raw_fd(), k.as_raw_fd(), e.as_raw_fd()])
+            .map(|(l, k, e)| vec![l.as_fd(), k.as_fd(), e.as_fd()])
             .unwrap_or_default();
         // The root (with any views mounted over it) and the network namespace to join are
         // the host's mounts this run needs in its launch namespace.
         let mut carry = vec![root.rootfs.as_path()];
         carry.extend(root.netns.as_deref());
         let t = std::time::Instant::now();
-        self.run_logged(&args, "run", Some(&new.dir.join("oci.log")), fds, &carry)?;
+        self.run_logged(&args, "run", Some(&new.dir.join("oci.log")), &fds, &carry)?;
         tracing::debug!(
             sandbox = new.id,
             run_ms = t.elapsed().as_secs_f64() * 1e3,
