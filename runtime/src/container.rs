@@ -24,9 +24,9 @@ use std::sync::{mpsc, Arc};
 
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCpuBuilder, LinuxMemoryBuilder, LinuxPidsBuilder,
-    LinuxResourcesBuilder, LinuxSeccomp, LinuxSeccompAction, LinuxSeccompBuilder,
-    LinuxSyscallBuilder, Mount, MountBuilder, PosixRlimitBuilder, PosixRlimitType, ProcessBuilder,
-    RootBuilder, Spec, UserBuilder,
+    LinuxResourcesBuilder, LinuxSeccomp, LinuxSeccompAction, LinuxSeccompArgBuilder,
+    LinuxSeccompBuilder, LinuxSeccompOperator, LinuxSyscallBuilder, Mount, MountBuilder,
+    PosixRlimitBuilder, PosixRlimitType, ProcessBuilder, RootBuilder, Spec, UserBuilder,
 };
 use strata_agent_proto::policy::{self, KEPT_CAPS};
 
@@ -749,10 +749,17 @@ impl SandboxBackend for ContainerBackend {
 /// these" in one rule, so the static agent, the container's init, loads the policy's own
 /// filters on top (its `seccomp_programs`), which every command inherits.
 fn oci_seccomp() -> Result<LinuxSeccomp, oci_spec::OciSpecError> {
+    // libseccomp lets a syscall's unconditional rule shadow its conditional ones, so the
+    // syscalls whose arguments are refused are allowed on the complement of the refusal
+    // instead: clone without a namespace flag, socket of another family.
+    const ON_ARGUMENTS: [&str; 2] = ["clone", "socket"];
     let names = |list: &'static [&'static str]| -> Vec<String> {
-        policy::resolve(list).map(|(n, _)| n.to_string()).collect()
+        policy::resolve(list)
+            .map(|(n, _)| n.to_string())
+            .filter(|n| !ON_ARGUMENTS.contains(&n.as_str()))
+            .collect()
     };
-    let syscalls = vec![
+    let mut syscalls = vec![
         LinuxSyscallBuilder::default()
             .names(names(policy::ALLOWED_SYSCALLS))
             .action(LinuxSeccompAction::ScmpActAllow)
@@ -763,6 +770,52 @@ fn oci_seccomp() -> Result<LinuxSeccomp, oci_spec::OciSpecError> {
             .errno_ret(libc::EPERM as u32)
             .build()?,
     ];
+    let rule = |name: &str, allow: bool, op: LinuxSeccompOperator, value: u64, two| {
+        let mut arg = LinuxSeccompArgBuilder::default()
+            .index(0usize)
+            .value(value)
+            .op(op);
+        if let Some(two) = two {
+            arg = arg.value_two(two);
+        }
+        let mut syscall = LinuxSyscallBuilder::default()
+            .names(vec![name.to_string()])
+            .args(vec![arg.build()?]);
+        syscall = if allow {
+            syscall.action(LinuxSeccompAction::ScmpActAllow)
+        } else {
+            syscall
+                .action(LinuxSeccompAction::ScmpActErrno)
+                .errno_ret(libc::EPERM as u32)
+        };
+        syscall.build()
+    };
+    let masked = LinuxSeccompOperator::ScmpCmpMaskedEq;
+    let any_namespace = policy::NAMESPACE_FLAGS.iter().fold(0, |a, f| a | f);
+    syscalls.push(rule("clone", true, masked, any_namespace, Some(0))?);
+    for flag in policy::NAMESPACE_FLAGS {
+        syscalls.push(rule("clone", false, masked, *flag, Some(*flag))?);
+    }
+    // The complement of one family is one comparison; of more, it would take ranges.
+    let [(_, family)] = policy::DENIED_SOCKET_FAMILIES else {
+        return Err(oci_spec::OciSpecError::Other(
+            "the OCI seccomp filter expresses one denied socket family".into(),
+        ));
+    };
+    syscalls.push(rule(
+        "socket",
+        true,
+        LinuxSeccompOperator::ScmpCmpNe,
+        *family,
+        None,
+    )?);
+    syscalls.push(rule(
+        "socket",
+        false,
+        LinuxSeccompOperator::ScmpCmpEq,
+        *family,
+        None,
+    )?);
     LinuxSeccompBuilder::default()
         .default_action(LinuxSeccompAction::ScmpActErrno)
         .default_errno_ret(policy::UNLISTED_ERRNO as u32)

@@ -133,7 +133,7 @@ pub fn check_host(cfg: &RuntimeConfig) -> Vec<Check> {
                 p.display()
             )),
             _ => warn(
-                "no statically linked strata-agent: containers run commands with `<oci runtime> exec` and without the seccomp policy's argument refusals (file system ioctls, namespace clone flags, vsock), VM sandboxes cannot start",
+                "no statically linked strata-agent: containers run commands with `<oci runtime> exec` and without the seccomp policy's refusal of file system ioctls, VM sandboxes cannot start",
                 "CARGO_TARGET_X86_64_UNKNOWN_LINUX_GNU_RUSTFLAGS=\"-C target-feature=+crt-static\" cargo build -p strata-agent --target x86_64-unknown-linux-gnu (or set STRATA_STATIC_AGENT)",
             ),
         }

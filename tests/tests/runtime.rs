@@ -3,6 +3,7 @@
 //! registered, then run by catalog ID in both backends; budgets; stateful sandboxes; and
 //! cleanup after a killed runtime or a crashed sandbox.
 
+use std::path::Path;
 use std::process::Stdio;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -1257,4 +1258,90 @@ fn a_launch_namespace_holds_no_sandboxs_mounts_but_the_one_it_carries() {
         !table.contains(after.to_str().unwrap()),
         "a carried mount stayed in the template: {table}"
     );
+}
+
+/// A container without the static agent (catatonit as its init, commands through `<oci
+/// runtime> exec`, no agent filter on itself) is the one case whose seccomp filter comes
+/// from the OCI spec: the policy's allowlist and denied set still hold there. The
+/// `strata` binary is linked where no static agent lies beside it.
+#[test]
+fn a_container_without_the_static_agent_keeps_the_policys_seccomp_filter() {
+    let Some(env) = env("runtime_no_static_agent") else {
+        return;
+    };
+    let dir = tempfile::tempdir_in(scratch_root()).unwrap();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let linked = bin.join("strata");
+    if std::fs::hard_link(strata_bin(), &linked).is_err() {
+        std::fs::copy(strata_bin(), &linked).unwrap();
+    }
+    let cli = |args: &[&str]| -> String {
+        let out = std::process::Command::new(&linked)
+            .args(args)
+            .env("STRATA_HOME", &env.cli.home)
+            .env("STRATA_STORE", &env.cli.store)
+            .env("STRATA_AGENT", strata_bin().with_file_name("strata-agent"))
+            .env_remove("STRATA_STATIC_AGENT")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = text(&out);
+        assert!(out.status.success(), "strata {args:?}: {stdout}{stderr}");
+        stdout
+    };
+    let id = cli(&[
+        "sandbox",
+        "create",
+        "--backend",
+        "container",
+        &env.reference,
+    ])
+    .lines()
+    .last()
+    .unwrap_or_default()
+    .trim()
+    .to_string();
+    let status = cli(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "tr '\\0' ' ' < /proc/1/cmdline; echo; grep ^Seccomp /proc/self/status",
+    ]);
+    let probe = Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/syscalls.py");
+    let source = std::fs::read_to_string(&probe).unwrap();
+    let out = cli(&[
+        "sandbox", "exec", &id, "--", "python3", "-c", &source, "all",
+    ]);
+    cli(&["sandbox", "rm", &id]);
+    env.cli.assert_sandbox_gone(&id, &[]);
+    assert!(
+        status.starts_with("/.strata/init"),
+        "the init is not catatonit (a static agent was used?): {status}"
+    );
+    assert!(
+        status.contains("Seccomp:\t2") && status.contains("Seccomp_filters:\t1"),
+        "one filter, the OCI spec's: {status}"
+    );
+    let got: serde_json::Value =
+        serde_json::from_str(out.lines().last().unwrap_or_default()).expect("syscall JSON");
+    let denied = got["denied"].as_object().expect("denied");
+    assert_eq!(denied.len(), 15, "{got}");
+    for (name, answer) in denied {
+        assert_eq!(answer, "EPERM", "{name} reached the kernel: {got}");
+    }
+    let unlisted = got["unlisted"].as_object().expect("unlisted");
+    assert!(!unlisted.is_empty(), "{got}");
+    for (name, answer) in unlisted {
+        assert_eq!(
+            answer, "ENOSYS",
+            "unlisted {name} reached the kernel: {got}"
+        );
+    }
+    for (name, answer) in got["allowed"].as_object().expect("allowed") {
+        assert_eq!(answer, "ok", "allowed {name} was refused: {got}");
+    }
+    // The ioctl refusals are the agent's alone (SECURITY.md says why).
 }
