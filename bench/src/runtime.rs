@@ -47,6 +47,27 @@ pub(crate) struct Setup {
     pub(crate) rootfs: PathBuf,
 }
 
+/// A suite leaves nothing running: the runtime's pooled agents and uppers, then the
+/// home's lazyfs daemon (and its mounts).
+impl Drop for Setup {
+    fn drop(&mut self) {
+        self.runtime.drain_pool();
+        stop_lazyfs(&self.home);
+    }
+}
+
+/// Stops the lazyfs daemon of the STRATA_HOME `home`, if one runs.
+pub(crate) fn stop_lazyfs(home: &Path) {
+    if let Ok(strata) = bin("strata") {
+        let _ = Command::new(strata)
+            .env("STRATA_HOME", home)
+            .args(["lazyfs", "stop"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
 pub(crate) fn setup(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<Setup> {
     std::fs::create_dir_all(scratch)?;
     let dir = std::fs::canonicalize(scratch)?.join("runtime");
@@ -457,14 +478,6 @@ pub fn run(
             1024.0 / per_backend[1].max(0.001)
         ),
     ));
-    // Leave nothing running: pooled agents and uppers, then the suite's lazyfs daemon.
-    s.runtime.drain_pool();
-    let _ = Command::new(bin("strata")?)
-        .env("STRATA_HOME", &s.home)
-        .args(["lazyfs", "stop"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
     Ok(Section {
         name: "runtime".into(),
         description: "Sandbox create -> first exec latency, sustained creation rate and idle memory, against bare crun over a pre-extracted rootfs and against exporting the layers first. Layers are cached locally; each sandbox gets its own overlay upper (ext4 image) and cgroups.".into(),

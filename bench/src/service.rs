@@ -71,10 +71,19 @@ pub(crate) struct Served {
     pub(crate) e2b: Option<String>,
 }
 
+/// The service leaves nothing running: its pooled uppers and agents, itself, then its
+/// home's lazyfs daemon.
 impl Drop for Served {
     fn drop(&mut self) {
+        if let Ok(strata) = bin("strata") {
+            let _ = Command::new(strata)
+                .env("STRATA_HOME", &self.home)
+                .args(["sandbox", "pool", "--drain"])
+                .output();
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        crate::runtime::stop_lazyfs(&self.home);
     }
 }
 
@@ -425,10 +434,6 @@ pub fn run(rt: &tokio::runtime::Runtime, scratch: &Path, repo: &Path) -> Result<
         "lower",
         "what the node's kernel state alone costs a container start",
     ));
-    let _ = Command::new(bin("strata")?)
-        .env("STRATA_HOME", &served.home)
-        .args(["sandbox", "pool", "--drain"])
-        .output();
     drop(served);
     Ok(Section {
         name: "service".into(),

@@ -17,10 +17,11 @@
 //! neither that copy nor crun's reading of the table grows with the sandboxes on the node.
 
 use std::io::Write;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, OnceLock};
 
 use oci_spec::runtime::{
     Capability, LinuxBuilder, LinuxCpuBuilder, LinuxMemoryBuilder, LinuxPidsBuilder,
@@ -99,6 +100,9 @@ pub struct ContainerBackend {
     pub hybrid_cgroups: bool,
     /// Where the OCI runtime's calls run.
     pub(crate) launch: Arc<hostroot::LaunchNamespace>,
+    /// crun's binary as a sealed in-memory copy, made at its first call (see
+    /// [`ContainerBackend::oci_command`]); none where it cannot be made.
+    pub(crate) sealed_crun: Arc<OnceLock<Option<OwnedFd>>>,
 }
 
 /// The statically linked agent for container init found beside the binary `exe`: the one
@@ -149,6 +153,7 @@ impl ContainerBackend {
                 agent: self.agent.clone(),
                 hybrid_cgroups: self.hybrid_cgroups,
                 launch: self.launch.clone(),
+                sealed_crun: Arc::default(),
             };
         }
         self.clone()
@@ -178,6 +183,37 @@ fn kept_capabilities() -> Result<oci_spec::runtime::LinuxCapabilities, RuntimeEr
 }
 
 impl ContainerBackend {
+    /// A command running the OCI runtime. crun makes itself a read-only copy of its binary
+    /// and executes that again at every start, unless its binary already is a sealed
+    /// memfd (so that no container can write the host's binary through
+    /// `/proc/<pid>/exe`, CVE-2019-5736): a second start of a dynamic binary per call.
+    /// The copy is made once per process and every call runs it, `argv[0]` unchanged;
+    /// crun then skips its own (measured: one exec fewer per `crun run`).
+    fn oci_command(&self) -> Command {
+        let sealed = matches!(self.runtime, OciRuntime::Crun(_))
+            .then(|| {
+                self.sealed_crun.get_or_init(|| {
+                    sealed_copy(self.runtime.binary())
+                        .inspect_err(|e| {
+                            tracing::warn!(
+                                "no sealed copy of {} ({e}): it copies itself at every call",
+                                self.runtime.binary().display()
+                            )
+                        })
+                        .ok()
+                })
+            })
+            .and_then(Option::as_ref);
+        match sealed {
+            Some(fd) => {
+                let mut cmd = Command::new(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+                cmd.arg0(self.runtime.binary());
+                cmd
+            }
+            None => Command::new(self.runtime.binary()),
+        }
+    }
+
     fn command(&self) -> Command {
         self.command_passing(Vec::new(), &[])
     }
@@ -186,7 +222,7 @@ impl ContainerBackend {
     /// in from the host's; `pass` become its descriptors 3, 4, ... in order (for
     /// `--preserve-fds`).
     fn command_passing(&self, pass: Vec<i32>, carry: &[&Path]) -> Command {
-        let mut cmd = Command::new(self.runtime.binary());
+        let mut cmd = self.oci_command();
         cmd.arg("--root").arg(&self.state_root);
         let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && self.hybrid_cgroups;
         let hide = hybrid.then(|| c"/sys/fs/cgroup/unified".to_owned());
@@ -235,7 +271,7 @@ impl ContainerBackend {
         let status = match self.launch.template() {
             // Started without a fork of this process (see `mountns::spawn_in`).
             Some(template) => {
-                let mut cmd = Command::new(self.runtime.binary());
+                let mut cmd = self.oci_command();
                 cmd.arg("--root").arg(&self.state_root).args(args);
                 let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && self.hybrid_cgroups;
                 let launch = strata_host::mountns::Launch {
@@ -748,6 +784,31 @@ impl SandboxBackend for ContainerBackend {
 /// rules with arguments beside its unconditional allow, and cannot say "any request but
 /// these" in one rule, so the static agent, the container's init, loads the policy's own
 /// filters on top (its `seccomp_programs`), which every command inherits.
+/// A memfd holding a copy of the file `binary` (a name without a slash is looked up on
+/// the PATH, as a command's is), sealed the way crun checks for (its every seal: no write,
+/// growth, shrinking or further seals).
+fn sealed_copy(binary: &Path) -> std::io::Result<OwnedFd> {
+    use nix::fcntl::{FcntlArg, SealFlag};
+    use nix::sys::memfd::{memfd_create, MFdFlags};
+    let path = match binary.to_str() {
+        Some(name) if !name.contains('/') => crate::on_path(name)
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "not on the PATH"))?,
+        _ => binary.to_path_buf(),
+    };
+    let fd = memfd_create(
+        c"crun_cloned:/proc/self/exe",
+        MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
+    )?;
+    let mut copy = std::fs::File::from(fd);
+    std::io::copy(&mut std::fs::File::open(&path)?, &mut copy)?;
+    let seals = SealFlag::F_SEAL_SEAL
+        | SealFlag::F_SEAL_SHRINK
+        | SealFlag::F_SEAL_GROW
+        | SealFlag::F_SEAL_WRITE;
+    nix::fcntl::fcntl(&copy, FcntlArg::F_ADD_SEALS(seals))?;
+    Ok(copy.into())
+}
+
 fn oci_seccomp() -> Result<LinuxSeccomp, oci_spec::OciSpecError> {
     // libseccomp lets a syscall's unconditional rule shadow its conditional ones, so the
     // syscalls whose arguments are refused are allowed on the complement of the refusal
@@ -826,4 +887,35 @@ fn oci_seccomp() -> Result<LinuxSeccomp, oci_spec::OciSpecError> {
         }])
         .syscalls(syscalls)
         .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The copy crun is run from carries exactly the seals crun takes for its own copy
+    /// (any other set and crun copies itself again), holds the binary, and refuses writes.
+    #[test]
+    fn the_sealed_copy_has_cruns_seals_and_refuses_writes() {
+        use nix::fcntl::{FcntlArg, SealFlag};
+        let dir = tempfile::tempdir().unwrap();
+        let binary = dir.path().join("tool");
+        std::fs::write(&binary, b"\x7fELF not really").unwrap();
+        let fd = sealed_copy(&binary).unwrap();
+        let seals = nix::fcntl::fcntl(&fd, FcntlArg::F_GET_SEALS).unwrap();
+        let want = SealFlag::F_SEAL_SEAL
+            | SealFlag::F_SEAL_SHRINK
+            | SealFlag::F_SEAL_GROW
+            | SealFlag::F_SEAL_WRITE;
+        assert_eq!(seals, want.bits());
+        let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        assert_eq!(std::fs::read(&path).unwrap(), b"\x7fELF not really");
+        let write = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, b"x"));
+        assert!(write.is_err(), "a write to the sealed copy succeeded");
+        let missing = sealed_copy(Path::new("no-such-tool-on-the-path"));
+        assert!(missing.is_err());
+    }
 }

@@ -78,12 +78,6 @@ fn version(tool: &Path) -> Result<String, String> {
     Ok(text.lines().next().unwrap_or_default().trim().to_string())
 }
 
-fn on_path(tool: &str) -> Option<std::path::PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
-        .map(|d| d.join(tool))
-        .find(|p| p.is_file())
-}
-
 /// Every check, in the order a person fixes them.
 pub fn check_host(cfg: &RuntimeConfig) -> Vec<Check> {
     let mut checks = Vec::new();
@@ -108,7 +102,7 @@ pub fn check_host(cfg: &RuntimeConfig) -> Vec<Check> {
     checks.push(Check::new("overlayfs", true, filesystem("overlay")));
     checks.push(Check::new("cgroups", true, cgroups(&cfg.cgroup_root)));
     checks.push(Check::new("mkfs.ext4", true, {
-        match on_path("mkfs.ext4") {
+        match crate::on_path("mkfs.ext4") {
             Some(p) => Ok(format!(
                 "{} (formats the writable layers once per size)",
                 p.display()
@@ -167,7 +161,7 @@ pub fn check_host(cfg: &RuntimeConfig) -> Vec<Check> {
         let resolved = if bin.is_absolute() {
             Some(bin.to_path_buf())
         } else {
-            on_path(&bin.to_string_lossy())
+            crate::on_path(&bin.to_string_lossy())
         };
         match resolved.map(|p| version(&p)) {
             Some(Ok(v)) => Ok(format!("{v} (container sandboxes)")),
@@ -188,7 +182,7 @@ pub fn check_host(cfg: &RuntimeConfig) -> Vec<Check> {
         let found = if qemu.components().count() > 1 {
             Some(qemu.clone())
         } else {
-            on_path(&qemu.to_string_lossy())
+            crate::on_path(&qemu.to_string_lossy())
         };
         match found.map(|p| version(&p)) {
             Some(Ok(v)) => Ok(format!("{v} (microvm and vm sandboxes)")),
@@ -214,7 +208,7 @@ pub fn check_host(cfg: &RuntimeConfig) -> Vec<Check> {
     checks.push(Check::new("network tools", false, {
         let missing: Vec<&str> = ["nft", "ip"]
             .into_iter()
-            .filter(|t| on_path(t).is_none())
+            .filter(|t| crate::on_path(t).is_none())
             .collect();
         if missing.is_empty() {
             Ok("nft and ip (network allowlists)".into())

@@ -331,6 +331,13 @@ struct Inner {
 
 /// A suffix for a temporary file no other process or thread uses at once (the PID and a
 /// counter: a node service creates many sandboxes at once in one process).
+/// The file `tool` names in a directory of the PATH, as a command named so would run.
+pub(crate) fn on_path(tool: &str) -> Option<PathBuf> {
+    std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .map(|d| d.join(tool))
+        .find(|p| p.is_file())
+}
+
 pub(crate) fn unique_suffix() -> String {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -403,6 +410,7 @@ impl Runtime {
             agent: cfg.container_agent.clone(),
             hybrid_cgroups: cgroups.mode() == cgroup::CgroupMode::Hybrid,
             launch: launch.clone(),
+            sealed_crun: Arc::default(),
         };
         let fncall = fncall::FncallBackend {
             agent: cfg.agent.clone(),

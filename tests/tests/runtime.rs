@@ -1301,15 +1301,8 @@ fn a_container_without_the_static_agent_keeps_the_policys_seccomp_filter() {
     .unwrap_or_default()
     .trim()
     .to_string();
-    let status = cli(&[
-        "sandbox",
-        "exec",
-        &id,
-        "--",
-        "sh",
-        "-c",
-        "tr '\\0' ' ' < /proc/1/cmdline; echo; grep ^Seccomp /proc/self/status",
-    ]);
+    let script = "tr '\\0' ' ' < /proc/1/cmdline; echo; grep ^Seccomp /proc/self/status";
+    let status = cli(&["sandbox", "exec", &id, "--", "sh", "-c", script]);
     let probe = Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/syscalls.py");
     let source = std::fs::read_to_string(&probe).unwrap();
     let out = cli(&[
