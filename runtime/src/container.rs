@@ -16,6 +16,7 @@
 //! its own root and network namespace. The container's namespace is copied from it, so
 //! neither that copy nor crun's reading of the table grows with the sandboxes on the node.
 
+use std::ffi::CStr;
 use std::io::Write;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::process::CommandExt;
@@ -218,14 +219,20 @@ impl ContainerBackend {
         self.command_passing(Vec::new(), &[])
     }
 
+    /// The mount the OCI runtime must not see: the cgroup2 mount of a hybrid host, which
+    /// Debian's crun refuses to run beside.
+    fn hidden_mount(&self) -> Option<&'static CStr> {
+        let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && self.hybrid_cgroups;
+        hybrid.then_some(c"/sys/fs/cgroup/unified")
+    }
+
     /// The OCI runtime command, in a launch namespace with the mounts at `carry` brought
     /// in from the host's; `pass` become its descriptors 3, 4, ... in order (for
     /// `--preserve-fds`).
     fn command_passing(&self, pass: Vec<i32>, carry: &[&Path]) -> Command {
         let mut cmd = self.oci_command();
         cmd.arg("--root").arg(&self.state_root);
-        let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && self.hybrid_cgroups;
-        let hide = hybrid.then(|| c"/sys/fs/cgroup/unified".to_owned());
+        let hide = self.hidden_mount().map(CStr::to_owned);
         let launched = self.launch.template().and_then(|template| {
             let carried = carry
                 .iter()
@@ -273,10 +280,9 @@ impl ContainerBackend {
             Some(template) => {
                 let mut cmd = self.oci_command();
                 cmd.arg("--root").arg(&self.state_root).args(args);
-                let hybrid = matches!(self.runtime, OciRuntime::Crun(_)) && self.hybrid_cgroups;
                 let launch = strata_host::mountns::Launch {
                     carry,
-                    hide: hybrid.then_some(c"/sys/fs/cgroup/unified"),
+                    hide: self.hidden_mount(),
                     pass,
                     stderr: file.as_fd(),
                 };
@@ -778,12 +784,6 @@ impl SandboxBackend for ContainerBackend {
     }
 }
 
-/// The policy's seccomp filter in OCI terms (libseccomp builds it in crun or runc): the
-/// allowlist passes, denied syscalls are answered EPERM, unlisted ones ENOSYS. The denied
-/// arguments of `ioctl`, `clone` and `socket` are not here: libseccomp drops a syscall's
-/// rules with arguments beside its unconditional allow, and cannot say "any request but
-/// these" in one rule, so the static agent, the container's init, loads the policy's own
-/// filters on top (its `seccomp_programs`), which every command inherits.
 /// A memfd holding a copy of the file `binary` (a name without a slash is looked up on
 /// the PATH, as a command's is), sealed the way crun checks for (its every seal: no write,
 /// growth, shrinking or further seals).
@@ -809,6 +809,14 @@ fn sealed_copy(binary: &Path) -> std::io::Result<OwnedFd> {
     Ok(copy.into())
 }
 
+/// The policy's seccomp filter in OCI terms (libseccomp builds it in crun or runc), for a
+/// container without the static agent: the allowlist passes, denied syscalls are answered
+/// EPERM, unlisted ones ENOSYS. libseccomp drops a syscall's rules with arguments beside
+/// its unconditional allow, so `clone` and `socket` are allowed only on the complement of
+/// their denied arguments (no namespace flag; another family) and refused otherwise. The
+/// denied `ioctl` requests are not here: "any request but these masked patterns" is no one
+/// comparison. The static agent loads the policy's own filters, all of it, on itself (its
+/// `seccomp_programs`), and a container whose init it is gets no OCI filter.
 fn oci_seccomp() -> Result<LinuxSeccomp, oci_spec::OciSpecError> {
     // libseccomp lets a syscall's unconditional rule shadow its conditional ones, so the
     // syscalls whose arguments are refused are allowed on the complement of the refusal
