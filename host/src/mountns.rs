@@ -120,21 +120,32 @@ impl Template {
 pub fn carry(path: &Path) -> io::Result<Carried> {
     let at = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let tree = open_tree(&at, libc::AT_RECURSIVE as libc::c_uint)?;
+    Ok(Carried { tree, at })
+}
+
+/// Whether this host lets mounts be carried (`open_tree`, which a seccomp profile may
+/// refuse): a copy of the root mount alone, whatever is mounted under it.
+pub fn can_carry() -> io::Result<()> {
+    open_tree(c"/", 0).map(drop)
+}
+
+/// A detached copy of the mount at `at`, with `flags` (AT_RECURSIVE: everything under it).
+fn open_tree(at: &CStr, flags: libc::c_uint) -> io::Result<OwnedFd> {
     // SAFETY: open_tree with a valid path; it returns a new descriptor or -1.
     let fd = unsafe {
         libc::syscall(
             libc::SYS_open_tree,
             libc::AT_FDCWD,
             at.as_ptr(),
-            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | libc::AT_RECURSIVE as libc::c_uint,
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint | flags,
         )
     };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: the descriptor was just returned to us and is owned by nothing else.
-    let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-    Ok(Carried { tree, at })
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
 /// Makes `cmd` run in a fresh copy of `template` with `carried` attached where they were

@@ -191,21 +191,7 @@ impl ContainerBackend {
     /// The copy is made once per process and every call runs it, `argv[0]` unchanged;
     /// crun then skips its own (measured: one exec fewer per `crun run`).
     fn oci_command(&self) -> Command {
-        let sealed = matches!(self.runtime, OciRuntime::Crun(_))
-            .then(|| {
-                self.sealed_crun.get_or_init(|| {
-                    sealed_copy(self.runtime.binary())
-                        .inspect_err(|e| {
-                            tracing::warn!(
-                                "no sealed copy of {} ({e}): it copies itself at every call",
-                                self.runtime.binary().display()
-                            )
-                        })
-                        .ok()
-                })
-            })
-            .and_then(Option::as_ref);
-        match sealed {
+        match self.sealed_crun() {
             Some(fd) => {
                 let mut cmd = Command::new(format!("/proc/self/fd/{}", fd.as_raw_fd()));
                 cmd.arg0(self.runtime.binary());
@@ -213,6 +199,27 @@ impl ContainerBackend {
             }
             None => Command::new(self.runtime.binary()),
         }
+    }
+
+    /// The sealed copy of crun's binary, made at the first call; none for runc (whose
+    /// guard differs) or where it cannot be made.
+    fn sealed_crun(&self) -> Option<&OwnedFd> {
+        if !matches!(self.runtime, OciRuntime::Crun(_)) {
+            return None;
+        }
+        let binary = self.runtime.binary();
+        self.sealed_crun
+            .get_or_init(|| {
+                sealed_copy(binary)
+                    .inspect_err(|e| {
+                        tracing::warn!(
+                            "no sealed copy of {} ({e}): it copies itself at every call",
+                            binary.display()
+                        )
+                    })
+                    .ok()
+            })
+            .as_ref()
     }
 
     fn command(&self) -> Command {

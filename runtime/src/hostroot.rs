@@ -35,7 +35,7 @@ impl LaunchNamespace {
                 strata_host::mountns::Template::new(&self.state_dir)
                     // A host that refuses open_tree (a seccomp profile) could make the
                     // template but carry nothing into it.
-                    .and_then(|t| strata_host::mountns::carry(&self.state_dir).map(|_| t))
+                    .and_then(|t| strata_host::mountns::can_carry().map(|()| t))
                     .inspect_err(|e| {
                         tracing::warn!(
                             "no launch mount namespace ({e}): sandboxes start in the host's"

@@ -329,8 +329,6 @@ struct Inner {
     opened_with: std::sync::Mutex<ReapReport>,
 }
 
-/// A suffix for a temporary file no other process or thread uses at once (the PID and a
-/// counter: a node service creates many sandboxes at once in one process).
 /// The file `tool` names in a directory of the PATH, as a command named so would run.
 pub(crate) fn on_path(tool: &str) -> Option<PathBuf> {
     std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
@@ -338,6 +336,8 @@ pub(crate) fn on_path(tool: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// A suffix for a temporary file no other process or thread uses at once (the PID and a
+/// counter: a node service creates many sandboxes at once in one process).
 pub(crate) fn unique_suffix() -> String {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

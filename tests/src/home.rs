@@ -625,7 +625,7 @@ echo checked
     /// unconfined, is the control: there the calls answer on their
     /// arguments, so the sandbox's answers come from its policy.
     pub fn assert_dangerous_syscalls_refused(&self, backend: &str) {
-        let probe = Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/syscalls.py");
+        let probe = syscall_probe();
         let host = Command::new("python3")
             .arg(&probe)
             .arg("control")
@@ -664,44 +664,28 @@ echo checked
             self.ok(&["sandbox", "resume", &id]);
         }
         self.ok(&["sandbox", "rm", &id]);
-        let got: serde_json::Value =
-            serde_json::from_str(out.lines().last().unwrap_or_default()).expect("syscall JSON");
-        let section = |v: &serde_json::Value, name: &str| {
-            v[name]
-                .as_object()
-                .unwrap_or_else(|| panic!("{backend}: no {name} in {v}"))
-                .clone()
-        };
-        let denied = section(&got, "denied");
-        assert_eq!(denied.len(), 15, "{backend}: {got}");
-        for (name, answer) in &denied {
-            assert_eq!(
-                answer, "EPERM",
-                "{backend}: {name} reached the kernel: {got}"
-            );
-        }
-        let mut told_apart = 0;
-        for (kind, refusal) in [("unlisted", "ENOSYS"), ("ioctls", "EPERM")] {
-            for (name, answer) in section(&got, kind) {
-                assert_eq!(
-                    answer, refusal,
-                    "{backend}: {kind} {name} reached the kernel: {got}"
-                );
-                if control[kind][&name] != refusal {
-                    told_apart += 1;
-                }
-            }
-        }
+        let got = assert_policy_answers(
+            backend,
+            &out,
+            &[("unlisted", "ENOSYS"), ("ioctls", "EPERM")],
+        );
+        let section = |name: &str| got[name].as_object().cloned().unwrap_or_default();
         // Unconfined, kcmp, move_pages, modify_ldt, FICLONE, FIDEDUPERANGE, FIEMAP,
         // SETFLAGS, SWAPEXT and TIOCSTI answer otherwise (ok, ENOTSUP or ENOTTY).
+        let told_apart = [("unlisted", "ENOSYS"), ("ioctls", "EPERM")]
+            .iter()
+            .flat_map(|(kind, refusal)| {
+                section(kind)
+                    .into_iter()
+                    .filter(|(name, _)| control[kind][name] != *refusal)
+                    .collect::<Vec<_>>()
+            })
+            .count();
         assert!(
             told_apart >= 8,
             "{backend}: the control tells too little apart: {control}"
         );
-        for (name, answer) in section(&got, "allowed") {
-            assert_eq!(answer, "ok", "{backend}: allowed {name} was refused: {got}");
-        }
-        let tried = denied.len() + section(&got, "unlisted").len() + section(&got, "ioctls").len();
+        let tried = section("denied").len() + section("unlisted").len() + section("ioctls").len();
         crate::contained("dangerous syscalls and ioctls", backend, tried);
     }
 
@@ -980,4 +964,42 @@ echo checked
             1 + attack.passes as usize + 20,
         );
     }
+}
+
+/// The syscall probe, `tests/probes/syscalls.py` (see its docstring).
+pub fn syscall_probe() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("probes/syscalls.py")
+}
+
+/// Checks the syscall probe's output `out` (its JSON on the last line) from `what` for the
+/// policy's answers: the 15 denied calls EPERM, each of `refused` (a section and the
+/// answer its calls get) answered so, the allowed calls `ok`. Returns the parsed output.
+pub fn assert_policy_answers(what: &str, out: &str, refused: &[(&str, &str)]) -> serde_json::Value {
+    let got: serde_json::Value =
+        serde_json::from_str(out.lines().last().unwrap_or_default()).expect("syscall JSON");
+    let section = |name: &str| {
+        got[name]
+            .as_object()
+            .unwrap_or_else(|| panic!("{what}: no {name} in {got}"))
+            .clone()
+    };
+    let denied = section("denied");
+    assert_eq!(denied.len(), 15, "{what}: {got}");
+    for (name, answer) in &denied {
+        assert_eq!(answer, "EPERM", "{what}: {name} reached the kernel: {got}");
+    }
+    for (kind, refusal) in refused {
+        let calls = section(kind);
+        assert!(!calls.is_empty(), "{what}: no {kind} tried: {got}");
+        for (name, answer) in calls {
+            assert_eq!(
+                answer, *refusal,
+                "{what}: {kind} {name} reached the kernel: {got}"
+            );
+        }
+    }
+    for (name, answer) in section("allowed") {
+        assert_eq!(answer, "ok", "{what}: allowed {name} was refused: {got}");
+    }
+    got
 }
