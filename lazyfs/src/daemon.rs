@@ -3,7 +3,8 @@
 //! predecessor left (dead FUSE mount, EROFS and bind mounts on it) and restores its binds.
 //!
 //! Its run directory is private to root (0700) before the socket is bound; `Umount` only
-//! undoes binds the daemon recorded; the state file carries a format version.
+//! undoes binds the daemon recorded; the state file carries a format version, and a
+//! journal beside it the binds made and undone since it was written.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -67,6 +68,112 @@ struct State {
     binds: BTreeMap<String, BTreeSet<PathBuf>>,
 }
 
+/// One change to the binds: a line of the journal.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+enum Change {
+    Bind(String, PathBuf),
+    Unbind(String, PathBuf),
+}
+
+impl State {
+    fn apply(&mut self, change: Change) {
+        match change {
+            Change::Bind(id, dir) => {
+                self.binds.entry(id).or_default().insert(dir);
+            }
+            Change::Unbind(id, dir) => {
+                if let Some(dirs) = self.binds.get_mut(&id) {
+                    dirs.remove(&dir);
+                    if dirs.is_empty() {
+                        self.binds.remove(&id);
+                    }
+                }
+            }
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.binds.values().map(BTreeSet::len).sum()
+    }
+}
+
+/// A journal shorter than this is never compacted.
+const JOURNAL_MIN_LINES: usize = 256;
+
+/// The state on disk: the state file, written whole now and then, and the journal of
+/// changes since, one line appended per bind or unbind. Rewriting every bind at every
+/// change cost each sandbox's create and destroy time in proportion to the sandboxes
+/// already up (two rewrites of a thousand binds each with a thousand up).
+struct StateLog {
+    paths: Paths,
+    journal: Option<std::fs::File>,
+    lines: usize,
+}
+
+impl StateLog {
+    /// Records `change`, already applied to `state`: a line appended to the journal, or
+    /// the whole state written once the journal is twice as long as the state it changes.
+    fn record(&mut self, change: &Change, state: &State) {
+        if self.lines >= JOURNAL_MIN_LINES.max(2 * state.len()) {
+            return self.write(state);
+        }
+        let path = self.paths.state_journal();
+        if self.journal.is_none() {
+            self.journal = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .map_err(|e| tracing::warn!(path = %path.display(), error = %e, "could not open the state journal"))
+                .ok();
+        }
+        let Some(file) = self.journal.as_mut() else {
+            return self.write(state);
+        };
+        let mut line = match serde_json::to_vec(change) {
+            Ok(l) => l,
+            Err(e) => return tracing::warn!(error = %e, "could not encode a bind change"),
+        };
+        line.push(b'\n');
+        // One write of an append-only file: a crash leaves the line whole or unfinished.
+        match std::io::Write::write_all(file, &line) {
+            Ok(()) => self.lines += 1,
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "could not append to the state journal");
+                self.write(state);
+            }
+        }
+    }
+
+    /// Writes the whole state, then empties the journal (whose changes it holds).
+    fn write(&mut self, state: &State) {
+        let path = self.paths.state_file();
+        let tmp = path.with_extension("tmp");
+        let written = serde_json::to_vec_pretty(state)
+            .map_err(std::io::Error::other)
+            .and_then(|body| std::fs::write(&tmp, body))
+            .and_then(|_| std::fs::rename(&tmp, &path));
+        if let Err(e) = written {
+            // The journal still holds every change since the last state file.
+            return tracing::warn!(path = %path.display(), error = %e, "could not save daemon state");
+        }
+        let journal = self.paths.state_journal();
+        let emptied = match self.journal.as_ref() {
+            Some(f) => f.set_len(0),
+            None => match std::fs::remove_file(&journal) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                other => other,
+            },
+        };
+        match emptied {
+            Ok(()) => self.lines = 0,
+            Err(e) => {
+                tracing::warn!(path = %journal.display(), error = %e, "could not empty the state journal")
+            }
+        }
+    }
+}
+
 impl Default for State {
     fn default() -> State {
         State {
@@ -76,17 +183,67 @@ impl Default for State {
     }
 }
 
-/// Reads the state file; none (or an empty one, a crash before its first write reached
-/// the disk) is an empty state.
-fn read_state(path: &Path) -> Result<State, LazyError> {
-    match std::fs::read(path) {
-        Ok(b) => decode_state(path, &b),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(State::default()),
-        Err(e) => Err(LazyError::State {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        }),
+/// Reads the state: the state file (none, or an empty one, a crash before its first write
+/// reached the disk, is an empty state) and the journal's changes since.
+fn read_state(paths: &Paths) -> Result<State, LazyError> {
+    let path = paths.state_file();
+    let mut state = match std::fs::read(&path) {
+        Ok(b) => decode_state(&path, &b)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => State::default(),
+        Err(e) => {
+            return Err(LazyError::State {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })
+        }
+    };
+    let journal = paths.state_journal();
+    match std::fs::read(&journal) {
+        Ok(b) => replay(&journal, &b, &mut state)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(LazyError::State {
+                path: journal.display().to_string(),
+                reason: e.to_string(),
+            })
+        }
     }
+    Ok(state)
+}
+
+/// Applies the journal's lines to `state`, in order. Replaying a change the state file
+/// already holds changes nothing (a crash between a new state file and the journal's
+/// truncation), and an unfinished last line is a crash midway through its write: skipped.
+fn replay(path: &Path, bytes: &[u8], state: &mut State) -> Result<(), LazyError> {
+    let mut rest = bytes;
+    let mut number = 0;
+    while !rest.is_empty() {
+        number += 1;
+        let (line, complete) = match rest.iter().position(|&b| b == b'\n') {
+            Some(end) => {
+                let line = &rest[..end];
+                rest = &rest[end + 1..];
+                (line, true)
+            }
+            None => (std::mem::take(&mut rest), false),
+        };
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        match serde_json::from_slice::<Change>(line) {
+            Ok(change) => state.apply(change),
+            Err(_) if !complete => {
+                tracing::warn!(path = %path.display(), "the journal's last line is unfinished; skipped")
+            }
+            Err(e) => {
+                return Err(LazyError::State {
+                    path: path.display().to_string(),
+                    reason: format!("line {number} is not a bind change ({e})"),
+                })
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Decodes a state file of the current or the older (unversioned) format; a newer format
@@ -131,6 +288,8 @@ struct Daemon {
     /// Layers that had no prefetch list when attached: their access order is saved.
     recording: Mutex<BTreeSet<Digest>>,
     state: Mutex<State>,
+    /// Where `state` is kept on disk; locked inside `state`'s lock.
+    log: Mutex<StateLog>,
     /// Serializes attach/detach so two clients do not mount one layer twice.
     attach_lock: tokio::sync::Mutex<()>,
     /// How this kernel mounts the layers' images (probed once at start).
@@ -161,20 +320,22 @@ fn reap_stale(paths: &Paths, state: &State) {
 }
 
 impl Daemon {
+    /// Writes the whole state (and empties the journal).
     fn save_state(&self) {
         let Ok(st) = self.state.lock() else { return };
-        let path = self.cfg.paths.state_file();
-        let tmp = path.with_extension("tmp");
-        match serde_json::to_vec_pretty(&*st) {
-            Ok(body) => {
-                if std::fs::write(&tmp, body)
-                    .and_then(|_| std::fs::rename(&tmp, &path))
-                    .is_err()
-                {
-                    tracing::warn!(path = %path.display(), "could not save daemon state");
-                }
-            }
-            Err(e) => tracing::warn!(error = %e, "could not encode daemon state"),
+        if let Ok(mut log) = self.log.lock() {
+            log.write(&st);
+        }
+    }
+
+    /// Applies `change` to the binds and records it on disk.
+    fn change(&self, change: Change) {
+        let Ok(mut st) = self.state.lock() else {
+            return;
+        };
+        st.apply(change.clone());
+        if let Ok(mut log) = self.log.lock() {
+            log.record(&change, &st);
         }
     }
 
@@ -242,8 +403,8 @@ impl Daemon {
         Ok(self.attached(&blob))
     }
 
-    /// Attaches a layer and binds it read-only at `dir`; the caller holds `attach_lock`
-    /// and saves the state.
+    /// Attaches a layer and binds it read-only at `dir` (recorded); the caller holds
+    /// `attach_lock`.
     async fn bind_locked(&self, id: &str, dir: PathBuf) -> Result<Attached, LazyError> {
         std::fs::create_dir_all(&dir).map_err(LazyError::io(&dir))?;
         self.bind_existing_locked(id, dir).await
@@ -264,9 +425,7 @@ impl Daemon {
             bind_ms = (t.elapsed() - t_attach).as_secs_f64() * 1e3,
             "bound"
         );
-        if let Ok(mut st) = self.state.lock() {
-            st.binds.entry(a.id.clone()).or_default().insert(dir);
-        }
+        self.change(Change::Bind(a.id.clone(), dir));
         Ok(a)
     }
 
@@ -397,9 +556,7 @@ impl Daemon {
             Request::Attach { id } => Ok(Response::Attached(self.attach(&id).await?)),
             Request::Mount { id, dir } => {
                 let _g = self.attach_lock.lock().await;
-                let a = self.bind_locked(&id, dir).await;
-                self.save_state();
-                Ok(Response::Attached(a?))
+                Ok(Response::Attached(self.bind_locked(&id, dir).await?))
             }
             Request::MountMany { binds } => {
                 let _g = self.attach_lock.lock().await;
@@ -414,7 +571,6 @@ impl Daemon {
                         }
                     }
                 }
-                self.save_state();
                 match failed {
                     None => Ok(Response::AttachedMany { layers: done }),
                     Some(e) => Err(e),
@@ -439,18 +595,11 @@ impl Daemon {
                         ))
                     })?;
                 self.unbind(&id, &dir)?;
+                self.change(Change::Unbind(id.clone(), dir));
                 let emptied = {
-                    let mut st = self.state.lock().map_err(poisoned)?;
-                    let left = st.binds.get_mut(&id).map(|dirs| {
-                        dirs.remove(&dir);
-                        dirs.len()
-                    });
-                    if left == Some(0) {
-                        st.binds.remove(&id);
-                    }
-                    (left == Some(0)).then_some(id)
+                    let st = self.state.lock().map_err(poisoned)?;
+                    (!st.binds.contains_key(&id)).then_some(id)
                 };
-                self.save_state();
                 if let Some(id) = emptied.and_then(|i| i.parse::<Digest>().ok()) {
                     // The access order is saved now, so the list is in the store once the
                     // last umount returns; the mount itself stays for `idle_detach`.
@@ -535,7 +684,7 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
             lock.display()
         )));
     }
-    let state = read_state(&paths.state_file())?;
+    let state = read_state(&paths)?;
     // Reap before touching the other directories: a dead FUSE mount point fails stat
     // with ENOTCONN.
     reap_stale(&paths, &state);
@@ -578,6 +727,11 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
         layers,
         recording: Mutex::new(BTreeSet::new()),
         state: Mutex::new(State::default()),
+        log: Mutex::new(StateLog {
+            paths: paths.clone(),
+            journal: None,
+            lines: 0,
+        }),
         attach_lock: tokio::sync::Mutex::new(()),
         erofs,
         rt: tokio::runtime::Handle::current(),
@@ -702,7 +856,7 @@ mod tests {
         assert_eq!(decode_state(path, b" \n").unwrap(), State::default());
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(
-            read_state(&dir.path().join("state.json")).unwrap(),
+            read_state(&Paths::new(dir.path())).unwrap(),
             State::default()
         );
     }
@@ -735,6 +889,94 @@ mod tests {
             let e = decode_state(path, garbage).unwrap_err();
             assert!(matches!(e, LazyError::State { .. }), "{e:?}");
             assert!(e.to_string().contains("remove the file"), "{e}");
+        }
+    }
+
+    fn log_in(dir: &Path) -> StateLog {
+        let paths = Paths::new(dir);
+        std::fs::create_dir_all(paths.run_dir()).unwrap();
+        StateLog {
+            paths,
+            journal: None,
+            lines: 0,
+        }
+    }
+
+    fn change(log: &mut StateLog, state: &mut State, change: Change) {
+        state.apply(change.clone());
+        log.record(&change, state);
+    }
+
+    #[test]
+    fn binds_read_back_from_the_state_file_and_the_journal_after_a_crash() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut log = log_in(dir.path());
+        let mut state = State::default();
+        let bind = |n: usize| Change::Bind("ab12".into(), format!("/s/{n}/layers/0").into());
+        let unbind = |n: usize| Change::Unbind("ab12".into(), format!("/s/{n}/layers/0").into());
+        // Up and down as sandboxes come and go, past several compactions.
+        for n in 0..2000 {
+            change(&mut log, &mut state, bind(n));
+            if n % 3 != 0 {
+                change(&mut log, &mut state, unbind(n));
+            }
+        }
+        change(
+            &mut log,
+            &mut state,
+            Change::Bind("cd34".into(), "/s/x/layers/1".into()),
+        );
+        change(
+            &mut log,
+            &mut state,
+            Change::Unbind("cd34".into(), "/s/x/layers/1".into()),
+        );
+        assert_eq!(state.len(), 667);
+        assert!(
+            !state.binds.contains_key("cd34"),
+            "an emptied layer is dropped"
+        );
+        let paths = Paths::new(dir.path());
+        let journal = std::fs::read_to_string(paths.state_journal()).unwrap();
+        let lines = journal.lines().count();
+        assert!(
+            lines > 0 && lines <= 2 * 667 + 1,
+            "the journal is compacted once twice the state's size: {lines} lines"
+        );
+        assert_eq!(
+            read_state(&paths).unwrap(),
+            state,
+            "what a restarted daemon reads"
+        );
+
+        // A crash in the middle of a line's write: the line is skipped, the rest holds.
+        let mut torn = journal.clone();
+        torn.push_str(r#"{"bind":["ab12","/s/torn"#);
+        std::fs::write(paths.state_journal(), &torn).unwrap();
+        assert_eq!(read_state(&paths).unwrap(), state);
+
+        // A crash after a new state file, before the journal was emptied: replaying
+        // changes it already holds changes nothing.
+        log.write(&state);
+        std::fs::write(paths.state_journal(), &journal).unwrap();
+        assert_eq!(read_state(&paths).unwrap(), state);
+    }
+
+    #[test]
+    fn a_damaged_journal_line_is_refused_naming_the_file_and_line() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = Paths::new(dir.path());
+        std::fs::create_dir_all(paths.run_dir()).unwrap();
+        std::fs::write(
+            paths.state_journal(),
+            "{\"bind\":[\"ab12\",\"/s/1\"]}\nnot a change\n{\"bind\":[\"ab12\",\"/s/2\"]}\n",
+        )
+        .unwrap();
+        let e = read_state(&paths).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, LazyError::State { .. }), "{e:?}");
+        for needle in ["state.journal", "line 2", "remove the file"] {
+            assert!(msg.contains(needle), "`{needle}` missing from: {msg}");
         }
     }
 }

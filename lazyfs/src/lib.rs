@@ -132,6 +132,10 @@ impl Paths {
     pub fn state_file(&self) -> PathBuf {
         self.run_dir().join("state.json")
     }
+    /// The binds made and undone since the state file was last written, one per line.
+    pub fn state_journal(&self) -> PathBuf {
+        self.run_dir().join("state.journal")
+    }
     pub fn log_file(&self) -> PathBuf {
         self.run_dir().join("daemon.log")
     }

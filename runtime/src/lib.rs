@@ -971,16 +971,21 @@ impl Runtime {
         checkpoint::unpin_netns(&dir.join(checkpoint::NETNS_PIN))?;
         changes::remove_copies(&dir)?;
         let t = std::time::Instant::now();
-        rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;
+        let overlay_gone = rootfs::disassemble(&self.inner.cfg.lazyfs, &dir)?;
         let rootfs_ms = t.elapsed().as_secs_f64() * 1e3;
         let t = std::time::Instant::now();
-        self.uppers().remove(id)?;
+        // Only an upper no overlay can still write to goes to another sandbox.
+        let recycled = overlay_gone && self.uppers().recycle(id);
+        if !recycled {
+            self.uppers().remove(id)?;
+        }
         tracing::debug!(
             sandbox = id,
             stop_ms,
             cgroup_ms,
             rootfs_ms,
             upper_ms = t.elapsed().as_secs_f64() * 1e3,
+            recycled,
             "torn down"
         );
         let _ = self

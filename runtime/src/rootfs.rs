@@ -334,10 +334,11 @@ fn mount_overlay(target: &Path, data: &str) -> Result<(), RuntimeError> {
 }
 
 /// Undoes [`assemble`]: unmounts the overlay and releases each layer bind. Tolerates
-/// half-built states (a crash between steps).
-pub fn disassemble(lazyfs: &LazyfsAccess, sandbox_dir: &Path) -> Result<(), RuntimeError> {
+/// half-built states (a crash between steps). `false` when the overlay was busy and
+/// detached lazily: something may still write through it to the upper.
+pub fn disassemble(lazyfs: &LazyfsAccess, sandbox_dir: &Path) -> Result<bool, RuntimeError> {
     let merged = sandbox_dir.join("rootfs");
-    unmount_below(&merged)?;
+    let clean = unmount_below(&merged)?;
     let entries = |dir: &Path| -> Vec<PathBuf> {
         std::fs::read_dir(dir)
             .map(|rd| rd.flatten().map(|e| e.path()).collect())
@@ -383,11 +384,12 @@ pub fn disassemble(lazyfs: &LazyfsAccess, sandbox_dir: &Path) -> Result<(), Runt
             }
         }
     }
-    Ok(())
+    Ok(clean)
 }
 
-/// Unmounts `dir` and anything mounted beneath it, deepest first.
-pub fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
+/// Unmounts `dir` and anything mounted beneath it, deepest first; `false` when a mount
+/// was busy and had to be detached lazily (it lives on wherever it is still used).
+pub fn unmount_below(dir: &Path) -> Result<bool, RuntimeError> {
     // Usually one mount is there (the overlay, an upper) with nothing on it: unmount it
     // after a `statx`, without reading the host's mount table, whose size grows with the
     // sandboxes on the node. A mount beneath makes the unmount EBUSY: then the scan.
@@ -395,8 +397,8 @@ pub fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
     // mounts under a sandbox's directories, it mounts on the overlay or the upper.
     loop {
         match strata_host::fs::mount_root(dir) {
-            Ok((false, _)) => return Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Ok((false, _)) => return Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(true),
             Ok((true, _)) => match mounts::unmount(dir, false) {
                 Ok(()) => continue,
                 Err(_) => break,
@@ -412,11 +414,13 @@ pub fn unmount_below(dir: &Path) -> Result<(), RuntimeError> {
         .collect();
     targets.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
     targets.dedup();
+    let mut clean = true;
     for t in targets {
         if let Err(e) = mounts::unmount(&t, false) {
             tracing::debug!("unmount {}: {e}; detaching", t.display());
             mounts::unmount(&t, true).map_err(RuntimeError::io(&t))?;
+            clean = false;
         }
     }
-    Ok(())
+    Ok(clean)
 }

@@ -880,7 +880,8 @@ asyncio.run(main())
         home.assert_sandbox_gone(id.trim_start_matches("test-"), &[]);
     }
     // Nothing of any sandbox is left: no sandbox directories, uppers or service records;
-    // only the pool of ready uppers the service keeps (`pool`, 2 by default).
+    // only the pool of ready uppers the service keeps (`pool`, 2 by default, and destroyed
+    // sandboxes' uppers recycled up to four times that).
     let rt = home.runtime_dir();
     for dir in ["sandboxes", "uppers", "service/sandboxes"] {
         let left: Vec<String> = std::fs::read_dir(rt.join(dir))
@@ -894,14 +895,72 @@ asyncio.run(main())
             left.into_iter().partition(|n| n.starts_with("pool-"));
         assert!(left.is_empty(), "{dir} left: {left:?}");
         assert!(
-            pooled.len() <= 2,
-            "{dir}: the pool overshot its target of 2: {pooled:?}"
+            pooled.len() <= 8,
+            "{dir}: the pool overshot four times its target of 2: {pooled:?}"
         );
     }
     eprintln!(
         "64 sandboxes through the service in {:?}",
         started.elapsed()
     );
+}
+
+/// Destroyed sandboxes' uppers go back to the service's pool (more wait there than the
+/// pool's target of 2 afterwards) and the sandboxes created from it see nothing of what
+/// the earlier ones wrote: files, directories, symlinks, in any directory.
+#[test]
+fn a_recycled_upper_shows_the_next_sandbox_nothing_of_the_last() {
+    let Some(env) = env("service_recycled_upper") else {
+        return;
+    };
+    let p = unique("recycle");
+    let (home, tokens) = home_with_projects(env, "service-recycle-", &[(&p, &[])]);
+    let svc = Service::start(&home, "");
+    let pool = home.runtime_dir().join("upper-pool");
+    let out = python_ok(
+        &svc,
+        &tokens[0],
+        &format!(
+            r#"
+import asyncio, json, os, strata
+pool = {pool:?}
+def ready():
+    return sum(len(os.listdir(os.path.join(pool, d))) for d in os.listdir(pool))
+async def main():
+    async with strata.AsyncClient() as c:
+        olds = await asyncio.gather(*(c.create("{sample}", backend="container") for _ in range(8)))
+        for i, sb in enumerate(olds):
+            r = await sb.exec(f"echo tenant-{{i}} > /tmp/mark-{{i}} && echo x > /root/mark-{{i}} && "
+                              f"echo y > /etc/mark-{{i}} && mkdir -p /var/mark-{{i}}/deep && "
+                              f"ln -s /etc/passwd /tmp/link-{{i}} && rm -f /etc/hostname.bak")
+            assert r.exit_code == 0, (r.stdout, r.stderr)
+        await asyncio.gather(*(sb.destroy() for sb in olds))
+        kept = ready()
+        seen = []
+        for _ in range(8):
+            async with await c.create("{sample}", backend="container") as sb:
+                r = await sb.exec("ls -a /tmp /root /etc /var 2>&1 | grep -e mark -e link || true")
+                seen.append(r.stdout)
+        print(json.dumps({{"kept": kept, "seen": seen}}))
+asyncio.run(main())
+"#,
+            pool = pool.display().to_string(),
+            sample = env.reference
+        ),
+    );
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("json");
+    let kept = v["kept"].as_u64().expect("kept");
+    assert!(
+        (3..=8).contains(&kept),
+        "{kept} uppers ready after 8 destroys: the pool's target is 2, recycling keeps up to 8"
+    );
+    for seen in v["seen"].as_array().expect("seen") {
+        assert_eq!(
+            seen.as_str(),
+            Some(""),
+            "a new sandbox saw an earlier one's files"
+        );
+    }
 }
 
 #[test]
