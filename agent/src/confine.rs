@@ -10,7 +10,6 @@
 //! exec, and, in a VM guest, where the agent itself stays privileged, the capabilities,
 //! `no_new_privs` and seccomp filter a fncall agent applies to itself.
 
-use std::collections::BTreeMap;
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
@@ -315,71 +314,11 @@ fn scope_rules() -> Result<landlock::RulesetCreated, String> {
         .map_err(err)
 }
 
-/// The policy's seccomp filters, in the order they are loaded: the allowlist (every
-/// listed syscall passes, an unlisted one is answered ENOSYS), then the refusals (EPERM for
-/// the denied syscalls and for the denied arguments of `ioctl`, `clone` and `socket`). The
-/// kernel takes the strictest answer of the two, so no call depends on rule order.
+/// The policy's seccomp filter (see [`crate::filter`]): every listed syscall passes, a
+/// denied one and the denied arguments of `ioctl`, `clone` and `socket` are answered EPERM,
+/// an unlisted one ENOSYS.
 fn seccomp_programs() -> Result<Vec<seccompiler::BpfProgram>, String> {
-    use seccompiler::{
-        SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
-        SeccompRule, TargetArch,
-    };
-    let err = |e: seccompiler::BackendError| format!("seccomp: {e}");
-    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(err)?;
-    let known: BTreeMap<i64, Vec<SeccompRule>> = policy::resolve(policy::ALLOWED_SYSCALLS)
-        .chain(policy::resolve(policy::DENIED_SYSCALLS))
-        .map(|(_, nr)| (nr, Vec::new()))
-        .collect();
-    let allowlist = SeccompFilter::new(
-        known,
-        SeccompAction::Errno(policy::UNLISTED_ERRNO as u32),
-        SeccompAction::Allow,
-        arch,
-    )
-    .map_err(err)?;
-
-    let mut refused: BTreeMap<i64, Vec<SeccompRule>> = policy::resolve(policy::DENIED_SYSCALLS)
-        .map(|(_, nr)| (nr, Vec::new()))
-        .collect();
-    let when = |arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, value: u64| {
-        SeccompCondition::new(arg, len, op, value)
-            .and_then(|c| SeccompRule::new(vec![c]))
-            .map_err(err)
-    };
-    // The request is an unsigned int: its low 32 bits are what the kernel reads.
-    let ioctls = policy::DENIED_IOCTLS
-        .iter()
-        .map(|r| {
-            when(
-                1,
-                SeccompCmpArgLen::Dword,
-                SeccompCmpOp::MaskedEq(r.mask.into()),
-                r.value.into(),
-            )
-        })
-        .collect::<Result<Vec<_>, String>>()?;
-    let clones = policy::NAMESPACE_FLAGS
-        .iter()
-        .map(|f| when(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(*f), *f))
-        .collect::<Result<Vec<_>, String>>()?;
-    let sockets = policy::DENIED_SOCKET_FAMILIES
-        .iter()
-        .map(|(_, family)| when(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, *family))
-        .collect::<Result<Vec<_>, String>>()?;
-    refused.insert(libc::SYS_ioctl, ioctls);
-    refused.insert(libc::SYS_clone, clones);
-    refused.insert(libc::SYS_socket, sockets);
-    let refusals = SeccompFilter::new(
-        refused,
-        SeccompAction::Allow,
-        SeccompAction::Errno(libc::EPERM as u32),
-        arch,
-    )
-    .map_err(err)?;
-    [allowlist, refusals]
-        .into_iter()
-        .map(|f| f.try_into().map_err(|e| format!("seccomp: {e:?}")))
-        .collect()
+    Ok(vec![crate::filter::program()?])
 }
 
 /// What a VM guest's command enters on top of the scope: the agent there keeps its

@@ -24,6 +24,7 @@
 //! sandbox's key only in memory.
 
 mod confine;
+mod filter;
 mod guest;
 mod relay;
 mod serve;
