@@ -13,6 +13,8 @@ pub mod exec;
 pub mod fs;
 pub mod loopdev;
 pub mod mountns;
+#[cfg(any(test, feature = "test-support"))]
+pub mod testing;
 pub mod unix;
 pub mod views;
 

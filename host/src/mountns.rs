@@ -390,27 +390,12 @@ mod tests {
         );
     }
 
-    /// Whether the test runs as root, which it needs for `what`; CI (.ci/run) must not
-    /// pass a test by skipping it.
-    fn root(what: &str) -> bool {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } == 0 {
-            return true;
-        }
-        assert!(
-            std::env::var("STRATA_REQUIRE_PRIVILEGED").as_deref() != Ok("1"),
-            "needs root ({what})"
-        );
-        eprintln!("not run: needs root ({what})");
-        false
-    }
-
     /// The descriptor arrives open in the child whichever number the template's copy got
     /// in the parent: a copy that already had the target number (dup2 onto itself does
     /// nothing) once stayed close-on-exec, and a pooled fncall agent aborted closing it.
     #[test]
     fn a_passed_template_is_open_in_the_child_whatever_its_number_was() {
-        if !root("unshare of a mount namespace") {
+        if !crate::testing::root("unshare of a mount namespace") {
             return;
         }
         let dir = std::env::temp_dir();
@@ -443,7 +428,7 @@ mod tests {
     /// caller's namespace as it was.
     #[test]
     fn a_spawned_command_gets_its_namespace_mounts_and_descriptors() {
-        if !root("mounts") {
+        if !crate::testing::root("mounts") {
             return;
         }
         let state = tempfile::tempdir().unwrap();

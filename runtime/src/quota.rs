@@ -69,22 +69,12 @@ impl Uppers {
             // ready, its upper not yet moved) leaves one the next reap knows for
             // abandoned at once.
             let _ = mark_owner(&claimed);
-            let from = self.dir(&format!("{POOLED}{slot}"));
-            let to = self.dir(id);
-            let moved = std::fs::create_dir_all(&to).is_ok()
-                && nix::mount::mount(
-                    Some(&from),
-                    &to,
-                    None::<&str>,
-                    nix::mount::MsFlags::MS_MOVE,
-                    None::<&str>,
-                )
-                .is_ok()
-                && std::fs::rename(self.image(&format!("{POOLED}{slot}")), self.image(id)).is_ok();
+            let pooled = format!("{POOLED}{slot}");
+            let moved = self.rename_upper(&pooled, id);
             let _ = std::fs::remove_file(&claimed);
             if moved {
-                let _ = std::fs::remove_dir(&from);
-                return Some(to);
+                let _ = std::fs::remove_dir(self.dir(&pooled));
+                return Some(self.dir(id));
             }
             // A shared parent mount refuses MS_MOVE: drop the slot, make one fresh.
             let _ = self.remove(&format!("{POOLED}{slot}"));
@@ -155,18 +145,8 @@ impl Uppers {
             return false;
         }
         let pooled = format!("{POOLED}{slot}");
-        let to = self.dir(&pooled);
         let handed = empty_upper(&dir).is_ok()
-            && std::fs::create_dir(&to).is_ok()
-            && nix::mount::mount(
-                Some(&dir),
-                &to,
-                None::<&str>,
-                nix::mount::MsFlags::MS_MOVE,
-                None::<&str>,
-            )
-            .is_ok()
-            && std::fs::rename(self.image(id), self.image(&pooled)).is_ok()
+            && self.rename_upper(id, &pooled)
             && std::fs::create_dir_all(&sized).is_ok()
             && std::fs::write(sized.join(&slot), b"").is_ok();
         if handed {
@@ -177,6 +157,22 @@ impl Uppers {
             let _ = self.remove(&pooled);
         }
         handed
+    }
+
+    /// Gives the upper of `from` (its mount, moved, and its image, renamed) the name `to`;
+    /// `false` when a step failed (a shared parent mount refuses MS_MOVE).
+    fn rename_upper(&self, from: &str, to: &str) -> bool {
+        let target = self.dir(to);
+        std::fs::create_dir_all(&target).is_ok()
+            && nix::mount::mount(
+                Some(&self.dir(from)),
+                &target,
+                None::<&str>,
+                nix::mount::MsFlags::MS_MOVE,
+                None::<&str>,
+            )
+            .is_ok()
+            && std::fs::rename(self.image(from), self.image(to)).is_ok()
     }
 
     /// The file naming the process making pool slot `slot`.
@@ -543,13 +539,7 @@ mod tests {
     /// service killed in a create left a mounted upper no drain found: the soak).
     #[test]
     fn a_slot_whose_claimant_died_is_no_longer_pooled() {
-        let root = tempfile::tempdir().unwrap();
-        let uppers = Uppers::open(
-            &root.path().join("images"),
-            &root.path().join("uppers"),
-            &root.path().join("pool"),
-        )
-        .unwrap();
+        let (root, uppers) = uppers_in_tempdir();
         std::fs::write(uppers.image("pool-abc"), b"").unwrap();
         // Nothing names it: a drain or a claim was killed midway.
         assert!(!uppers.is_pooled("pool-abc"));
@@ -581,18 +571,16 @@ mod tests {
         assert!(!uppers.image("pool-abc").exists());
     }
 
-    /// Whether the test runs as root (it mounts); CI (.ci/run) must not pass it by
-    /// skipping.
-    fn root(what: &str) -> bool {
-        if nix::unistd::geteuid().is_root() {
-            return true;
-        }
-        assert!(
-            std::env::var("STRATA_REQUIRE_PRIVILEGED").as_deref() != Ok("1"),
-            "needs root ({what})"
-        );
-        eprintln!("not run: needs root ({what})");
-        false
+    /// Uppers whose images, mounts and pool are in a new temporary directory.
+    fn uppers_in_tempdir() -> (tempfile::TempDir, Uppers) {
+        let root = tempfile::tempdir().unwrap();
+        let uppers = Uppers::open(
+            &root.path().join("images"),
+            &root.path().join("uppers"),
+            &root.path().join("pool"),
+        )
+        .unwrap();
+        (root, uppers)
     }
 
     /// The names at the root of the upper mounted at `dir`.
@@ -610,16 +598,10 @@ mod tests {
     /// whose lost+found is not empty, and one beyond the pool's keep are not taken.
     #[test]
     fn a_used_upper_returns_to_the_pool_empty() {
-        if !root("loop-mounts ext4 uppers") {
+        if !strata_host::testing::root("loop-mounts ext4 uppers") {
             return;
         }
-        let root = tempfile::tempdir().unwrap();
-        let uppers = Uppers::open(
-            &root.path().join("images"),
-            &root.path().join("uppers"),
-            &root.path().join("pool"),
-        )
-        .unwrap();
+        let (root, uppers) = uppers_in_tempdir();
         let outside = root.path().join("outside");
         std::fs::create_dir(&outside).unwrap();
         std::fs::write(outside.join("keep"), b"host file").unwrap();
