@@ -77,16 +77,19 @@ enum Change {
 }
 
 impl State {
-    fn apply(&mut self, change: Change) {
+    fn apply(&mut self, change: &Change) {
         match change {
             Change::Bind(id, dir) => {
-                self.binds.entry(id).or_default().insert(dir);
+                self.binds
+                    .entry(id.clone())
+                    .or_default()
+                    .insert(dir.clone());
             }
             Change::Unbind(id, dir) => {
-                if let Some(dirs) = self.binds.get_mut(&id) {
-                    dirs.remove(&dir);
+                if let Some(dirs) = self.binds.get_mut(id) {
+                    dirs.remove(dir);
                     if dirs.is_empty() {
-                        self.binds.remove(&id);
+                        self.binds.remove(id);
                     }
                 }
             }
@@ -112,6 +115,15 @@ struct StateLog {
 }
 
 impl StateLog {
+    /// The state on disk under `paths` (the journal opened at the first change).
+    fn new(paths: Paths) -> StateLog {
+        StateLog {
+            paths,
+            journal: None,
+            lines: 0,
+        }
+    }
+
     /// Records `change`, already applied to `state`: a line appended to the journal, or
     /// the whole state written once the journal is twice as long as the state it changes.
     fn record(&mut self, change: &Change, state: &State) {
@@ -215,30 +227,22 @@ fn read_state(paths: &Paths) -> Result<State, LazyError> {
 /// already holds changes nothing (a crash between a new state file and the journal's
 /// truncation), and an unfinished last line is a crash midway through its write: skipped.
 fn replay(path: &Path, bytes: &[u8], state: &mut State) -> Result<(), LazyError> {
-    let mut rest = bytes;
-    let mut number = 0;
-    while !rest.is_empty() {
-        number += 1;
-        let (line, complete) = match rest.iter().position(|&b| b == b'\n') {
-            Some(end) => {
-                let line = &rest[..end];
-                rest = &rest[end + 1..];
-                (line, true)
-            }
-            None => (std::mem::take(&mut rest), false),
-        };
+    let lines: Vec<&[u8]> = bytes.split(|&b| b == b'\n').collect();
+    // Text after the last newline (none when the journal ends in one) is unfinished.
+    let finished = lines.len() - 1;
+    for (i, line) in lines.into_iter().enumerate() {
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
         match serde_json::from_slice::<Change>(line) {
-            Ok(change) => state.apply(change),
-            Err(_) if !complete => {
+            Ok(change) => state.apply(&change),
+            Err(_) if i == finished => {
                 tracing::warn!(path = %path.display(), "the journal's last line is unfinished; skipped")
             }
             Err(e) => {
                 return Err(LazyError::State {
                     path: path.display().to_string(),
-                    reason: format!("line {number} is not a bind change ({e})"),
+                    reason: format!("line {} is not a bind change ({e})", i + 1),
                 })
             }
         }
@@ -333,7 +337,7 @@ impl Daemon {
         let Ok(mut st) = self.state.lock() else {
             return;
         };
-        st.apply(change.clone());
+        st.apply(&change);
         if let Ok(mut log) = self.log.lock() {
             log.record(&change, &st);
         }
@@ -727,11 +731,7 @@ pub async fn serve(cfg: DaemonConfig, store: Store) -> Result<(), LazyError> {
         layers,
         recording: Mutex::new(BTreeSet::new()),
         state: Mutex::new(State::default()),
-        log: Mutex::new(StateLog {
-            paths: paths.clone(),
-            journal: None,
-            lines: 0,
-        }),
+        log: Mutex::new(StateLog::new(paths.clone())),
         attach_lock: tokio::sync::Mutex::new(()),
         erofs,
         rt: tokio::runtime::Handle::current(),
@@ -895,15 +895,11 @@ mod tests {
     fn log_in(dir: &Path) -> StateLog {
         let paths = Paths::new(dir);
         std::fs::create_dir_all(paths.run_dir()).unwrap();
-        StateLog {
-            paths,
-            journal: None,
-            lines: 0,
-        }
+        StateLog::new(paths)
     }
 
     fn change(log: &mut StateLog, state: &mut State, change: Change) {
-        state.apply(change.clone());
+        state.apply(&change);
         log.record(&change, state);
     }
 

@@ -77,7 +77,7 @@ impl Uppers {
                 return Some(self.dir(id));
             }
             // A shared parent mount refuses MS_MOVE: drop the slot, make one fresh.
-            let _ = self.remove(&format!("{POOLED}{slot}"));
+            let _ = self.remove(&pooled);
             let _ = self.remove(id);
             return None;
         }
@@ -133,10 +133,16 @@ impl Uppers {
         let target = targets.get(&bytes).copied().unwrap_or(0);
         let sized = self.pool.join(bytes.to_string());
         let ready = std::fs::read_dir(&sized).map_or(0, |rd| rd.count());
+        // A full pool (the usual case under load) answers before the upper is looked at.
+        if ready >= target.saturating_mul(RECYCLE_POOL_FACTOR) {
+            return false;
+        }
         let mounted = strata_host::fs::mount_root(&dir).is_ok_and(|(root, _)| root);
-        let small = nix::sys::statvfs::statvfs(&dir)
-            .is_ok_and(|st| st.files().saturating_sub(st.files_free()) <= RECYCLE_MAX_INODES);
-        if ready >= target.saturating_mul(RECYCLE_POOL_FACTOR) || !mounted || !small {
+        let small = || {
+            nix::sys::statvfs::statvfs(&dir)
+                .is_ok_and(|st| st.files().saturating_sub(st.files_free()) <= RECYCLE_MAX_INODES)
+        };
+        if !mounted || !small() {
             return false;
         }
         let slot = uuid::Uuid::new_v4().simple().to_string()[..12].to_string();
@@ -612,12 +618,11 @@ mod tests {
         };
         let checks = || -> Result<(), String> {
             // Not recycled for a pool with no target (a process that keeps none ready).
-            let dir = uppers.create("a", bytes).map_err(|e| e.to_string())?;
+            uppers.create("a", bytes).map_err(|e| e.to_string())?;
             if uppers.recycle("a") {
                 return Err("recycled with no pool target".into());
             }
             uppers.remove("a").map_err(|e| e.to_string())?;
-            drop(dir);
 
             uppers.fill(bytes, 1).map_err(|e| e.to_string())?;
             let dir = uppers.claim("a", bytes).ok_or("no pooled upper")?;
