@@ -409,7 +409,9 @@ impl Criu {
             }
         };
         let exe = File::open(r.agent).map_err(RuntimeError::io(r.agent))?;
-        let log = images.join("restore.log");
+        // The sandbox's own: a fork restores one snapshot several times at once, and
+        // nothing is written into the snapshot (it is removed while the copies run on).
+        let log = crate::absolute(&r.sandbox_dir.join("restore.log"));
         let _ = std::fs::remove_file(r.pid_file);
         let mut cmd = Command::new(&self.binary);
         cmd.arg("restore")
@@ -453,6 +455,7 @@ impl Criu {
         // Restored tasks are forked by CRIU: in the sandbox's cgroup from the start.
         r.cgroup.join_on_exec(&mut cmd)?;
         self.run(cmd, "restore", &log, r.sandbox_dir)?;
+        let _ = std::fs::remove_file(&log);
         drop((exe, netns));
         let pid = std::fs::read_to_string(r.pid_file)
             .map_err(RuntimeError::io(r.pid_file))?

@@ -97,9 +97,7 @@ fn restore_many(
         .fork_snapshot(&dir, count)
         .map_err(ServiceError::from)
         .and_then(|_| made_all(count, || restore(rt, &dir)));
-    if let Err(e) = std::fs::remove_dir_all(&dir) {
-        tracing::warn!("removing the fork snapshot {}: {e}", dir.display());
-    }
+    crate::snapshot::remove_work(&dir);
     made
 }
 

@@ -157,11 +157,21 @@ pub(crate) fn private_dir(parent: &Path, name: &str) -> Result<PathBuf, ServiceE
     )))
 }
 
-/// Removes a work directory, saying so if it cannot.
-fn remove_work(dir: &Path) {
-    if let Err(e) = std::fs::remove_dir_all(dir) {
-        if e.kind() != std::io::ErrorKind::NotFound {
-            tracing::warn!("removing {}: {e}", dir.display());
+/// Removes a work directory, saying so if it cannot. Tried three times: a removal that
+/// meets an entry made or removed meanwhile fails (ENOTEMPTY, ENOENT) where the next
+/// succeeds; what is left after that the next [`private_dir`] of a later process reaps.
+pub(crate) fn remove_work(dir: &Path) {
+    for attempt in 1..=3 {
+        match std::fs::remove_dir_all(dir) {
+            Ok(()) => return,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+            Err(e) if attempt == 3 => {
+                tracing::warn!("removing {}: {e}", dir.display());
+            }
+            Err(e) => {
+                tracing::info!("removing {}: {e}; trying again", dir.display());
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
         }
     }
 }

@@ -1088,8 +1088,12 @@ fn fork_children(backend: &str, children: usize) {
     let at_fork = count(&parent);
     let before = strata_tests::host_used_bytes();
     let started = Instant::now();
-    let out = env.ok(&["sandbox", "fork", &parent, "--count", &children.to_string()]);
+    let forked = env.cli(&["sandbox", "fork", &parent, "--count", &children.to_string()]);
     let took = started.elapsed();
+    // What the fork logged (its stderr) says why, should it leave its snapshot behind.
+    let fork_log = String::from_utf8_lossy(&forked.stderr).into_owned();
+    assert!(forked.status.success(), "sandbox fork: {fork_log}");
+    let out = String::from_utf8_lossy(&forked.stdout).into_owned();
     let kids: Vec<String> = out.lines().map(str::to_string).collect();
     assert_eq!(kids.len(), children, "{out}");
     let held = strata_tests::host_used_bytes().saturating_sub(before);
@@ -1159,10 +1163,16 @@ fn fork_children(backend: &str, children: usize) {
         env.assert_gone(id, &pids);
     }
     let forks = env.cli.runtime_dir().join("forks");
-    let left: Vec<_> = std::fs::read_dir(&forks)
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
-    assert!(left.is_empty(), "fork snapshots left: {left:?}");
+    let left: Vec<_> = walkdir::WalkDir::new(&forks)
+        .min_depth(1)
+        .into_iter()
+        .flatten()
+        .map(|e| e.into_path())
+        .collect();
+    assert!(
+        left.is_empty(),
+        "fork snapshots left: {left:?}; the fork logged: {fork_log}"
+    );
 }
 
 /// SECURITY.md, "evaluation": an agent's sandbox can change neither what grades it nor how.
