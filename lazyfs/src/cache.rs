@@ -1010,8 +1010,11 @@ mod tests {
                 let held: Vec<usize> = (0..8).filter(|i| c.on_disk(&all[*i])).collect();
                 proptest::prop_assert_eq!(held, model.keys().copied().collect::<Vec<_>>());
                 proptest::prop_assert_eq!(c.stats().bytes, model.len() as u64 * round_up(LEN as u64));
-                // The blocks of the chunks held, and at most the two partial blocks an evicted
-                // chunk shares with its neighbours.
+                // The blocks of the chunks held, at most the two partial blocks an evicted
+                // chunk shares with its neighbours, and one block of the file system's own:
+                // ext4 counts an extent tree's leaf block in the file's blocks once the file
+                // has more than the four extents its inode holds (and keeps it when fewer
+                // remain).
                 let mut blocks = std::collections::BTreeSet::new();
                 for i in model.keys() {
                     let (from, to) = (all[*i].offset / BLOCK, round_up(all[*i].offset + LEN as u64) / BLOCK);
@@ -1019,7 +1022,7 @@ mod tests {
                 }
                 let evicted = ever_put.len() - model.len();
                 proptest::prop_assert!(
-                    allocated(dir.path()) <= (blocks.len() + 2 * evicted) as u64 * BLOCK,
+                    allocated(dir.path()) <= (blocks.len() + 2 * evicted + 1) as u64 * BLOCK,
                     "{} bytes allocated", allocated(dir.path())
                 );
             }
