@@ -207,9 +207,7 @@ impl SandboxesApi {
     async fn open<T>(&self, req: &Request<T>, id: &str) -> Result<(Meta, Sandbox), Status> {
         let who = caller(&self.0, req).await?;
         let meta = self.0.meta_for(&who, id)?;
-        let node = self.0.clone();
-        let m = meta.clone();
-        let sb = blocking(move || node.sandbox(&m)).await?;
+        let sb = self.0.running(&meta).await?;
         Ok((meta, sb))
     }
 
@@ -395,9 +393,7 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
                 }
             };
         let meta = self.0.meta_for(&who, &first.id)?;
-        let node = self.0.clone();
-        let m = meta.clone();
-        let sb = blocking(move || node.sandbox(&m)).await?;
+        let sb = self.0.running(&meta).await?;
         let mut first = first;
         let step = std::mem::take(&mut first.step_id);
         let mut initial = first.stdin.clone();

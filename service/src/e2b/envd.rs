@@ -19,7 +19,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::connect::{self, field, int, RpcError, STREAM_CONTENT_TYPE};
 use super::procs::{EndInfo, ProcConfig, ProcEvent, Start};
-use super::{api_error, blocking, files, header, watch, E2b};
+use super::{api_error, files, header, watch, E2b};
 use crate::error::ServiceError;
 use crate::state::Meta;
 
@@ -72,9 +72,7 @@ pub(super) async fn handle(e: &Arc<E2b>, meta: Meta, req: Request) -> Response {
             api_error(StatusCode::BAD_GATEWAY, msg)
         };
     }
-    let node = e.node.clone();
-    let m = meta.clone();
-    let sb = match blocking(move || node.sandbox(&m)).await {
+    let sb = match e.node.running(&meta).await {
         Ok(sb) => sb,
         // Ended between the record's lookup and now (its TTL, a destroy): as if it had
         // not been found (e2b 2.20's `is_running()` raises on anything but that 502).
