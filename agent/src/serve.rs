@@ -502,6 +502,7 @@ fn exec(
         }
     };
     crate::sys::before_exec(&mut cmd, move || {
+        crate::sys::default_signals();
         if let Some(procs) = &procs {
             // Join the budget cgroup, and be an OOM victim again (the agent is not).
             crate::sys::write_now(procs, b"0")?;

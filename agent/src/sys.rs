@@ -158,6 +158,33 @@ pub fn before_exec(
     }
 }
 
+/// Sets every signal a process may catch back to its default action: for a forked child
+/// before exec (no allocation). A signal ignored by whoever started the node (`nohup`, a
+/// script's background job: SIGHUP, SIGINT, SIGQUIT; something up the chain also leaves
+/// signal 32 ignored) stays ignored across every exec down to the sandbox's commands,
+/// which would then not stop on Ctrl-C, a hang-up, or a runtime's own signals. The raw
+/// system call: libc's wrapper refuses the signals it reserves (32, 33).
+pub fn default_signals() {
+    // The kernel's struct sigaction, all zero: SIG_DFL, no flags, an empty mask.
+    let default = [0u64; 4];
+    for sig in 1..=64 {
+        if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+            // SAFETY: rt_sigaction reads a struct sigaction from a buffer we hold (32
+            // bytes, larger than the kernel's on every architecture), writes nothing back
+            // (null old action); the set size is the kernel's (64 signals, 8 bytes).
+            unsafe {
+                libc::syscall(
+                    libc::SYS_rt_sigaction,
+                    sig,
+                    default.as_ptr(),
+                    std::ptr::null_mut::<u64>(),
+                    8usize,
+                )
+            };
+        }
+    }
+}
+
 /// Opens `path`, writes `value`, closes it: for a forked child (no allocation).
 pub fn write_now(path: &CStr, value: &[u8]) -> std::io::Result<()> {
     // SAFETY: open of a NUL-terminated path; the descriptor is closed below.

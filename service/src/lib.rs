@@ -140,10 +140,12 @@ pub fn check_node_name(name: &str) -> Result<(), ServiceError> {
 }
 
 /// Serves until `shutdown` completes: gRPC on `cfg.listen`, metrics on
-/// `cfg.metrics_listen`, the reaper on its timer.
+/// `cfg.metrics_listen`, the reaper on its timer; `ready` is called once every listener
+/// is bound.
 pub async fn serve(
     node: std::sync::Arc<Node>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ready: impl FnOnce(),
 ) -> Result<(), ServiceError> {
     use tonic::transport::Server;
     let cfg = node.config().clone();
@@ -166,6 +168,8 @@ pub async fn serve(
     };
     let reaper = tokio::spawn(node::reaper(node.clone()));
     tracing::info!(listen = %cfg.listen, node = %cfg.node, "serving");
+    // Every listener is bound: a client that waits for this connects.
+    ready();
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let result = Server::builder()
         .tcp_nodelay(true)

@@ -62,23 +62,25 @@ fn addr(what: &str, text: &str) -> Result<std::net::SocketAddr> {
     })
 }
 
-async fn shutdown_signal() {
+/// SIGTERM or SIGINT, taken from the moment this is called: one that comes while the
+/// node starts (recovering its sandboxes) stops it once it has started, instead of being
+/// lost (a SIGINT to a process a script started in the background is ignored until a
+/// handler is set) or killing it half way.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        std::future::pending::<()>().await;
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    tracing::info!("stopping; sandboxes stay for the next start");
+    let mut term = signal(SignalKind::terminate()).context("handling SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("handling SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tracing::info!("stopping; sandboxes stay for the next start");
+    })
 }
 
 pub async fn serve(store: Store, settings: &Settings, args: ServeArgs) -> Result<i32> {
+    let stop = shutdown_signal()?;
     let s = &settings.serve;
     let listen = addr("--listen", args.listen.as_deref().unwrap_or(&s.listen))?;
     let metrics = args
@@ -133,15 +135,17 @@ pub async fn serve(store: Store, settings: &Settings, args: ServeArgs) -> Result
         )
     });
     let node = Node::start(cfg, rt, store, settings.registrant.clone()).await?;
-    eprintln!(
-        "strata: node `{}` serving on {listen}{}{}",
-        node.config().node,
-        metrics
-            .map(|m| format!(", metrics on http://{m}/metrics"))
-            .unwrap_or_default(),
-        e2b_shown.unwrap_or_default()
-    );
-    strata_service::serve(node, shutdown_signal()).await?;
+    let name = node.config().node.clone();
+    strata_service::serve(node, stop, || {
+        eprintln!(
+            "strata: node `{name}` serving on {listen}{}{}",
+            metrics
+                .map(|m| format!(", metrics on http://{m}/metrics"))
+                .unwrap_or_default(),
+            e2b_shown.unwrap_or_default()
+        )
+    })
+    .await?;
     Ok(0)
 }
 

@@ -4,6 +4,7 @@
 
 use std::io::Read;
 use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
@@ -88,27 +89,36 @@ impl Service {
             .append(true)
             .open(&self.log)
             .expect("service log");
-        let child = Command::new(strata_bin())
-            .args(["serve", "--node-name", "test"])
+        let mut cmd = Command::new(strata_bin());
+        cmd.args(["serve", "--node-name", "test"])
             .env("STRATA_HOME", &self.home)
             .env("STRATA_STORE", &self.store)
             .env("STRATA_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("starting strata serve");
-        self.child = Some(child);
+            .stderr(log);
+        // As a script starts it in the background (`nohup strata serve &`): SIGHUP and
+        // SIGINT ignored. The service must still stop on SIGINT ([`Service::interrupt`]),
+        // and its sandboxes' commands must not inherit what it ignores.
+        // SAFETY: between fork and exec only signal(2), async-signal-safe, is called.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGHUP, libc::SIG_IGN);
+                libc::signal(libc::SIGINT, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+        self.child = Some(cmd.spawn().expect("starting strata serve"));
         let deadline = Instant::now() + Duration::from_secs(120);
         let wanted: Vec<String> = std::iter::once(self.addr.clone())
             .chain(self.e2b.clone())
             .collect();
-        // Listening, and this process: a port that answers may still be the killed one's,
-        // held a moment by a child it forked that has not exec'd yet. The service logs
-        // `serving` once its listeners are bound.
-        let served = |s: &Service| s.log_text().matches("strata_service: serving").count();
+        // The line this process prints once its listeners are bound (the log keeps the
+        // lines of earlier processes: a port that answers may still be a killed one's,
+        // held a moment by a child it forked that has not exec'd yet).
+        let served = |s: &Service| s.log_text().matches("` serving on ").count();
         let before = served(self);
-        while served(self) <= before || wanted.iter().any(|a| TcpStream::connect(a).is_err()) {
+        while served(self) <= before {
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(status)) = c.try_wait() {
                     panic!("strata serve exited ({status}): {}", self.log_text());
@@ -121,6 +131,45 @@ impl Service {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
+        // A script goes by that line: from then on a client connects.
+        for a in &wanted {
+            if let Err(e) = TcpStream::connect(a) {
+                panic!(
+                    "strata serve said it was serving, but {a} refused a connection: {e}: {}",
+                    self.log_text()
+                );
+            }
+        }
+    }
+
+    /// SIGINT (Ctrl-C, or a script's `kill -INT`): the service stops within 20 s, exits 0
+    /// and says so in its log.
+    pub fn interrupt(&mut self) {
+        let Some(mut c) = self.child.take() else {
+            return;
+        };
+        // SAFETY: signalling a child this struct started and has not reaped.
+        unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let status = loop {
+            if let Ok(Some(status)) = c.try_wait() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                panic!(
+                    "strata serve did not stop in 20 s after SIGINT: {}",
+                    self.log_text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            status.success() && self.log_text().contains("stopping; sandboxes stay"),
+            "strata serve after SIGINT: {status}: {}",
+            self.log_text()
+        );
     }
 
     pub fn url(&self) -> String {

@@ -286,6 +286,10 @@ async def main():
             await sb.files.write("/work/kept.txt", b"kept")
             r = await sb.exec("nohup sh -c 'while true; do echo t >> /tmp/ticks; sleep 0.2; done' >/dev/null 2>&1 &")
             assert r.exit_code == 0
+            # The service was started ignoring SIGHUP and SIGINT (the harness, as nohup
+            # and a script's `&` do); a command ignores nothing.
+            r = await sb.exec(["grep", "SigIgn", "/proc/self/status"])
+            assert r.stdout.split() == ["SigIgn:", "0000000000000000"], (backend, r.stdout)
             ids.append(sb.id)
         print(json.dumps(ids))
 asyncio.run(main())
@@ -393,6 +397,11 @@ asyncio.run(main())
     // runs on.
     let held = strata_tests::held_uppers(&home.runtime_dir().join("upper-images"));
     assert!(held.is_empty(), "uppers still attached: {held:?}");
+    // Stopped as a person or a script stops it, with SIGINT, right after it says it
+    // serves (the harness starts it with SIGINT ignored, as a background job of a script
+    // is: a SIGINT before its handler was set was once lost).
+    svc.restart();
+    svc.interrupt();
 }
 
 /// Waits (10 s at most) until step `step` of sandbox `id` shows as running in its journal.
