@@ -303,7 +303,7 @@ impl Node {
     /// its idle TTL.
     pub fn sandbox(&self, meta: &Meta) -> Result<Sandbox, ServiceError> {
         let sb = self.handle(meta)?;
-        if meta.hibernated || sb.is_hibernated() {
+        if asleep(meta, &sb) {
             self.wake(meta, &sb)?;
         }
         Ok(sb)
@@ -316,7 +316,7 @@ impl Node {
     /// a good part of a small command's time.
     pub async fn running(self: &Arc<Self>, meta: &Meta) -> Result<Sandbox, ServiceError> {
         let sb = self.handle(meta)?;
-        if meta.hibernated || sb.is_hibernated() {
+        if asleep(meta, &sb) {
             let (node, m, s) = (self.clone(), meta.clone(), sb.clone());
             crate::blocking(move || node.wake(&m, &s)).await?;
         }
@@ -655,9 +655,7 @@ impl Node {
                 });
             }
         }
-        let node = self.clone();
-        let m = meta.clone();
-        let sb = crate::blocking(move || node.sandbox(&m)).await?;
+        let sb = self.running(meta).await?;
         crate::snapshot::take(
             &self.store,
             &sb,
@@ -1115,4 +1113,10 @@ impl Node {
         self.owned_local(caller, id)?;
         self.journal.list(id).await
     }
+}
+
+/// Whether the sandbox behind `meta` must be woken before use (the service's record or
+/// the runtime's says it is hibernated).
+fn asleep(meta: &Meta, sb: &Sandbox) -> bool {
+    meta.hibernated || sb.is_hibernated()
 }

@@ -801,9 +801,8 @@ impl sandboxes_server::Sandboxes for SandboxesApi {
     ) -> Result<Response<proto::SandboxInfo>, Status> {
         let who = caller(&self.0, &req).await?;
         let meta = self.0.meta_for(&who, &req.get_ref().id)?;
-        let node = self.0.clone();
         // The runtime handle of a hibernated sandbox is made by waking it.
-        blocking(move || node.sandbox(&meta).map(|_| ())).await?;
+        self.0.running(&meta).await?;
         let meta = self.0.meta_for(&who, &req.get_ref().id)?;
         Ok(Response::new(info(&self.0, &meta)))
     }

@@ -158,8 +158,8 @@ pub(crate) fn private_dir(parent: &Path, name: &str) -> Result<PathBuf, ServiceE
 }
 
 /// Removes a work directory, saying so if it cannot. Tried three times: a removal that
-/// meets an entry made or removed meanwhile fails (ENOTEMPTY, ENOENT) where the next
-/// succeeds; what is left after that the next [`private_dir`] of a later process reaps.
+/// meets an entry made meanwhile fails (ENOTEMPTY) where the next succeeds; what is left
+/// after that the next [`private_dir`] of a later process reaps.
 pub(crate) fn remove_work(dir: &Path) {
     for attempt in 1..=3 {
         match std::fs::remove_dir_all(dir) {

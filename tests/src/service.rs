@@ -148,22 +148,11 @@ impl Service {
         let Some(mut c) = self.child.take() else {
             return;
         };
-        // SAFETY: signalling a child this struct started and has not reaped.
-        unsafe { libc::kill(c.id() as i32, libc::SIGINT) };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        let status = loop {
-            if let Ok(Some(status)) = c.try_wait() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                let _ = c.kill();
-                let _ = c.wait();
-                panic!(
-                    "strata serve did not stop in 20 s after SIGINT: {}",
-                    self.log_text()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        let Some(status) = stop(&mut c, libc::SIGINT) else {
+            panic!(
+                "strata serve did not stop in 20 s after SIGINT: {}",
+                self.log_text()
+            );
         };
         assert!(
             status.success() && self.log_text().contains("stopping; sandboxes stay"),
@@ -224,19 +213,26 @@ impl Service {
 impl Drop for Service {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            // SAFETY: signalling a child this struct started and has not reaped.
-            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while Instant::now() < deadline {
-                if let Ok(Some(_)) = c.try_wait() {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-            let _ = c.kill();
-            let _ = c.wait();
+            stop(&mut c, libc::SIGTERM);
         }
     }
+}
+
+/// Sends `signal` to the service `c` and waits 20 s at most for it to exit; its status,
+/// or `None` when it had to be killed.
+fn stop(c: &mut Child, signal: libc::c_int) -> Option<std::process::ExitStatus> {
+    // SAFETY: signalling a child the caller started and has not reaped.
+    unsafe { libc::kill(c.id() as i32, signal) };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = c.try_wait() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = c.kill();
+    let _ = c.wait();
+    None
 }
 
 /// A command of an unmodified E2B client, pointed at `url` (both URLs) with `token`.

@@ -682,8 +682,7 @@ async fn connect(e: &Arc<E2b>, caller: &Caller, id: &str, req: Request) -> Respo
         Err(r) => return r.into_response(),
     };
     if meta.hibernated {
-        let (node, m) = (e.node.clone(), meta.clone());
-        if let Err(err) = blocking(move || node.sandbox(&m).map(|_| ())).await {
+        if let Err(err) = e.node.running(&meta).await {
             return error_response(&err);
         }
         meta = match e.node.meta_for(caller, id) {
