@@ -295,7 +295,14 @@ impl LayerBlob {
             } else {
                 along
             };
-            match self.fetch_once(i, along).await {
+            // Each attempt gets what is left of the deadline: one request the store never
+            // answers (its client's own timeout is far longer) must not hold a read past
+            // the bound an outage fails it within.
+            let left = deadline.saturating_duration_since(Instant::now());
+            let attempt = tokio::time::timeout(left, self.fetch_once(i, along))
+                .await
+                .unwrap_or(Err(FetchError::NoAnswer(left)));
+            match attempt {
                 Ok(b) => {
                     self.observe(started.elapsed());
                     return Ok(b);
@@ -309,7 +316,7 @@ impl LayerBlob {
                     tracing::error!(layer = %self.id(), "{msg}; failing the read with EIO");
                     return Err(LazyError::Chunk(msg));
                 }
-                Err(FetchError::Store(e)) => {
+                Err(e @ (FetchError::Store(_) | FetchError::NoAnswer(_))) => {
                     if Instant::now() + delay > deadline {
                         self.counters.errors.fetch_add(1, Ordering::Relaxed);
                         let c = &self.manifest.chunks[i];
@@ -613,10 +620,15 @@ impl LayerBlob {
         let start = first.offset;
         let end = last.offset + last.stored_length as u64;
         let started = Instant::now();
-        let bytes = match self
+        // Bounded like a reader's fetch: a reader of a chunk claimed here waits for this.
+        let id = self.id();
+        let read = self
             .store
-            .read_prefetch_pack(&self.id(), start, end.saturating_sub(start))
+            .read_prefetch_pack(&id, start, end.saturating_sub(start));
+        let bytes = match tokio::time::timeout(self.policy.timeout, read)
             .await
+            .map(|r| r.map_err(FetchError::Store))
+            .unwrap_or(Err(FetchError::NoAnswer(self.policy.timeout)))
         {
             Ok(b) => b,
             Err(e) => {
@@ -783,4 +795,16 @@ pub(crate) enum Origin {
 enum FetchError {
     Corrupt(String),
     Store(StoreError),
+    /// The store did not answer within this (what was left of the fetch's deadline).
+    NoAnswer(Duration),
+}
+
+impl std::fmt::Display for FetchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FetchError::Corrupt(msg) => f.write_str(msg),
+            FetchError::Store(e) => e.fmt(f),
+            FetchError::NoAnswer(d) => write!(f, "no answer within {d:?}"),
+        }
+    }
 }

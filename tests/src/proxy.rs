@@ -1,6 +1,6 @@
 //! A latency-injecting TCP proxy on loopback, for tests and benchmarks of a remote store: it
 //! puts a configurable round-trip time and bandwidth cap between a client and a server
-//! (radosgw), and can cut the link or corrupt response bodies on demand.
+//! (radosgw), and can cut the link, partition it or corrupt response bodies on demand.
 //!
 //! The model: every byte the server sends reaches the client one RTT after the client's
 //! bytes reached the proxy (the whole delay is applied on the way back, so one timer
@@ -32,6 +32,8 @@ struct Shared {
     rtt_us: AtomicU64,
     bandwidth: AtomicU64,
     down: AtomicBool,
+    /// A partition: nothing passes and nobody is told.
+    partitioned: AtomicBool,
     /// Response bodies still to corrupt (one byte flipped in each).
     corrupt: AtomicUsize,
     corrupted: AtomicUsize,
@@ -50,6 +52,13 @@ struct Shared {
 impl Shared {
     fn rtt(&self) -> Duration {
         Duration::from_micros(self.rtt_us.load(Ordering::Relaxed))
+    }
+
+    /// Waits for a partition to heal.
+    async fn healed(&self) {
+        while self.partitioned.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 }
 
@@ -109,6 +118,16 @@ impl LatencyProxy {
     /// An outage: while down, live connections are cut and new ones closed at once.
     pub fn set_down(&self, down: bool) {
         self.shared.down.store(down, Ordering::Relaxed);
+    }
+
+    /// A partition: while it lasts, new connections are accepted and nothing is forwarded
+    /// either way, on them or on live ones, and nothing is closed: a request goes
+    /// unanswered, as behind a dropped route. Once it heals, every connection that carried
+    /// something during it is closed (what it carried was lost).
+    pub fn set_partitioned(&self, partitioned: bool) {
+        self.shared
+            .partitioned
+            .store(partitioned, Ordering::Relaxed);
     }
 
     /// Flips one byte in the body of each of the next `n` responses that have a body.
@@ -179,6 +198,14 @@ async fn accept_loop(
                     drop(client);
                     continue;
                 }
+                if shared.partitioned.load(Ordering::Relaxed) {
+                    let shared = shared.clone();
+                    tasks.spawn(async move {
+                        shared.healed().await;
+                        drop(client);
+                    });
+                    continue;
+                }
                 tasks.spawn(connection(client, upstream, shared.clone()));
             }
         }
@@ -219,6 +246,10 @@ async fn connection(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>
             if up_shared.down.load(Ordering::Relaxed) {
                 break;
             }
+            if up_shared.partitioned.load(Ordering::Relaxed) {
+                up_shared.healed().await;
+                break;
+            }
             let _ = arrived_tx.send(Instant::now());
             if sw.write_all(&buf[..n]).await.is_err() {
                 break;
@@ -237,6 +268,10 @@ async fn connection(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>
             };
             quickack(&sr);
             if shared.down.load(Ordering::Relaxed) {
+                break;
+            }
+            if shared.partitioned.load(Ordering::Relaxed) {
+                shared.healed().await;
                 break;
             }
             let at = *arrived_rx.borrow() + shared.rtt();
@@ -494,5 +529,24 @@ mod tests {
         proxy.set_down(false);
         let mut s3 = std::net::TcpStream::connect(proxy.addr()).unwrap();
         assert!(get(&mut s3, total).ends_with(body));
+
+        // Partitioned: the live connection and a new one stay open and go unanswered;
+        // once it heals, both are closed and a new connection is answered.
+        proxy.set_partitioned(true);
+        let mut s4 = std::net::TcpStream::connect(proxy.addr()).unwrap();
+        for c in [&mut s3, &mut s4] {
+            c.set_read_timeout(Some(Duration::from_millis(300)))
+                .unwrap();
+            c.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+            let e = c.read(&mut buf).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        }
+        proxy.set_partitioned(false);
+        for c in [&mut s3, &mut s4] {
+            assert!(matches!(c.read(&mut buf), Ok(0) | Err(_)));
+        }
+        let mut s5 = std::net::TcpStream::connect(proxy.addr()).unwrap();
+        assert!(get(&mut s5, total).ends_with(body));
     }
 }

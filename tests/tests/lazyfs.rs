@@ -571,8 +571,8 @@ fn a_daemon_that_dies_as_it_starts_is_reported_with_its_reason() {
 
 /// The lazy path against a real S3 store (radosgw) behind the latency-injecting proxy at
 /// 2 ms added round-trip time: every byte read back exactly, a corrupt response detected
-/// and fetched again, a truncated body and a reset connection fetched again, an outage
-/// failing uncached reads within the bound and healing.
+/// and fetched again, a truncated body and a reset connection fetched again, a partition
+/// and an outage each failing uncached reads within the bound and healing.
 #[test]
 fn over_radosgw_with_added_latency_reads_exactly_survives_corruption_truncation_resets_and_an_outage(
 ) {
@@ -606,6 +606,21 @@ fn over_radosgw_with_added_latency_reads_exactly_survives_corruption_truncation_
     .unwrap()
     .id
     .to_hex();
+    // One more layer for each fault of a single response, read while the fault is set:
+    // nothing of it is cached by then, so its first read fetches (the base layer may be
+    // in the cache whole by then, its readahead having run ahead of the reads).
+    let fault_layers: Vec<(std::path::PathBuf, String)> = [("truncated", 41), ("reset", 43)]
+        .into_iter()
+        .map(|(name, seed)| {
+            let dir = work.path().join(name);
+            fixtures::workspace_tree(&dir, 30, seed);
+            let id = build(&rt, &direct, Source::Dir(dir.clone()), LayerKind::Toolkit)
+                .unwrap()
+                .id
+                .to_hex();
+            (dir, id)
+        })
+        .collect();
 
     let proxy = LatencyProxy::start(
         server.endpoint(),
@@ -620,7 +635,15 @@ fn over_radosgw_with_added_latency_reads_exactly_survives_corruption_truncation_
     std::fs::create_dir_all(&home).unwrap();
     let daemon = Daemon::start(&home, &url, "3s");
     let (mnt, other_mnt) = (work.path().join("mnt"), work.path().join("other-mnt"));
-    for (layer, dir) in [(&id, &mnt), (&other, &other_mnt)] {
+    let fault_mnts: Vec<std::path::PathBuf> = fault_layers
+        .iter()
+        .map(|(dir, _)| dir.with_extension("mnt"))
+        .collect();
+    let mounts: Vec<(&String, &std::path::PathBuf)> = [(&id, &mnt), (&other, &other_mnt)]
+        .into_iter()
+        .chain(fault_layers.iter().map(|(_, id)| id).zip(&fault_mnts))
+        .collect();
+    for &(layer, dir) in &mounts {
         let o = daemon.cli(&["layer", "mount", layer, dir.to_str().unwrap()]);
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     }
@@ -639,39 +662,44 @@ fn over_radosgw_with_added_latency_reads_exactly_survives_corruption_truncation_
     assert_eq!(cached, std::fs::read(src.join("ten-k")).unwrap());
 
     // A body cut short and a connection reset: the fetch fails, is tried again, and the
-    // reader gets the right bytes. Files are read in order until one fetch met the fault
-    // (a file already cached fetches nothing).
-    let files: Vec<std::path::PathBuf> = walkdir::WalkDir::new(&src)
-        .sort_by_file_name()
-        .into_iter()
-        .flatten()
-        .filter(|e| e.file_type().is_file())
-        .map(|e| e.path().strip_prefix(&src).unwrap().to_path_buf())
-        .collect();
-    let mut next = files.iter();
-    for (fault, fired) in [
+    // reader gets the right bytes. The fault's own layer is read in order until one fetch
+    // (the reader's or its readahead's) met the fault.
+    for (((fault, fired), (dir, _)), fault_mnt) in [
         (
             "truncated",
             &(|p: &LatencyProxy| p.truncated()) as &dyn Fn(&LatencyProxy) -> usize,
         ),
         ("reset", &|p: &LatencyProxy| p.resets()),
-    ] {
+    ]
+    .into_iter()
+    .zip(&fault_layers)
+    .zip(&fault_mnts)
+    {
         match fault {
             "truncated" => proxy.truncate_next(1),
             _ => proxy.reset_next(1),
         }
+        let files: Vec<std::path::PathBuf> = walkdir::WalkDir::new(dir)
+            .sort_by_file_name()
+            .into_iter()
+            .flatten()
+            .filter(|e| e.file_type().is_file())
+            .map(|e| e.path().strip_prefix(dir).unwrap().to_path_buf())
+            .collect();
+        let mut next = files.iter();
         while fired(&proxy) == 0 {
             let f = next
                 .next()
                 .unwrap_or_else(|| panic!("no read met the {fault} fault"));
             assert_eq!(
-                std::fs::read(mnt.join(f)).unwrap(),
-                std::fs::read(src.join(f)).unwrap(),
+                std::fs::read(fault_mnt.join(f)).unwrap(),
+                std::fs::read(dir.join(f)).unwrap(),
                 "{} after a {fault} response",
                 f.display()
             );
         }
         assert_eq!(fired(&proxy), 1, "{fault}");
+        assert_served_exactly(dir, fault_mnt);
     }
 
     // An outage: uncached reads fail with EIO within the bound, cached ones keep working,
@@ -681,17 +709,29 @@ fn over_radosgw_with_added_latency_reads_exactly_survives_corruption_truncation_
         other_src.display()
     ));
     let victim = victim.trim();
-    proxy.set_down(true);
-    let t = Instant::now();
-    let err = std::fs::read(other_mnt.join(victim)).unwrap_err();
-    let took = t.elapsed();
-    assert_eq!(err.raw_os_error(), Some(libc::EIO), "{err}");
-    assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(20),
-        "EIO after {took:?}"
-    );
-    assert_eq!(std::fs::read(mnt.join("ten-k")).unwrap(), cached);
-    proxy.set_down(false);
+    // Both ways a store goes away: connections refused and cut (`set_down`), and a
+    // partition that answers nothing (the store client's own timeout is 30 s: each fetch
+    // must be bounded by the daemon's 3 s, not by it).
+    for (outage, set) in [
+        (
+            "a partition",
+            &(|p: &LatencyProxy, on| p.set_partitioned(on)) as &dyn Fn(&LatencyProxy, bool),
+        ),
+        ("an outage", &|p: &LatencyProxy, on| p.set_down(on)),
+    ] {
+        set(&proxy, true);
+        let t = Instant::now();
+        let err = std::fs::read(other_mnt.join(victim)).unwrap_err();
+        let took = t.elapsed();
+        assert_eq!(err.raw_os_error(), Some(libc::EIO), "{outage}: {err}");
+        assert!(
+            took >= Duration::from_secs(2) && took < Duration::from_secs(20),
+            "{outage}: EIO after {took:?}; the daemon's log:\n{}",
+            sh(&format!("tail -n 40 '{}'/daemon-*.log", home.display()))
+        );
+        assert_eq!(std::fs::read(mnt.join("ten-k")).unwrap(), cached);
+        set(&proxy, false);
+    }
     assert_eq!(
         std::fs::read(other_mnt.join(victim)).unwrap(),
         std::fs::read(other_src.join(victim)).unwrap()
@@ -700,7 +740,7 @@ fn over_radosgw_with_added_latency_reads_exactly_survives_corruption_truncation_
     // Every byte of the tree, through the proxy.
     assert_served_exactly(&src, &mnt);
     assert!(daemon.stats(&other)["fetch_errors"].as_u64().unwrap() >= 1);
-    for dir in [&mnt, &other_mnt] {
+    for &(_, dir) in &mounts {
         assert!(daemon
             .cli(&["layer", "umount", dir.to_str().unwrap()])
             .status
@@ -711,8 +751,8 @@ fn over_radosgw_with_added_latency_reads_exactly_survives_corruption_truncation_
     // A corrupted body, a truncated one, a reset connection and an outage, each
     // survived with exact bytes served.
     strata_tests::contained(
-        "store faults: corrupt, truncated, reset, outage",
+        "store faults: corrupt, truncated, reset, outage, partition",
         "faults",
-        4,
+        5,
     );
 }
