@@ -286,7 +286,7 @@ impl Drop for CleanNamespace {
 /// A fresh ext4, with a journal, loop-mounted under the scratch directory for one run;
 /// unmounted and deleted when dropped (and when a killed run left one behind, at the next
 /// run's start).
-pub(crate) struct JournaledScratch {
+struct JournaledScratch {
     image: PathBuf,
     mnt: PathBuf,
 }
@@ -295,7 +295,7 @@ impl JournaledScratch {
     /// Sparse: only what the run writes takes disk.
     const SIZE: &'static str = "64G";
 
-    pub(crate) fn make(scratch: &Path) -> Result<JournaledScratch> {
+    fn make(scratch: &Path) -> Result<JournaledScratch> {
         std::fs::create_dir_all(scratch)?;
         let scratch = std::fs::canonicalize(scratch)?;
         let fs = JournaledScratch {
@@ -323,14 +323,12 @@ impl JournaledScratch {
         Ok(fs)
     }
 
-    pub(crate) fn path(&self) -> &Path {
+    fn path(&self) -> &Path {
         &self.mnt
     }
 
     fn remove(&self) {
-        let mounted = std::fs::read_to_string("/proc/self/mountinfo")
-            .is_ok_and(|m| m.lines().any(|l| l.split(' ').nth(4) == self.mnt.to_str()));
-        if mounted
+        if !strata_tests::mounts_under(&self.mnt).is_empty()
             && !Command::new("umount")
                 .arg(&self.mnt)
                 .status()

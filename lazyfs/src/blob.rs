@@ -299,10 +299,7 @@ impl LayerBlob {
             // answers (its client's own timeout is far longer) must not hold a read past
             // the bound an outage fails it within.
             let left = deadline.saturating_duration_since(Instant::now());
-            let attempt = tokio::time::timeout(left, self.fetch_once(i, along))
-                .await
-                .unwrap_or(Err(FetchError::NoAnswer(left)));
-            match attempt {
+            match within(left, self.fetch_once(i, along)).await {
                 Ok(b) => {
                     self.observe(started.elapsed());
                     return Ok(b);
@@ -625,10 +622,10 @@ impl LayerBlob {
         let read = self
             .store
             .read_prefetch_pack(&id, start, end.saturating_sub(start));
-        let bytes = match tokio::time::timeout(self.policy.timeout, read)
-            .await
-            .map(|r| r.map_err(FetchError::Store))
-            .unwrap_or(Err(FetchError::NoAnswer(self.policy.timeout)))
+        let bytes = match within(self.policy.timeout, async {
+            read.await.map_err(FetchError::Store)
+        })
+        .await
         {
             Ok(b) => b,
             Err(e) => {
@@ -797,6 +794,16 @@ enum FetchError {
     Store(StoreError),
     /// The store did not answer within this (what was left of the fetch's deadline).
     NoAnswer(Duration),
+}
+
+/// `fetch`'s result, or [`FetchError::NoAnswer`] once `limit` has passed.
+async fn within<T>(
+    limit: Duration,
+    fetch: impl std::future::Future<Output = Result<T, FetchError>>,
+) -> Result<T, FetchError> {
+    tokio::time::timeout(limit, fetch)
+        .await
+        .unwrap_or(Err(FetchError::NoAnswer(limit)))
 }
 
 impl std::fmt::Display for FetchError {

@@ -743,14 +743,11 @@ impl Node {
             ..parent.clone()
         };
         let pending = self.admit_pending(caller, &template, count)?;
-        let node = self.clone();
-        let p = parent.clone();
-        let made = match tokio::task::spawn_blocking(move || node.sandbox(&p)).await {
-            Ok(Ok(sb)) => {
+        let made = match self.running(parent).await {
+            Ok(sb) => {
                 crate::fork::fork(&self.store, &self.rt, &sb, count, &self.registrant(caller)).await
             }
-            Ok(Err(e)) => Err(e),
-            Err(e) => Err(ServiceError::Internal(e.to_string())),
+            Err(e) => Err(e),
         };
         self.release(&pending);
         let forked = made?;
@@ -797,10 +794,8 @@ impl Node {
         let (node, caller, meta) = (self.clone(), caller.clone(), meta.clone());
         crate::detached(async move {
             let pending = node.admit_pending(&caller, &meta, 1)?;
-            let n = node.clone();
-            let m = meta.clone();
-            let graded = match tokio::task::spawn_blocking(move || n.sandbox(&m)).await {
-                Ok(Ok(sb)) => {
+            let graded = match node.running(&meta).await {
+                Ok(sb) => {
                     crate::evaluate::evaluate(
                         &node.store,
                         &node.rt,
@@ -814,8 +809,7 @@ impl Node {
                     )
                     .await
                 }
-                Ok(Err(e)) => Err(e),
-                Err(e) => Err(ServiceError::Internal(e.to_string())),
+                Err(e) => Err(e),
             };
             node.release(&pending);
             graded
