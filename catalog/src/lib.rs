@@ -156,6 +156,8 @@ pub struct Catalog {
     backend: Arc<dyn ObjectStore>,
     versions: moka::future::Cache<String, Arc<Registered>>,
     logs: moka::future::Cache<String, Arc<EntryLog>>,
+    /// Set once the store has shown it refuses a second conditional create.
+    conditional_create: tokio::sync::OnceCell<()>,
 }
 
 fn now() -> u64 {
@@ -166,43 +168,57 @@ fn now() -> u64 {
 }
 
 impl Catalog {
-    /// Opens the catalog in `store`, checking that the store honours conditional create.
+    /// Opens the catalog in `store`. Nothing is read or written yet: whether the store
+    /// honours conditional create is checked before the first write (a read-only use such
+    /// as resolving an entry for a run pays no store writes).
     pub async fn open(store: &Store) -> Result<Catalog, CatalogError> {
-        let backend = store.backend().clone();
-        let probe = ObjectPath::from(format!(
-            "catalog/.probe/{}-{}",
-            std::process::id(),
-            SystemTime::now()
-                .duration_since(SystemTime::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0)
-        ));
-        let create = || PutOptions {
-            mode: PutMode::Create,
-            ..Default::default()
-        };
-        backend
-            .put_opts(&probe, PutPayload::from_static(b"1"), create())
-            .await
-            .map_err(be(&probe))?;
-        let second = backend
-            .put_opts(&probe, PutPayload::from_static(b"2"), create())
-            .await;
-        let _ = backend.delete(&probe).await;
-        match second {
-            Err(object_store::Error::AlreadyExists { .. }) => {}
-            Ok(_) => return Err(CatalogError::NoConditionalPut(store.describe())),
-            Err(e) => return Err(be(&probe)(e)),
-        }
         Ok(Catalog {
             store: store.clone(),
-            backend,
+            backend: store.backend().clone(),
             versions: moka::future::Cache::builder().max_capacity(10_000).build(),
             logs: moka::future::Cache::builder()
                 .max_capacity(10_000)
                 .time_to_live(Duration::from_secs(2))
                 .build(),
+            conditional_create: tokio::sync::OnceCell::new(),
         })
+    }
+
+    /// Checks once that the store refuses a second conditional create of one object: the
+    /// catalog's appends are compare-and-swaps built on it, and a store that silently
+    /// overwrites would lose registrations.
+    async fn check_conditional_create(&self) -> Result<(), CatalogError> {
+        self.conditional_create
+            .get_or_try_init(|| async {
+                let probe = ObjectPath::from(format!(
+                    "catalog/.probe/{}-{}",
+                    std::process::id(),
+                    SystemTime::now()
+                        .duration_since(SystemTime::UNIX_EPOCH)
+                        .map(|d| d.as_nanos())
+                        .unwrap_or(0)
+                ));
+                let create = || PutOptions {
+                    mode: PutMode::Create,
+                    ..Default::default()
+                };
+                self.backend
+                    .put_opts(&probe, PutPayload::from_static(b"1"), create())
+                    .await
+                    .map_err(be(&probe))?;
+                let second = self
+                    .backend
+                    .put_opts(&probe, PutPayload::from_static(b"2"), create())
+                    .await;
+                let _ = self.backend.delete(&probe).await;
+                match second {
+                    Err(object_store::Error::AlreadyExists { .. }) => Ok(()),
+                    Ok(_) => Err(CatalogError::NoConditionalPut(self.store.describe())),
+                    Err(e) => Err(be(&probe)(e)),
+                }
+            })
+            .await
+            .map(|_| ())
     }
 
     fn version_key(id: &str, version: &str) -> ObjectPath {
@@ -218,6 +234,7 @@ impl Catalog {
     }
 
     async fn create(&self, key: &ObjectPath, body: Vec<u8>) -> Result<bool, CatalogError> {
+        self.check_conditional_create().await?;
         let opts = PutOptions {
             mode: PutMode::Create,
             ..Default::default()

@@ -91,8 +91,9 @@ pub struct LayerBlob {
     access: Mutex<(Vec<u32>, Vec<bool>)>,
     /// On-demand fetches in flight; background prefetch yields to them.
     pub(crate) foreground: AtomicUsize,
-    /// The chunks a running prefetch will bring (by chunk index): readahead leaves them
-    /// to it rather than fetch them a second way.
+    /// The chunks this attach's prefetch list names (by chunk index): readahead leaves
+    /// them to the prefetch rather than fetch them a second way, and a reader that keeps
+    /// to them is following the recorded run, which the list already predicts.
     prefetch_set: std::sync::RwLock<Option<Arc<Vec<bool>>>>,
     /// End of the previous read, to recognize sequential reading.
     last_end: AtomicU64,
@@ -166,11 +167,16 @@ impl LayerBlob {
         // if they did.
         let mut parts: Vec<(u64, Bytes)> = Vec::new();
         let mut shared: Option<Arc<Span>> = None;
+        let listed = self.prefetch_set.read().ok().and_then(|p| p.clone());
+        let mut all_listed = listed.is_some();
         let chunks = &self.manifest.chunks;
         let mut i = self.manifest.chunk_at(offset);
         while i < chunks.len() && chunks[i].blob_offset < end {
             let c = &chunks[i];
             self.record_access(i);
+            all_listed &= listed
+                .as_ref()
+                .is_some_and(|l| l.get(i).copied().unwrap_or(false));
             let from = offset.max(c.blob_offset);
             let to = end.min(c.blob_offset + c.length as u64);
             let (lo, n) = ((from - c.blob_offset) as usize, (to - from) as usize);
@@ -201,7 +207,7 @@ impl LayerBlob {
         // order); scattered small-file reads would drag in data nobody asked for.
         let sequential = self.last_end.swap(end, Ordering::Relaxed) == offset;
         if sequential {
-            self.readahead(i, end);
+            self.readahead(i, end, all_listed);
         }
         if let [(_, view)] = parts.as_slice() {
             if view.len() == want {
@@ -447,8 +453,9 @@ impl LayerBlob {
 
     /// Starts background loads of the chunks after a sequential read: from this layer's
     /// cache file up to [`LOCAL_READAHEAD`] ahead, from the store up to
-    /// [`READAHEAD_UNITS`] fetch units ahead, that many fetches in flight.
-    fn readahead(self: &Arc<Self>, next: usize, read_end: u64) {
+    /// [`READAHEAD_UNITS`] fetch units ahead, that many fetches in flight; from the store
+    /// unless the read was `within_list`: all of it in chunks the prefetch list names.
+    fn readahead(self: &Arc<Self>, next: usize, read_end: u64, within_list: bool) {
         // Chunks in this layer's cache file: far ahead, in reads of a few MiB issued at
         // once, the readahead a local block device would get from the kernel.
         let mut local: Vec<ChunkAt> = Vec::new();
@@ -467,7 +474,13 @@ impl LayerBlob {
         }
         self.load_local(local);
         // From the store: the next few fetch units, nearest first, in parallel (each
-        // fetch claims what it carries, so they do not overlap).
+        // fetch claims what it carries, so they do not overlap). Not while the reader
+        // keeps to the prefetch list's chunks: the list knows what comes next, and
+        // reading ahead past it fetched more than the list itself (a first Python start
+        // from radosgw at +2 ms: 34 MB instead of 16, 0.38 s instead of 0.28).
+        if within_list {
+            return;
+        }
         let todo: Vec<usize> = self
             .window(
                 &self.ahead_store,
@@ -546,13 +559,10 @@ impl LayerBlob {
                 this.prefetch_packed(&list.packed).await;
             }
             this.prefetch_listed(list.order, listed).await;
-            if let Ok(mut p) = this.prefetch_set.write() {
-                *p = None;
-            }
         });
     }
 
-    /// Whether a running prefetch will bring chunk `i`.
+    /// Whether the prefetch list names chunk `i` (its prefetch brings it, or has).
     fn prefetching(&self, i: usize) -> bool {
         self.prefetch_set
             .read()

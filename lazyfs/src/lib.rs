@@ -259,6 +259,10 @@ pub fn connect_or_start(
     }
     let mut started = start()?;
     let mut deadline = Instant::now() + wait;
+    // A daemon comes up in a few tens of milliseconds: polled often at first, so a start
+    // does not wait out most of a 20 ms sleep after it is ready (a failed connect costs
+    // microseconds).
+    let quick_until = Instant::now() + Duration::from_millis(500);
     let mut exited = None;
     loop {
         if let Ok(mut c) = Client::connect(&paths.socket()) {
@@ -287,7 +291,11 @@ pub fn connect_or_start(
                 None => format!("did not come up within {wait:?}; last log lines:\n{tail}"),
             }));
         }
-        std::thread::sleep(Duration::from_millis(20));
+        std::thread::sleep(if Instant::now() < quick_until {
+            Duration::from_millis(2)
+        } else {
+            Duration::from_millis(20)
+        });
     }
 }
 
