@@ -178,16 +178,12 @@ impl LayerBlob {
         // if they did.
         let mut parts: Vec<(u64, Bytes)> = Vec::new();
         let mut shared: Option<Arc<Span>> = None;
-        let listed = self.prefetch_set.read().ok().and_then(|p| p.clone());
-        let mut all_listed = listed.is_some();
         let chunks = &self.manifest.chunks;
-        let mut i = self.manifest.chunk_at(offset);
+        let first = self.manifest.chunk_at(offset);
+        let mut i = first;
         while i < chunks.len() && chunks[i].blob_offset < end {
             let c = &chunks[i];
             self.record_access(i);
-            all_listed &= listed
-                .as_ref()
-                .is_some_and(|l| l.get(i).copied().unwrap_or(false));
             let from = offset.max(c.blob_offset);
             let to = end.min(c.blob_offset + c.length as u64);
             let (lo, n) = ((from - c.blob_offset) as usize, (to - from) as usize);
@@ -218,7 +214,7 @@ impl LayerBlob {
         // order); scattered small-file reads would drag in data nobody asked for.
         let sequential = self.last_end.swap(end, Ordering::Relaxed) == offset;
         if sequential {
-            self.readahead(i, end, all_listed);
+            self.readahead(first..i, end);
         }
         if let [(_, view)] = parts.as_slice() {
             if view.len() == want {
@@ -476,8 +472,9 @@ impl LayerBlob {
     /// Starts background loads of the chunks after a sequential read: from this layer's
     /// cache file up to [`LOCAL_READAHEAD`] ahead, from the store up to
     /// [`READAHEAD_UNITS`] fetch units ahead, that many fetches in flight; from the store
-    /// unless the read was `within_list`: all of it in chunks the prefetch list names.
-    fn readahead(self: &Arc<Self>, next: usize, read_end: u64, within_list: bool) {
+    /// unless the chunks `read` lay wholly in the prefetch list.
+    fn readahead(self: &Arc<Self>, read: Range<usize>, read_end: u64) {
+        let next = read.end;
         // Chunks in this layer's cache file: far ahead, in reads of a few MiB issued at
         // once, the readahead a local block device would get from the kernel.
         let mut local: Vec<ChunkAt> = Vec::new();
@@ -500,7 +497,7 @@ impl LayerBlob {
         // keeps to the prefetch list's chunks: the list knows what comes next, and
         // reading ahead past it fetched more than the list itself (a first Python start
         // from radosgw at +2 ms: 34 MB instead of 16, 0.38 s instead of 0.28).
-        if within_list {
+        if !read.is_empty() && read.clone().all(|j| self.prefetching(j)) {
             return;
         }
         let todo: Vec<usize> = self

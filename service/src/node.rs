@@ -743,12 +743,11 @@ impl Node {
             ..parent.clone()
         };
         let pending = self.admit_pending(caller, &template, count)?;
-        let made = match self.running(parent).await {
-            Ok(sb) => {
-                crate::fork::fork(&self.store, &self.rt, &sb, count, &self.registrant(caller)).await
-            }
-            Err(e) => Err(e),
-        };
+        let made = async {
+            let sb = self.running(parent).await?;
+            crate::fork::fork(&self.store, &self.rt, &sb, count, &self.registrant(caller)).await
+        }
+        .await;
         self.release(&pending);
         let forked = made?;
         let mut metas = Vec::new();
@@ -794,23 +793,22 @@ impl Node {
         let (node, caller, meta) = (self.clone(), caller.clone(), meta.clone());
         crate::detached(async move {
             let pending = node.admit_pending(&caller, &meta, 1)?;
-            let graded = match node.running(&meta).await {
-                Ok(sb) => {
-                    crate::evaluate::evaluate(
-                        &node.store,
-                        &node.rt,
-                        &sb,
-                        &grading,
-                        &crate::evaluate::EvaluateRequest {
-                            backend,
-                            identity: caller.identity(),
-                            keep_output: node.cfg.output_cap,
-                        },
-                    )
-                    .await
-                }
-                Err(e) => Err(e),
-            };
+            let graded = async {
+                let sb = node.running(&meta).await?;
+                crate::evaluate::evaluate(
+                    &node.store,
+                    &node.rt,
+                    &sb,
+                    &grading,
+                    &crate::evaluate::EvaluateRequest {
+                        backend,
+                        identity: caller.identity(),
+                        keep_output: node.cfg.output_cap,
+                    },
+                )
+                .await
+            }
+            .await;
             node.release(&pending);
             graded
         })
